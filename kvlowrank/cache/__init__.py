@@ -1,0 +1,5 @@
+"""Cache protocol and the registered cache implementations."""
+
+from kvlowrank.cache.base import (AttnInputs, KVCache, cache_methods, caches_nbytes,
+                                  init_caches, register_cache)
+from kvlowrank.cache.dense import DenseCache, DenseSpec

@@ -1,0 +1,139 @@
+"""Cache protocol v1.
+
+A model-level cache is a tuple with one cache per layer. Each per-layer cache is
+a frozen dataclass registered as a pytree (arrays are leaves; shape-determining
+fields are static metadata), so caches flow through `jax.jit` and `lax` loops.
+All methods are pure and return new caches.
+
+Addressing: slot s holds the token at position s (sequences start at 0), so a
+cache of `capacity` slots holds positions [0, capacity). Tokens with position
+< 0 are padding: never written, never attended. `lengths[b]` is one past the
+highest position written for sequence b (ragged batches).
+
+The attention block hands the cache everything a method may need (`AttnInputs`:
+normed layer input x, pre- and post-RoPE keys, values, positions) plus the
+layer's parameter dict; a cache stores what it wants (dense K/V, low-rank
+latents of x, quantized codes...) and projections it does not use are removed
+by XLA's dead-code elimination under jit.
+
+`attend` returns (out [B,T,N,Hv], lse [B,T,N]) so that attention over several
+segments (e.g. a compressed prefix and an exact recent window) can be merged
+with `kvlowrank.model.attention.combine`. Hv is the cache's value width: the
+head dim for caches that reconstruct V, a latent rank for caches whose value
+reconstruction is folded into W_o (Palu).
+
+Cross-layer caches (XQuant-CL) override `step`, which threads a `carry` from
+layer i to layer i+1 within one forward call; per-layer caches ignore it.
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+from typing import Any, Callable, ClassVar, Optional
+
+import jax
+import jax.numpy as jnp
+
+from kvlowrank.spec import ModelSpec
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class AttnInputs:
+  """What the attention block offers to a cache for the T new tokens."""
+
+  x: jax.Array        # [B, T, D]   normed layer input (what feeds q/k/v_proj)
+  k: jax.Array        # [B, T, K, H] keys after bias and RoPE
+  k_pre: jax.Array    # [B, T, K, H] keys after bias, before RoPE
+  v: jax.Array        # [B, T, K, H] values (after bias)
+  positions: jax.Array  # [B, T] int32, <0 = padding
+
+
+def scatter_slots(buf, new, positions):
+  """Writes new [B, T, ...] into buf [B, S, ...] at slots = positions; padding dropped."""
+  s = buf.shape[1]
+  slots = jnp.where(positions >= 0, positions, s)  # out of range → dropped
+  bidx = jnp.arange(buf.shape[0])[:, None]
+  return buf.at[bidx, slots].set(new.astype(buf.dtype), mode="drop")
+
+
+def new_lengths(lengths, positions):
+  """lengths [B] updated with the highest valid position + 1 among positions [B, T]."""
+  return jnp.maximum(lengths, jnp.max(jnp.where(positions >= 0, positions + 1, 0), axis=1)
+                     ).astype(jnp.int32)
+
+
+class KVCache(abc.ABC):
+  """Protocol every per-layer cache implements (see module docstring)."""
+
+  name: ClassVar[str] = "abstract"
+
+  @property
+  @abc.abstractmethod
+  def capacity(self) -> int:
+    ...
+
+  @property
+  @abc.abstractmethod
+  def lengths(self) -> jax.Array:
+    ...
+
+  @abc.abstractmethod
+  def update(self, inputs: AttnInputs, lp: dict) -> "KVCache":
+    """Stores the new tokens; returns the new cache."""
+
+  @abc.abstractmethod
+  def attend(self, q, q_positions, lp: dict, *, spec: ModelSpec):
+    """q [B,T,N,H] (RoPE applied) → (out [B,T,N,Hv], lse [B,T,N])."""
+
+  @abc.abstractmethod
+  def materialize(self):
+    """Dense reconstruction (k [B,S,K,H] post-RoPE, v [B,S,K,H], valid [B,S]). Test oracle."""
+
+  def nbytes(self) -> int:
+    """Bytes of cache storage actually allocated (all array leaves)."""
+    return int(sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(self)))
+
+  def step(self, inputs: AttnInputs, q, lp: dict, carry: Any, *, spec: ModelSpec):
+    """update then attend; cross-layer caches override to use `carry`."""
+    cache = self.update(inputs, lp)
+    out, lse = cache.attend(q, inputs.positions, lp, spec=spec)
+    return out, lse, cache, carry
+
+
+_REGISTRY: dict[str, Callable[..., tuple]] = {}
+
+
+def register_cache(name: str):
+  """Registers a model-level cache factory: f(method_spec, model_spec, params, *, batch,
+  capacity, dtype) -> tuple of per-layer caches."""
+  def deco(factory):
+    if name in _REGISTRY:
+      raise ValueError(f"cache method {name!r} registered twice")
+    _REGISTRY[name] = factory
+    return factory
+  return deco
+
+
+def cache_methods() -> tuple[str, ...]:
+  return tuple(sorted(_REGISTRY))
+
+
+def init_caches(method: str, method_spec, spec: ModelSpec, params, *, batch: int,
+                capacity: int, dtype=jnp.bfloat16) -> tuple:
+  """Builds the model-level cache (tuple of per-layer caches) for a registered method."""
+  if method not in _REGISTRY:
+    raise ValueError(f"unknown cache method {method!r}; known: {', '.join(cache_methods())}")
+  if capacity <= 0 or batch <= 0:
+    raise ValueError(f"cache capacity and batch must be positive, got {capacity}, {batch}")
+  return _REGISTRY[method](method_spec, spec, params, batch=batch, capacity=capacity,
+                           dtype=dtype)
+
+
+def caches_nbytes(caches) -> int:
+  return int(sum(c.nbytes() for c in caches))
+
+
+def static_field(**kw):
+  return dataclasses.field(metadata=dict(static=True), **kw)

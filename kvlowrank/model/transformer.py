@@ -1,0 +1,97 @@
+"""Pure functional Llama-family decoder: forward(params, tokens, positions, caches, spec)."""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import jax
+import jax.numpy as jnp
+
+from kvlowrank.cache.base import AttnInputs
+from kvlowrank.model.attention import dot_product_attention
+from kvlowrank.model.rope import apply_rope
+from kvlowrank.spec import ModelSpec
+
+
+def rms_norm(x, w, eps):
+  """HF LlamaRMSNorm: normalise in fp32, cast back, then scale."""
+  xf = x.astype(jnp.float32)
+  y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+  return w * y.astype(x.dtype)
+
+
+def qkv_projections(lp, h, positions, spec: ModelSpec):
+  """h [B,T,D] → q [B,T,N,H] (RoPE), AttnInputs for the cache."""
+  b, t, _ = h.shape
+  q = h @ lp["wq"]
+  k = h @ lp["wk"]
+  v = h @ lp["wv"]
+  if spec.qkv_bias:
+    q, k, v = q + lp["bq"], k + lp["bk"], v + lp["bv"]
+  q = q.reshape(b, t, spec.n_heads, spec.head_dim)
+  k = k.reshape(b, t, spec.n_kv_heads, spec.head_dim)
+  v = v.reshape(b, t, spec.n_kv_heads, spec.head_dim)
+  q = apply_rope(q, positions, spec)
+  k_rot = apply_rope(k, positions, spec)
+  return q, AttnInputs(x=h, k=k_rot, k_pre=k, v=v, positions=positions)
+
+
+def mlp(lp, h):
+  return (jax.nn.silu(h @ lp["w_gate"]) * (h @ lp["w_up"])) @ lp["w_down"]
+
+
+def attention_block(lp, x, positions, cache, carry, spec: ModelSpec):
+  """One layer's attention sublayer. cache None → uncached causal attention over x."""
+  h = rms_norm(x, lp["attn_norm"], spec.norm_eps)
+  q, inputs = qkv_projections(lp, h, positions, spec)
+  if cache is None:
+    valid = positions >= 0
+    out, _ = dot_product_attention(q, inputs.k, inputs.v, positions, positions, valid,
+                                   sliding_window=spec.sliding_window, out_dtype=q.dtype)
+  else:
+    out, _, cache, carry = cache.step(inputs, q, lp, carry, spec=spec)
+  b, t = x.shape[:2]
+  o = out.reshape(b, t, -1).astype(x.dtype) @ lp["wo"]
+  if "bo" in lp:
+    o = o + lp["bo"]
+  return o, h, cache, carry
+
+
+def forward(params, tokens, positions, caches: Optional[tuple], spec: ModelSpec, *,
+            capture_inputs: bool = False, last_only: bool = False):
+  """Runs the decoder on T new tokens.
+
+  Args:
+    params: parameter pytree (see kvlowrank.model.params).
+    tokens: [B, T] int32 token ids.
+    positions: [B, T] int32 absolute positions; < 0 marks padding.
+    caches: tuple of per-layer caches (see kvlowrank.cache.base) or None for an
+      uncached causal forward over these T tokens only.
+    spec: static ModelSpec.
+    capture_inputs: also return the per-layer normed attention inputs x [L,B,T,D]
+      (calibration statistics for Palu / XQuant).
+    last_only: return logits for the last position of each row only ([B, 1, V]).
+  Returns:
+    (logits [B, T, V] fp32, caches) or (logits, caches, captured) when capture_inputs.
+  """
+  x = params["embed"][tokens]
+  new_caches = []
+  captured = []
+  carry: Any = None
+  for i, lp in enumerate(params["layers"]):
+    cache = None if caches is None else caches[i]
+    o, h, cache, carry = attention_block(lp, x, positions, cache, carry, spec)
+    if capture_inputs:
+      captured.append(h)
+    x = x + o
+    x = x + mlp(lp, rms_norm(x, lp["mlp_norm"], spec.norm_eps))
+    new_caches.append(cache)
+  if last_only:
+    x = x[:, -1:]
+  x = rms_norm(x, params["final_norm"], spec.norm_eps)
+  head = params["embed"].T if spec.tie_embeddings else params["lm_head"]
+  logits = (x @ head).astype(jnp.float32)
+  out_caches = None if caches is None else tuple(new_caches)
+  if capture_inputs:
+    return logits, out_caches, jnp.stack(captured)
+  return logits, out_caches
