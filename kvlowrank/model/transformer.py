@@ -58,7 +58,8 @@ def attention_block(lp, x, positions, cache, carry, spec: ModelSpec):
 
 
 def forward(params, tokens, positions, caches: Optional[tuple], spec: ModelSpec, *,
-            capture_inputs: bool = False, last_only: bool = False):
+            capture_inputs: bool = False, last_only: bool = False,
+            logits_at: Optional[jax.Array] = None):
   """Runs the decoder on T new tokens.
 
   Args:
@@ -71,6 +72,9 @@ def forward(params, tokens, positions, caches: Optional[tuple], spec: ModelSpec,
     capture_inputs: also return the per-layer normed attention inputs x [L,B,T,D]
       (calibration statistics for Palu / XQuant).
     last_only: return logits for the last position of each row only ([B, 1, V]).
+    logits_at: optional [B] int index into T; return logits for that one position of
+      each row only ([B, 1, V]): the last real token of right-padded ragged prompts,
+      without materialising [B, T, V] logits.
   Returns:
     (logits [B, T, V] fp32, caches) or (logits, caches, captured) when capture_inputs.
   """
@@ -86,7 +90,9 @@ def forward(params, tokens, positions, caches: Optional[tuple], spec: ModelSpec,
     x = x + o
     x = x + mlp(lp, rms_norm(x, lp["mlp_norm"], spec.norm_eps))
     new_caches.append(cache)
-  if last_only:
+  if logits_at is not None:
+    x = jnp.take_along_axis(x, logits_at.astype(jnp.int32)[:, None, None], axis=1)
+  elif last_only:
     x = x[:, -1:]
   x = rms_norm(x, params["final_norm"], spec.norm_eps)
   head = params["embed"].T if spec.tie_embeddings else params["lm_head"]
