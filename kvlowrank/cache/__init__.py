@@ -3,3 +3,4 @@
 from kvlowrank.cache.base import (AttnInputs, KVCache, cache_methods, caches_nbytes,
                                   init_caches, register_cache)
 from kvlowrank.cache.dense import DenseCache, DenseSpec
+from kvlowrank.cache.kivi import KiviCache, KiviSpec
