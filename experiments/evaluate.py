@@ -1,0 +1,43 @@
+r"""Evaluates one config: `kvlowrank.experiment.evaluate.run(config, workdir)`.
+
+  python experiments/evaluate.py --config=configs/kivi.py:bits=4 --workdir=runs/kivi4
+
+Appends one JSON record (perplexity per mode, KV bytes/token, ...) to
+<workdir>/results.jsonl and prints it; calibrations are cached in <workdir>/calib/.
+"""
+
+import json
+import platform
+
+from absl import app
+from absl import flags
+from absl import logging
+import jax
+from ml_collections import config_flags
+
+import kvlowrank
+from kvlowrank import config_lib
+from kvlowrank.experiment import evaluate
+
+_CONFIG = config_flags.DEFINE_config_file(
+    "config", None, "Path to a configs/*.py file (with an optional :arg).", lock_config=True)
+_WORKDIR = flags.DEFINE_string("workdir", None, "Output folder (results.jsonl, calib/).")
+flags.mark_flags_as_required(["config", "workdir"])
+
+
+def main(argv):
+  if len(argv) > 1:
+    raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+  logging.info("python %s, jax %s, kvlowrank %s, devices %s", platform.python_version(),
+               jax.__version__, kvlowrank.__version__, jax.devices())
+  record = evaluate.run(_CONFIG.value, _WORKDIR.value)
+  summary = {k: record[k] for k in ("key", "method", "bits", "kv_bytes_per_token",
+                                    "compression_vs_bf16", "tokens", "windows")}
+  summary.update({k: v for k, v in record.items() if k.startswith("ppl_")})
+  print(json.dumps(summary, indent=1))
+  print(f"appended to {_WORKDIR.value}/results.jsonl")
+
+
+if __name__ == "__main__":
+  jax.config.config_with_absl()
+  app.run(main, flags_parser=config_lib.flags_parser)

@@ -1,0 +1,50 @@
+r"""Runs a config's sweep, resumably: `kvlowrank.experiment.sweep.run_file(...)`.
+
+  python experiments/sweep.py --config=configs/main.py --workdir=runs/main
+
+Every point of the config file's get_sweep() is applied to the config (command-line
+overrides included) and evaluated; finished points (keyed by the hash of their resolved
+config) found in <workdir>/results.jsonl are skipped, so an interrupted sweep is resumed
+by rerunning the same command. With config.write_report the markdown table and the
+Pareto plot are written at the end.
+"""
+
+import platform
+
+from absl import app
+from absl import flags
+from absl import logging
+import jax
+from ml_collections import config_flags
+
+import kvlowrank
+from kvlowrank import config_lib
+from kvlowrank.experiment import sweep
+
+_CONFIG = config_flags.DEFINE_config_file(
+    "config", None, "Path to a configs/*.py file defining get_sweep().", lock_config=True)
+_WORKDIR = flags.DEFINE_string("workdir", None, "Output folder (results.jsonl, report).")
+_LIMIT = flags.DEFINE_integer("limit", None, "Only the first N points of the sweep.")
+flags.mark_flags_as_required(["config", "workdir"])
+
+
+def main(argv):
+  if len(argv) > 1:
+    raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+  logging.info("python %s, jax %s, kvlowrank %s, devices %s", platform.python_version(),
+               jax.__version__, kvlowrank.__version__, jax.devices())
+  summary = sweep.run_file(config_flags.get_config_filename(flags.FLAGS["config"]),
+                           _CONFIG.value, _WORKDIR.value, limit=_LIMIT.value)
+  print(f"sweep: {summary['ran']} points run, {summary['skipped']} already finished")
+  print(f"results:  {summary['results']}")
+  if "markdown" in summary:
+    print(f"table:    {summary['markdown']}")
+    for p in summary["plots"]:
+      print(f"plot:     {p}")
+    with open(summary["markdown"]) as f:
+      print(f.read())
+
+
+if __name__ == "__main__":
+  jax.config.config_with_absl()
+  app.run(main, flags_parser=config_lib.flags_parser)

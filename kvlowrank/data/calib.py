@@ -1,0 +1,73 @@
+"""Calibration samples for methods that fit factors on data (Palu whitening, XQuant's SVD).
+
+GPTQ/Palu draw `n_samples` windows of `seq_len` tokens at uniformly random offsets of
+the tokenized *train* split (seed 3 in Palu's whitening). The shared data folder has no
+WikiText-2 train split, so the default here is the validation split
+(wikitext-2/valid.txt): disjoint from the test split that perplexity is measured on,
+so calibration never sees the evaluation text.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from kvlowrank.data import text as text_lib
+
+
+@dataclasses.dataclass(frozen=True)
+class CalibSpec:
+  """Typed calibration section of a config (see configs/*.py `calib`)."""
+
+  dataset: str = "wikitext2"
+  split: str = "validation"
+  source: str = "auto"
+  path: str = ""
+  path_format: str = "rows"
+  n_samples: int = 16
+  seq_len: int = 512
+  seed: int = 3
+  max_chars: int = 0
+
+  def __post_init__(self):
+    if self.n_samples <= 0:
+      raise ValueError(f"calib.n_samples must be positive, got {self.n_samples}")
+    if self.seq_len < 2:
+      raise ValueError(f"calib.seq_len must be >= 2, got {self.seq_len}")
+    if self.split == "test":
+      raise ValueError("calib.split must not be 'test': calibration must not see the "
+                       "evaluation text")
+
+
+def sample_windows(ids: np.ndarray, *, n_samples: int, seq_len: int, seed: int) -> np.ndarray:
+  """`n_samples` windows at seeded uniform random offsets (GPTQ's sampler, numpy RNG).
+
+  Args:
+    ids: int32 [N] token ids of the calibration split.
+    n_samples, seq_len: how many windows, and how long.
+    seed: np.random.default_rng seed; equal seeds give equal samples.
+  Returns:
+    int32 [n_samples, seq_len].
+  """
+  n = len(ids)
+  if n < seq_len:
+    raise ValueError(f"calibration text has {n} tokens, fewer than calib.seq_len={seq_len}")
+  starts = np.random.default_rng(seed).integers(0, n - seq_len + 1, size=n_samples)
+  return np.stack([ids[s:s + seq_len] for s in starts]).astype(np.int32)
+
+
+def calibration_tokens(tokenizer, spec: CalibSpec) -> tuple[np.ndarray, str]:
+  """Loads, tokenizes and samples the calibration split.
+
+  Args:
+    tokenizer: a kvlowrank Tokenizer.
+    spec: CalibSpec.
+  Returns:
+    (int32 [n_samples, seq_len], description of the source text).
+  """
+  txt, where = text_lib.load_text(spec.dataset, spec.split, source=spec.source, path=spec.path,
+                                  path_format=spec.path_format)
+  ids = text_lib.tokenize(tokenizer, txt, add_bos=False, max_chars=spec.max_chars)
+  return sample_windows(ids, n_samples=spec.n_samples, seq_len=spec.seq_len,
+                        seed=spec.seed), where

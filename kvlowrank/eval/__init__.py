@@ -1,0 +1,1 @@
+"""Perplexity evaluation through KV caches."""

@@ -1,0 +1,1 @@
+"""Experiment pipeline: configs -> evaluations -> JSONL records -> reports."""

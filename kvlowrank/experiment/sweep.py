@@ -1,0 +1,120 @@
+"""Sweeps: a config file's `get_sweep()` -> many evaluations, resumable.
+
+A config file used with experiments/sweep.py defines, beside `get_config(arg)`,
+`get_sweep(arg)` (or `get_sweep()`) returning a list of points: dicts from dotted config
+keys to values, e.g. [{"method": "dense"}, {"method": "kivi", "kivi.bits": 4}]. Each
+point is applied to the command-line config (kvlowrank.experiment.config
+.apply_overrides) and evaluated with kvlowrank.experiment.evaluate.run.
+
+Resumability: a point's key is the hash of its resolved config; its record is appended
+atomically to workdir/results.jsonl when it finishes. A rerun skips every point whose
+key is already there, so an interrupted sweep loses no finished point and repeats none.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import inspect
+import logging
+from pathlib import Path
+from typing import Any, Optional, Sequence
+
+from kvlowrank.experiment import config as config_lib
+from kvlowrank.experiment import evaluate, records, report
+from kvlowrank.experiment.spec import from_config
+
+log = logging.getLogger(__name__)
+
+
+def load_points(config_path: str) -> list[dict[str, Any]]:
+  """Calls `get_sweep` of a config file.
+
+  Args:
+    config_path: "path/to/config.py" or "path/to/config.py:arg" (the arg goes to
+      get_sweep(arg) when it takes one).
+  Returns:
+    the list of points.
+  Raises:
+    FileNotFoundError / ValueError naming the file when it has no valid get_sweep.
+  """
+  path, _, arg = config_path.partition(":")
+  if not Path(path).is_file():
+    raise FileNotFoundError(f"config file not found: {path}")
+  spec = importlib.util.spec_from_file_location("_kvlowrank_sweep_config", path)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  fn = getattr(module, "get_sweep", None)
+  if fn is None:
+    raise ValueError(f"{path} defines no get_sweep(); experiments/sweep.py needs one")
+  points = fn(arg or None) if inspect.signature(fn).parameters else fn()
+  if not isinstance(points, (list, tuple)) or not all(isinstance(p, dict) for p in points):
+    raise ValueError(f"{path}: get_sweep() must return a list of dicts, got {points!r}")
+  return list(points)
+
+
+def resolve(config, points: Sequence[dict]) -> list[tuple[dict, Any, str]]:
+  """(point, resolved config, key) for every point; validates all before any runs."""
+  out = []
+  for i, point in enumerate(points):
+    try:
+      cfg = config_lib.apply_overrides(config, point)
+      from_config(cfg)
+    except ValueError as e:
+      raise ValueError(f"sweep point {i} {point!r}: {e}") from e
+    out.append((point, cfg, config_lib.config_hash(cfg)))
+  return out
+
+
+def run(config, workdir, points: Sequence[dict], *, results_name: str = records.RESULTS
+        ) -> dict[str, Any]:
+  """Runs the unfinished points of a sweep, then (if config.write_report) the report.
+
+  Args:
+    config: base ConfigDict (command-line overrides applied).
+    workdir: output folder; results in workdir/results_name.
+    points: list of dotted-key override dicts.
+    results_name: JSONL file name.
+  Returns:
+    {"ran": n, "skipped": n, "results": path, and the report's paths when written}.
+  """
+  workdir = Path(workdir)
+  workdir.mkdir(parents=True, exist_ok=True)
+  results = workdir / results_name
+  resolved = resolve(config, points)
+  done = records.done_keys(results)
+  ran = skipped = 0
+  bar = None
+  if config.progress:
+    from tqdm.auto import tqdm  # pylint: disable=g-import-not-at-top
+    bar = tqdm(total=len(resolved), desc="sweep", unit="point")
+  for point, cfg, key in resolved:
+    if key in done:
+      skipped += 1
+      log.info("skip finished point %s %s", key, point)
+    else:
+      log.info("run point %s %s", key, point)
+      evaluate.run(cfg, workdir, results_name=results_name)
+      done.add(key)
+      ran += 1
+    if bar is not None:
+      bar.update(1)
+  if bar is not None:
+    bar.close()
+  summary: dict[str, Any] = {"ran": ran, "skipped": skipped, "results": str(results)}
+  if config.write_report:
+    summary.update(report.write(workdir, results_name=results_name))
+  return summary
+
+
+def run_file(config_path: str, config, workdir, *, limit: Optional[int] = None
+             ) -> dict[str, Any]:
+  """`run` with the points of `config_path`'s get_sweep (the launcher's entry point).
+
+  Args:
+    config_path: the --config flag value (path[:arg]).
+    config: the parsed config.
+    workdir: output folder.
+    limit: evaluate only the first `limit` points (None = all).
+  """
+  points = load_points(config_path)
+  return run(config, workdir, points[:limit] if limit else points)
