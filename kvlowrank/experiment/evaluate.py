@@ -26,6 +26,7 @@ import numpy as np
 
 import kvlowrank
 from kvlowrank import ckpt
+from kvlowrank.experiment import param_delta
 from kvlowrank.cache.base import caches_nbytes, init_caches
 from kvlowrank.data import calib as calib_lib
 from kvlowrank.data import text as text_lib
@@ -70,7 +71,9 @@ def calibrated_params(config, exp: Experiment, model, workdir) -> tuple[object, 
   path = Path(workdir) / "calib" / h
   start = time.perf_counter()
   if ckpt.exists(path):
-    params, meta = ckpt.restore(path)
+    arrays, meta = ckpt.restore(path)
+    changed = dict(zip(meta["changed"], arrays))
+    params = param_delta.apply(model.params, changed, meta["removed"])
     log.info("restored calibration %s from %s", h, path)
     return params, {"hash": h, "path": str(path), "restored": True,
                     "seconds": time.perf_counter() - start, "source": meta.get("source")}
@@ -79,7 +82,11 @@ def calibrated_params(config, exp: Experiment, model, workdir) -> tuple[object, 
                             workdir=str(workdir))
   meta = {"method": exp.method, "method_spec": _jsonable(exp.method_spec),
           "calib": dataclasses.asdict(exp.calib), "source": where, "model": model.source}
-  ckpt.save(path, params, meta)
+  # Only what the calibration added or changed is saved; restore re-applies it to the
+  # loaded model (bitwise identical).
+  changed, meta["removed"] = param_delta.diff(model.params, params)
+  meta["changed"] = list(changed)
+  ckpt.save(path, list(changed.values()), meta)
   return params, {"hash": h, "path": str(path), "restored": False,
                   "seconds": time.perf_counter() - start, "source": where}
 
