@@ -1,0 +1,441 @@
+"""Decode-attention kernel benchmark: dense bf16 baselines, Palu fused latent attention, KIVI.
+
+One run measures, on the GPU it runs on:
+  * the copy bandwidth (bf16 x + 1 over 4 GiB, bytes read + written) and a bf16
+    8192^3 matmul rate on random data (the compute ceiling);
+  * for each model layer (Llama-2-7B MHA 32x128, Llama-3-8B GQA 32/8x128),
+    context and batch: the dense baselines (XLA, cuDNN, Triton split-K), Palu
+    at the paper's latency configuration (4-KV-head groups, rk = 128, rv = 384)
+    with bf16 and 4-bit value latents, and KIVI-2bit (G = 32, window 128 full).
+Times are medians of >= 50 samples after warm-up; each sample runs k calls back
+to back and blocks once (k sized so a sample lasts >= 1 ms), so host dispatch
+overhead is amortized. Roofline = max(bytes / best dense bandwidth in this run,
+FLOPs / matmul rate); bytes are what each kernel must read (inputs once).
+
+Usage (on the GPU machine):
+  python experiments/bench_kernels.py --out results.json [--sweep] [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import functools
+import gc
+import json
+import math
+import os
+import statistics
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from kvlowrank_kernels.decode_attention import decode_attention
+from kvlowrank_kernels.kivi_attention import KiviKeys, KiviValues, kivi_attention
+from kvlowrank_kernels.latent_attention import PackedLatent, latent_attention
+from kvlowrank_kernels.latent_attention.shapes import palu_50
+
+MODELS = {
+    "llama2-7b": dict(n_heads=32, n_kv_heads=32, head_dim=128),
+    "llama3-8b": dict(n_heads=32, n_kv_heads=8, head_dim=128),
+}
+KIVI_GROUP = 32
+KIVI_WINDOW = 128
+
+
+# ----------------------------------------------------------------------------- inputs
+
+@functools.partial(jax.jit, static_argnums=(1, 2))
+def _rand(key, shape, dtype=jnp.bfloat16):
+  """Random values in [-1, 1) built from random bits (one fused kernel, no temporaries)."""
+  bits = jax.random.bits(key, shape, jnp.uint16)
+  # bf16 with exponent of 1.0 and random mantissa: [1, 2); sign from one bit.
+  mant = (bits & jnp.uint16(0x007F)) | jnp.uint16(0x3F80)
+  x = jax.lax.bitcast_convert_type(mant, jnp.bfloat16) - jnp.bfloat16(1.5)
+  return (x * 2).astype(dtype)
+
+
+@functools.partial(jax.jit, static_argnums=(1,))
+def _rand_u8(key, shape):
+  return jax.random.bits(key, shape, jnp.uint8)
+
+
+def dense_inputs(m, s, b, key):
+  ks = jax.random.split(key, 3)
+  kvs = (b, s, m["n_kv_heads"], m["head_dim"])
+  q = _rand(ks[0], (b, m["n_heads"], m["head_dim"]))
+  return dict(q=q, k=_rand(ks[1], kvs), v=_rand(ks[2], kvs),
+              lengths=jnp.full((b,), s, jnp.int32))
+
+
+def palu_inputs(m, s, b, key, v_bits):
+  sh = palu_50(b, s, n_heads=m["n_heads"], n_kv_heads=m["n_kv_heads"], head_dim=m["head_dim"])
+  ks = jax.random.split(key, 6)
+  gr, gh = sh.n_groups, sh.kv_per_group * sh.head_dim
+  q = _rand(ks[0], (b, m["n_heads"], m["head_dim"]))
+  hk = _rand(ks[1], (b, s, gr, sh.rk))
+  b_k = _rand(ks[3], (gr, sh.rk, gh)) * (3.0 / sh.rk) ** 0.5
+  if v_bits == 16:
+    hv = _rand(ks[2], (b, s, gr, sh.rv))
+  else:
+    hv = PackedLatent(codes=_rand_u8(ks[2], (b, s, gr, sh.rv * v_bits // 8)),
+                      scale=(jnp.abs(_rand(ks[4], (b, s, gr))) + 0.1) / 8,
+                      zero=_rand(ks[5], (b, s, gr)) - 1.0, bits=v_bits, dim=sh.rv)
+  return dict(q=q, hk=hk, hv=hv, b_k=b_k, lengths=jnp.full((b,), s, jnp.int32)), sh
+
+
+def kivi_inputs(m, s, b, key, bits=2):
+  ks = jax.random.split(key, 9)
+  kh, h = m["n_kv_heads"], m["head_dim"]
+  q = _rand(ks[0], (b, m["n_heads"], h))
+  nb = h * bits // 8
+  keys = KiviKeys(codes=_rand_u8(ks[1], (b, kh, s, nb)),
+                  scale=(jnp.abs(_rand(ks[2], (b, kh, s // KIVI_GROUP, h))) + 0.1) / 2,
+                  zero=_rand(ks[3], (b, kh, s // KIVI_GROUP, h)) - 1.0, bits=bits,
+                  group=KIVI_GROUP)
+  values = KiviValues(codes=_rand_u8(ks[4], (b, kh, s, nb)),
+                      scale=(jnp.abs(_rand(ks[5], (b, kh, s, h // KIVI_GROUP))) + 0.1) / 2,
+                      zero=_rand(ks[6], (b, kh, s, h // KIVI_GROUP)) - 1.0, bits=bits,
+                      group=KIVI_GROUP)
+  w = KIVI_WINDOW
+  return dict(q=q, keys=keys, values=values, k_win=_rand(ks[7], (b, w, kh, h)),
+              v_win=_rand(ks[8], (b, w, kh, h)), q_len=jnp.full((b,), s, jnp.int32),
+              w_len=jnp.full((b,), w, jnp.int32))
+
+
+def nbytes(*xs):
+  total = 0
+  for x in jax.tree_util.tree_leaves(xs):
+    total += x.size * x.dtype.itemsize
+  return total
+
+
+# ----------------------------------------------------------------------------- costs
+
+def dense_cost(m, s, b, inp):
+  n, h = m["n_heads"], m["head_dim"]
+  read = nbytes(inp["q"], inp["k"], inp["v"], inp["lengths"]) + b * n * h * 2
+  return read, 4.0 * b * n * s * h
+
+
+def palu_cost(m, s, b, inp, sh):
+  n, h = m["n_heads"], m["head_dim"]
+  read = nbytes(inp["q"], inp["hk"], inp["hv"], inp["b_k"], inp["lengths"]) + b * n * sh.rv * 2
+  # Key reconstruction per KV head, scores, probabilities x value latents.
+  flops = 2.0 * b * s * sh.n_kv_heads * h * sh.rk + 2.0 * b * n * s * h + 2.0 * b * n * s * sh.rv
+  return read, flops
+
+
+def kivi_cost(m, s, b, inp):
+  n, h = m["n_heads"], m["head_dim"]
+  read = nbytes(inp["q"], inp["keys"], inp["values"], inp["k_win"], inp["v_win"]) + b * n * h * 2
+  return read, 4.0 * b * n * (s + KIVI_WINDOW) * h
+
+
+# ----------------------------------------------------------------------------- timing
+
+def time_fn(fn, *, samples=50, min_sample_s=1e-3, max_calls=64):
+  """Median seconds per call: warm up, size k so k calls last >= min_sample_s, time samples."""
+  out = fn()
+  jax.block_until_ready(out)
+  t0 = time.perf_counter()
+  jax.block_until_ready(fn())
+  one = time.perf_counter() - t0
+  k = int(min(max_calls, max(1, math.ceil(min_sample_s / max(one, 1e-7)))))
+  for _ in range(2):
+    jax.block_until_ready([fn() for _ in range(k)])
+  times = []
+  for _ in range(samples):
+    t0 = time.perf_counter()
+    outs = [fn() for _ in range(k)]
+    jax.block_until_ready(outs)
+    times.append((time.perf_counter() - t0) / k)
+  return statistics.median(times), k
+
+
+def measure_ceilings():
+  """(copy B/s counting read+write, read-only B/s, bf16 matmul FLOP/s) on random data."""
+  x = _rand(jax.random.key(1), (1 << 31,))  # 4 GiB of bf16
+  copy = jax.jit(lambda a: a + jnp.bfloat16(1))
+  t, _ = time_fn(lambda: copy(x), samples=20)
+  bw = 2 * x.size * 2 / t
+  rsum = jax.jit(lambda a: jnp.sum(a.reshape(-1, 4096).astype(jnp.float32), axis=1))
+  t, _ = time_fn(lambda: rsum(x), samples=20)
+  rbw = x.size * 2 / t
+  del x
+  a = _rand(jax.random.key(2), (8192, 8192))
+  bm = _rand(jax.random.key(3), (8192, 8192))
+  mm = jax.jit(lambda p, r: p @ r)
+  t, _ = time_fn(lambda: mm(a, bm), samples=20)
+  return bw, rbw, 2 * 8192 ** 3 / t
+
+
+# ----------------------------------------------------------------------------- kernels
+
+def dense_fns(inp, triton_opts):
+  q, k, v, lens = inp["q"], inp["k"], inp["v"], inp["lengths"]
+  fns = {}
+  for impl in ("xla", "cudnn", "triton"):
+    opts = triton_opts if impl == "triton" else {}
+    f = jax.jit(lambda q, k, v, l, impl=impl, opts=opts: decode_attention(
+        q, k, v, l, implementation=impl, **opts))
+    fns[f"dense-{impl}"] = (lambda f=f: f(q, k, v, lens))
+  return fns
+
+
+def palu_fn(inp, opts):
+  f = jax.jit(lambda q, hk, hv, bk, l: latent_attention(q, hk, hv, bk, l,
+                                                       implementation="triton", **opts))
+  return lambda: f(inp["q"], inp["hk"], inp["hv"], inp["b_k"], inp["lengths"])
+
+
+def kivi_fn(inp, opts):
+  f = jax.jit(lambda *a: kivi_attention(*a, implementation="triton", **opts))
+  args = (inp["q"], inp["keys"], inp["values"], inp["k_win"], inp["v_win"], inp["q_len"],
+          inp["w_len"])
+  return lambda: f(*args)
+
+
+# Tuning candidates for --sweep (first entry = default).
+SWEEP = {
+    "dense": [dict(block_s=64, num_warps=4, num_stages=3),
+              dict(block_s=128, num_warps=4, num_stages=3),
+              dict(block_s=64, num_warps=8, num_stages=4),
+              dict(block_s=32, num_warps=4, num_stages=4)],
+    "palu": [dict(block_s=32, num_warps=4, num_stages=2, trans=True),
+             dict(block_s=32, num_warps=4, num_stages=2, trans=False),
+             dict(block_s=16, num_warps=4, num_stages=3, trans=False),
+             dict(block_s=16, num_warps=4, num_stages=3, trans=True)],
+    "kivi": [dict(block_s=64, num_warps=8, num_stages=3),
+             dict(block_s=32, num_warps=4, num_stages=3),
+             dict(block_s=32, num_warps=4, num_stages=5),
+             dict(block_s=64, num_warps=8, num_stages=4)],
+}
+TARGETS = (528, 1056)
+
+
+def _try_time(name, fn, log):
+  try:
+    return time_fn(fn)[0]
+  except Exception as e:  # pylint: disable=broad-except
+    log(f"  {name}: FAILED {type(e).__name__}: {str(e)[:300]}")
+    return None
+
+
+def sweep(model, s, b, log):
+  """Best triton options per kernel family for one (model, context, batch)."""
+  m = MODELS[model]
+  best = {}
+  key = jax.random.key(7)
+  for fam in ("dense", "palu", "kivi"):
+    if fam == "dense":
+      inp = dense_inputs(m, s, b, key)
+    elif fam == "palu":
+      inp, _ = palu_inputs(m, s, b, key, 16)
+    else:
+      inp = kivi_inputs(m, s, b, key)
+    results = []
+    for opts in SWEEP[fam]:
+      for target in TARGETS:
+        o = dict(opts, target_programs=target)
+        if fam == "dense":
+          fn = dense_fns(inp, o)["dense-triton"]
+        elif fam == "palu":
+          fn = palu_fn(inp, o)
+        else:
+          fn = kivi_fn(inp, o)
+        t = _try_time(f"{fam} {o}", fn, log)
+        if t is not None:
+          results.append((t, o))
+          log(f"  sweep {model} S={s} B={b} {fam} {o}: {t * 1e6:.1f} us")
+    del inp
+    if results:
+      t, o = min(results, key=lambda r: r[0])
+      best[fam] = o
+      log(f"  best {fam}: {o} {t * 1e6:.1f} us")
+  return best
+
+
+# Winners of the --sweep run on the H200 (16K context, batch 8), 2026-11-21.
+DEFAULT_OPTIONS = {
+    "llama2-7b": dict(dense=dict(block_s=64, num_warps=8, num_stages=4, target_programs=528),
+                      palu=dict(block_s=32, num_warps=4, num_stages=2, trans=True,
+                                target_programs=528),
+                      kivi=dict(block_s=32, num_warps=4, num_stages=5, target_programs=528)),
+    "llama3-8b": dict(dense=dict(block_s=128, num_warps=4, num_stages=3, target_programs=528),
+                      palu=dict(block_s=32, num_warps=4, num_stages=2, trans=True,
+                                target_programs=528),
+                      kivi=dict(block_s=32, num_warps=4, num_stages=5, target_programs=1056)),
+}
+
+
+def _opts_for(best, fam):
+  return dict(best.get(fam, {}))
+
+
+def run_config(model, s, b, best, log, ablate=False):
+  """All kernels on one (model, context, batch); returns records (times in us)."""
+  m = MODELS[model]
+  recs = []
+  key = jax.random.key(s * 131 + b)
+
+  def add(name, fn, rd, fl, **extra):
+    t = _try_time(name, fn, log)
+    recs.append(dict(model=model, context=s, batch=b, kernel=name, seconds=t, bytes=rd,
+                     flops=fl, **extra))
+
+  inp = dense_inputs(m, s, b, key)
+  rd, fl = dense_cost(m, s, b, inp)
+  for name, fn in dense_fns(inp, _opts_for(best, "dense")).items():
+    add(name, fn, rd, fl)
+  del inp, fn
+  gc.collect()
+  for v_bits in (16, 4):
+    inp, sh = palu_inputs(m, s, b, key, v_bits)
+    rd, fl = palu_cost(m, s, b, inp, sh)
+    name = "palu-bf16" if v_bits == 16 else "palu-v4"
+    add(name, palu_fn(inp, _opts_for(best, "palu")), rd, fl)
+    if ablate:
+      for skip, tag in ((1, "no-V"), (2, "no-K")):
+        add(f"{name}:{tag}", palu_fn(inp, dict(_opts_for(best, "palu"), skip=skip)), rd, fl,
+            ablation=True)
+    del inp
+    gc.collect()
+  inp = kivi_inputs(m, s, b, key)
+  rd, fl = kivi_cost(m, s, b, inp)
+  add("kivi-2bit", kivi_fn(inp, _opts_for(best, "kivi")), rd, fl)
+  if ablate:
+    for skip, tag in ((1, "no-V"), (2, "no-K")):
+      add(f"kivi-2bit:{tag}", kivi_fn(inp, dict(_opts_for(best, "kivi"), skip=skip)), rd, fl,
+          ablation=True)
+  del inp
+  gc.collect()
+  return recs
+
+
+def fits(model, s, b, mem_bytes):
+  m = MODELS[model]
+  dense = 2 * b * s * m["n_kv_heads"] * m["head_dim"] * 2
+  return dense * 1.15 < mem_bytes
+
+
+def finalize(recs, mm_rate):
+  """Adds roofline, % of roofline and speed-up over the best dense baseline per config."""
+  dense_bw = max((r["bytes"] / r["seconds"] for r in recs
+                  if r["kernel"].startswith("dense") and r["seconds"]), default=None)
+  if dense_bw is None:
+    return None
+  best_dense = {}
+  for r in recs:
+    if r["kernel"].startswith("dense") and r["seconds"]:
+      k = (r["model"], r["context"], r["batch"])
+      best_dense[k] = min(best_dense.get(k, float("inf")), r["seconds"])
+  for r in recs:
+    if not r["seconds"]:
+      continue
+    r["us"] = r["seconds"] * 1e6
+    r["achieved_TBps"] = r["bytes"] / r["seconds"] / 1e12
+    r["roofline_us"] = max(r["bytes"] / dense_bw, r["flops"] / mm_rate) * 1e6
+    r["bound"] = "memory" if r["bytes"] / dense_bw >= r["flops"] / mm_rate else "compute"
+    r["pct_roofline"] = 100.0 * r["roofline_us"] / r["us"]
+    bd = best_dense.get((r["model"], r["context"], r["batch"]))
+    r["speedup_vs_dense"] = bd / r["seconds"] if bd else None
+  return dense_bw
+
+
+def table(recs):
+  lines = [f"{'model':10} {'ctx':>6} {'B':>3} {'kernel':16} {'us':>9} {'TB/s':>6} "
+           f"{'roof_us':>9} {'%roof':>6} {'bound':>7} {'x dense':>8}"]
+  for r in recs:
+    if not r.get("us"):
+      lines.append(f"{r['model']:10} {r['context']:>6} {r['batch']:>3} {r['kernel']:16} "
+                   f"{'failed':>9}")
+      continue
+    sp = r["speedup_vs_dense"]
+    lines.append(f"{r['model']:10} {r['context']:>6} {r['batch']:>3} {r['kernel']:16} "
+                 f"{r['us']:9.1f} {r['achieved_TBps']:6.2f} {r['roofline_us']:9.1f} "
+                 f"{r['pct_roofline']:6.1f} {r['bound']:>7} "
+                 f"{sp if sp is not None else float('nan'):8.2f}")
+  return "\n".join(lines)
+
+
+def main(argv=None):
+  ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  ap.add_argument("--out", required=True, help="JSON results path")
+  ap.add_argument("--models", default="llama2-7b,llama3-8b")
+  ap.add_argument("--contexts", default="4096,16384,65536,131072")
+  ap.add_argument("--batches", default="1,8,32")
+  ap.add_argument("--sweep", action="store_true", help="tune kernel options at 16K, B=8 first")
+  ap.add_argument("--sweep_only", action="store_true")
+  ap.add_argument("--options", default=None, help="JSON file of per-model best options")
+  ap.add_argument("--ablate", action="store_true",
+                  help="also time Palu/KIVI with the value or key path skipped (16K, B=8)")
+  ap.add_argument("--time_budget", type=float, default=1e9,
+                  help="stop starting new configs after this many seconds")
+  args = ap.parse_args(argv)
+  dev = jax.devices()[0]
+  if dev.platform != "gpu":
+    raise SystemExit("bench_kernels.py needs a GPU")
+  logf = open(os.path.splitext(args.out)[0] + ".log", "a", encoding="utf-8")
+
+  def log(msg):
+    print(msg, flush=True)
+    logf.write(msg + "\n")
+    logf.flush()
+
+  mem = dev.memory_stats().get("bytes_limit", 80e9) if hasattr(dev, "memory_stats") else 80e9
+  info = dict(device=dev.device_kind, jax=jax.__version__, date=datetime.date.today().isoformat(),
+              python=sys.version.split()[0])
+  try:
+    import triton  # pylint: disable=import-outside-toplevel
+    import jax_triton  # pylint: disable=import-outside-toplevel
+    info.update(triton=triton.__version__, jax_triton=jax_triton.__version__)
+  except ImportError:
+    pass
+  log(f"device: {info}")
+  bw, rbw, mm = measure_ceilings()
+  info.update(copy_TBps=bw / 1e12, read_TBps=rbw / 1e12, matmul_TFLOPs=mm / 1e12)
+  log(f"copy bandwidth {bw / 1e12:.2f} TB/s (read+write), read-only {rbw / 1e12:.2f} TB/s, "
+      f"bf16 matmul {mm / 1e12:.0f} TFLOP/s")
+  models = args.models.split(",")
+  best = {k: dict(v) for k, v in DEFAULT_OPTIONS.items()}
+  if args.options:
+    with open(args.options, encoding="utf-8") as f:
+      best = json.load(f)
+  if args.sweep or args.sweep_only:
+    for model in models:
+      best[model] = sweep(model, 16384, 8, log)
+  out = dict(info=info, options=best, records=[])
+  if not args.sweep_only:
+    recs = []
+    t_start = time.time()
+    # Headline configs (contexts >= 16K, batch >= 8) first, so a time budget keeps them.
+    configs = [(model, s, b) for s in map(int, args.contexts.split(","))
+               for b in map(int, args.batches.split(",")) for model in models]
+    configs.sort(key=lambda c: (not (c[1] >= 16384 and c[2] >= 8), c[1] > 65536))
+    for model, s, b in configs:
+      if time.time() - t_start > args.time_budget:
+        log(f"time budget reached: skipping {model} S={s} B={b}")
+        continue
+      if not fits(model, s, b, mem):
+        log(f"skip {model} S={s} B={b}: does not fit")
+        continue
+      recs += run_config(model, s, b, best.get(model, {}), log,
+                         ablate=args.ablate and s == 16384 and b == 8)
+      log(f"done {model} S={s} B={b}")
+      out["records"] = recs
+      with open(args.out, "w", encoding="utf-8") as f:
+        json.dump(out, f, indent=1)
+    recs.sort(key=lambda r: (r["model"], r["context"], r["batch"]))
+    dense_bw = finalize(recs, mm)
+    info["dense_best_TBps"] = dense_bw / 1e12 if dense_bw else None
+    log(table(recs))
+  with open(args.out, "w", encoding="utf-8") as f:
+    json.dump(out, f, indent=1)
+
+
+if __name__ == "__main__":
+  main()

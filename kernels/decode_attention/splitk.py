@@ -1,0 +1,73 @@
+"""Split-K (flash-decoding) planning and the log-sum-exp combine of per-split partials.
+
+Every decode kernel in `kvlowrank_kernels` splits the key sequence of each
+(batch, head-group) into `num_splits` contiguous chunks, one program per chunk,
+so that a single decode token still fills the GPU. Each program writes its
+chunk's normalised output o_s and log-sum-exp lse_s; the exact result is
+
+    lse = logsumexp_s(lse_s),   out = sum_s exp(lse_s - lse) * o_s
+
+(the same re-weighting as `kvlowrank.model.attention.combine`). Empty chunks
+(ragged batches, short sequences) write o_s = 0 and lse_s = -inf and drop out.
+The combine runs in XLA: it reads num_splits * Hv floats per head, a few per
+cent of the cache bytes at the split counts chosen below, and is deterministic.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import jax.numpy as jnp
+
+# Programs the planner aims for: a few waves of the 132 multiprocessors of an
+# H100/H200, so the last wave's tail stays a small part of the run.
+TARGET_PROGRAMS = 528
+
+
+def choose_num_splits(parallel: int, capacity: int, block: int, *,
+                      target: int = TARGET_PROGRAMS, min_tiles: int = 4,
+                      requested: Optional[int] = None) -> int:
+  """Number of key chunks per (batch, head-group).
+
+  Args:
+    parallel: programs that exist without splitting (batch x head groups).
+    capacity: cache slots S (the longest a sequence can be).
+    block: tokens per kernel tile.
+    target: programs to aim for in total.
+    min_tiles: keep at least this many tiles per chunk at full capacity, so
+      per-program fixed costs (query load, table setup, partial store) stay small.
+    requested: explicit override (benchmark sweeps); clipped to [1, tiles].
+  Returns:
+    num_splits >= 1.
+  """
+  tiles = max(1, math.ceil(capacity / block))
+  if requested is not None:
+    if requested < 1:
+      raise ValueError(f"num_splits must be >= 1, got {requested}")
+    return min(requested, tiles)
+  want = max(1, math.ceil(target / max(parallel, 1)))
+  return max(1, min(want, tiles // min_tiles if tiles >= min_tiles else 1))
+
+
+def combine_partials(o, lse, out_dtype=jnp.float32):
+  """Merges per-split partials.
+
+  Args:
+    o: [..., P, Hv] float32, each split's output normalised over its own keys.
+    lse: [..., P] float32 log-sum-exp of each split's scaled scores (-inf: empty).
+    out_dtype: dtype of the merged output.
+  Returns:
+    (out [..., Hv] out_dtype, lse [...] float32); rows with no key give 0 and -inf.
+  """
+  if o.shape[-2] == 1:
+    return o[..., 0, :].astype(out_dtype), lse[..., 0]
+  m = jnp.max(lse, axis=-1, keepdims=True)
+  m_safe = jnp.where(jnp.isfinite(m), m, 0.0)
+  w = jnp.where(jnp.isfinite(lse), jnp.exp(lse - m_safe), 0.0)
+  denom = jnp.sum(w, axis=-1)
+  # Elementwise product + sum, not einsum: an f32 dot may run as TF32 on GPU.
+  out = jnp.sum(w[..., None] * o, axis=-2) / jnp.where(denom > 0, denom, 1.0)[..., None]
+  total = jnp.where(denom > 0, m_safe[..., 0] + jnp.log(jnp.where(denom > 0, denom, 1.0)),
+                    -jnp.inf)
+  return out.astype(out_dtype), total

@@ -1,0 +1,108 @@
+"""Calling Triton kernels from JAX through jax-triton 0.3.x, and detecting whether we can.
+
+jax-triton 0.3.x takes `out_shape=` (0.4.x renamed it and needs Triton >= 3.7).
+Output pointers follow the inputs in the kernel signature. Python ints and
+floats are passed as scalar kernel arguments: strides derived from them carry
+no divisibility hint, so kernels derive row strides from constexpr head dims
+instead and take only the cache capacity and batch as run-time ints (one
+compiled kernel then serves every context length and batch size).
+
+`poison=True` (tests) pre-fills every output with NaN and aliases it to the
+kernel's output, so an element the kernel fails to write stays NaN. This needs a
+`*_poisoned` entry point that takes the NaN buffers as extra inputs.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import math
+
+import jax
+import jax.numpy as jnp
+
+
+def gpu_available() -> bool:
+  """True when JAX's default backend is a GPU."""
+  try:
+    return jax.default_backend() == "gpu"
+  except RuntimeError:
+    return False
+
+
+@functools.lru_cache(maxsize=None)
+def available() -> bool:
+  """True when jax-triton and Triton import and JAX's default backend is a GPU."""
+  if importlib.util.find_spec("triton") is None or importlib.util.find_spec("jax_triton") is None:
+    return False
+  if not gpu_available():
+    return False
+  try:
+    import jax_triton  # noqa: F401  pylint: disable=import-outside-toplevel,unused-import
+  except Exception:  # pylint: disable=broad-except  (an incompatible JAX fails here)
+    return False
+  return True
+
+
+def resolve(implementation, *, known, default_gpu, needs_gpu, needs_triton, op):
+  """Maps a requested implementation to the one that will run.
+
+  Args:
+    implementation: None (best available), or one of `known`.
+    known: accepted names.
+    default_gpu: what None means where the GPU backends are usable.
+    needs_gpu: names that need a GPU; they fall back to "reference" without one.
+    needs_triton: names that also need jax-triton.
+    op: op name for error messages.
+  Returns:
+    the implementation name to run.
+  """
+  if implementation is not None and implementation not in known:
+    raise ValueError(f"{op}: implementation must be None or one of {known}, "
+                     f"got {implementation!r}")
+  if implementation is None:
+    implementation = default_gpu
+  if implementation in needs_triton and not available():
+    return "reference"
+  if implementation in needs_gpu and not gpu_available():
+    return "reference"
+  return implementation
+
+
+def poison_value(dtype) -> float:
+  """NaN for floating outputs (the only kind the kernels write)."""
+  if not jnp.issubdtype(dtype, jnp.floating):
+    raise ValueError(f"poisoning supports floating outputs only, got {dtype}")
+  return math.nan
+
+
+def launch(kernel, poisoned_kernel, *args, out_shapes, grid, num_warps: int, num_stages: int,
+           poison: bool = False, **constexprs):
+  """Runs a Triton kernel on JAX arrays.
+
+  Args:
+    kernel: the `@triton.jit` entry (inputs..., outputs..., constexprs).
+    poisoned_kernel: entry taking the same inputs, then one NaN-filled buffer
+      per output, then the outputs (aliased to those buffers).
+    *args: arrays and Python scalars, in kernel order.
+    out_shapes: sequence of `jax.ShapeDtypeStruct`.
+    grid: launch grid (tuple of ints).
+    num_warps, num_stages: Triton compile options.
+    poison: use `poisoned_kernel` with NaN-filled outputs.
+    **constexprs: compile-time kernel parameters.
+  Returns:
+    list of output arrays.
+  """
+  import jax_triton as jt  # pylint: disable=import-outside-toplevel
+  out_shapes = list(out_shapes)
+  if not poison:
+    outs = jt.triton_call(*args, kernel=kernel, out_shape=out_shapes, grid=grid,
+                          num_warps=num_warps, num_stages=num_stages, **constexprs)
+    return list(outs)
+  inits = [jnp.full(s.shape, poison_value(s.dtype), s.dtype) for s in out_shapes]
+  n_arrays = sum(1 for a in args if isinstance(a, jax.Array))
+  aliases = {n_arrays + i: i for i in range(len(inits))}
+  outs = jt.triton_call(*args, *inits, kernel=poisoned_kernel, out_shape=out_shapes, grid=grid,
+                        num_warps=num_warps, num_stages=num_stages,
+                        input_output_aliases=aliases, **constexprs)
+  return list(outs)

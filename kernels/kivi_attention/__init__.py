@@ -1,0 +1,59 @@
+"""KIVI quantized decode attention: 2/4-bit per-channel keys, per-token values, exact window.
+
+`kivi_attention(q, keys, values, k_win, v_win, q_len, w_len, ...)` returns
+(out [B, N, H], lse) with the semantics of `reference.kivi_attention_reference`.
+Implementations: "reference" (jnp float32, runs anywhere; prefill uses it or
+dense attention on the unquantized prompt), "xla" (dequantize to bf16 + XLA
+dense attention per segment), "triton" (`triton_kivi`, dequant fused).
+None picks "triton" on a GPU with jax-triton, else "reference".
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import jax.numpy as jnp
+
+from ..decode_attention import triton_backend
+from ..decode_attention.splitk import combine_partials
+from ..decode_attention.xla import decode_attention_xla
+from .packing import (KiviKeys, KiviValues, dequantize_keys, dequantize_values,  # noqa: F401
+                      quantize_keys, quantize_values)
+from .reference import check_shapes, kivi_attention_reference
+
+IMPLEMENTATIONS = ("reference", "xla", "triton")
+
+
+def resolve_implementation(implementation=None) -> str:
+  """The implementation that `kivi_attention` will run for this request."""
+  return triton_backend.resolve(implementation, known=IMPLEMENTATIONS, default_gpu="triton",
+                                needs_gpu=("triton",), needs_triton=("triton",),
+                                op="kivi_attention")
+
+
+def kivi_attention(q, keys: KiviKeys, values: KiviValues, k_win, v_win, q_len, w_len, *,
+                   scale=None, out_dtype=None, implementation=None, **options):
+  """KIVI decode attention; see `reference.kivi_attention_reference` for Args/Returns.
+
+  Args:
+    implementation: None | "reference" | "xla" | "triton".
+    **options: triton knobs (block_s, block_w, num_splits, num_warps, num_stages, poison).
+  """
+  impl = resolve_implementation(implementation)
+  if implementation not in (None, impl):
+    warnings.warn(f"kivi_attention: {implementation!r} unavailable here, running {impl!r}")
+  if impl == "reference":
+    return kivi_attention_reference(q, keys, values, k_win, v_win, q_len, w_len, scale=scale,
+                                    out_dtype=out_dtype)
+  check_shapes(q, keys, values, k_win, v_win, q_len, w_len)
+  if impl == "xla":
+    h = q.shape[-1]
+    kf = dequantize_keys(keys, h).astype(jnp.bfloat16)
+    vf = dequantize_values(values, h).astype(jnp.bfloat16)
+    o1, l1 = decode_attention_xla(q, kf, vf, q_len, scale=scale, out_dtype=jnp.float32)
+    o2, l2 = decode_attention_xla(q, k_win, v_win, w_len, scale=scale, out_dtype=jnp.float32)
+    return combine_partials(jnp.stack([o1, o2], -2), jnp.stack([l1, l2], -1),
+                            out_dtype or q.dtype)
+  from .triton_kivi import kivi_attention_triton  # pylint: disable=import-outside-toplevel
+  return kivi_attention_triton(q, keys, values, k_win, v_win, q_len, w_len, scale=scale,
+                               out_dtype=out_dtype, **options)

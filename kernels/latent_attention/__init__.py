@@ -1,0 +1,77 @@
+"""Palu fused latent decode attention (G-LRD key/value latents, RoPE keys, split-K).
+
+`latent_attention(q, hk, hv, b_k, lengths, ...)` returns (out [B, N, rv], lse)
+with the semantics of `reference.latent_attention_reference`; latents are bf16
+arrays or `PackedLatent` (2/3/4-bit, per-token scale/zero, `bitpack` layout).
+Implementations:
+  "reference"  plain jnp float32 (runs anywhere; also what prefill uses: it
+               reconstructs K for all tokens and runs dense attention);
+  "xla"        the same reconstruction path on the input dtypes (bf16 einsums);
+  "triton"     the fused kernel in `triton_latent`.
+None picks "triton" on a GPU with jax-triton, else "reference".
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import jax.numpy as jnp
+
+from ..decode_attention import triton_backend
+from ..decode_attention.xla import decode_attention_xla, matmul_dtype
+from .packing import PackedLatent, dequantize_latent, quantize_latent  # noqa: F401
+from .reference import check_shapes, latent_attention_reference, rope_inv_freq
+
+IMPLEMENTATIONS = ("reference", "xla", "triton")
+
+
+def resolve_implementation(implementation=None) -> str:
+  """The implementation that `latent_attention` will run for this request."""
+  return triton_backend.resolve(implementation, known=IMPLEMENTATIONS, default_gpu="triton",
+                                needs_gpu=("triton",), needs_triton=("triton",),
+                                op="latent_attention")
+
+
+def _latent_attention_xla(q, hk, hv, b_k, lengths, inv, k_bias, scale, out_dtype):
+  """Unfused baseline: reconstruct K (bf16 einsum), RoPE, dense XLA attention over latents."""
+  gr, g, _, _, _ = check_shapes(q, hk, hv, b_k, lengths, k_bias)
+  h = q.shape[-1]
+  lat = lambda x: dequantize_latent(x).astype(jnp.bfloat16) if isinstance(x, PackedLatent) else x
+  hk_b, hv_b = lat(hk), lat(hv)
+  mdt = matmul_dtype(hk_b.dtype)
+  keys = jnp.einsum("bsgr,grc->bsgc", hk_b.astype(mdt), b_k.astype(mdt),
+                    preferred_element_type=jnp.float32)
+  if k_bias is not None:
+    keys = keys + k_bias.astype(jnp.float32)
+  bsz, s = keys.shape[:2]
+  keys = keys.reshape(bsz, s, gr * g, h)
+  ang = jnp.arange(s, dtype=jnp.int32).astype(jnp.float32)[:, None] * inv[None, :]
+  cos, sin = jnp.cos(ang)[None, :, None, :], jnp.sin(ang)[None, :, None, :]
+  k1, k2 = keys[..., :h // 2], keys[..., h // 2:]
+  keys = jnp.concatenate([k1 * cos - k2 * sin, k2 * cos + k1 * sin], -1).astype(jnp.bfloat16)
+  values = jnp.repeat(hv_b, g, axis=2)
+  return decode_attention_xla(q, keys, values, lengths, scale=scale, out_dtype=out_dtype)
+
+
+def latent_attention(q, hk, hv, b_k, lengths, *, rope_theta=10000.0, inv_freq=None, k_bias=None,
+                     scale=None, out_dtype=None, implementation=None, **options):
+  """Palu decode attention; see `reference.latent_attention_reference` for Args/Returns.
+
+  Args:
+    implementation: None | "reference" | "xla" | "triton".
+    **options: triton knobs (block_s, num_splits, absorb, num_warps, num_stages, poison).
+  """
+  impl = resolve_implementation(implementation)
+  if implementation not in (None, impl):
+    warnings.warn(f"latent_attention: {implementation!r} unavailable here, running {impl!r}")
+  if impl == "reference":
+    return latent_attention_reference(q, hk, hv, b_k, lengths, rope_theta=rope_theta,
+                                      inv_freq=inv_freq, k_bias=k_bias, scale=scale,
+                                      out_dtype=out_dtype)
+  inv = rope_inv_freq(q.shape[-1], rope_theta, inv_freq)
+  if impl == "xla":
+    return _latent_attention_xla(q, hk, hv, b_k, lengths, inv, k_bias, scale, out_dtype)
+  check_shapes(q, hk, hv, b_k, lengths, k_bias)
+  from .triton_latent import latent_attention_triton  # pylint: disable=import-outside-toplevel
+  return latent_attention_triton(q, hk, hv, b_k, lengths, inv, k_bias=k_bias, scale=scale,
+                                 out_dtype=out_dtype, **options)

@@ -1,0 +1,118 @@
+"""CPU checks of the dense decode-attention reference, XLA path, dispatcher and split-K combine."""
+
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from kvlowrank.model.attention import dot_product_attention
+from kvlowrank_kernels.decode_attention import decode_attention, resolve_implementation, splitk
+from kvlowrank_kernels.decode_attention import shapes
+from kvlowrank_kernels.decode_attention.reference import decode_attention_reference
+
+F32 = jnp.float32
+
+
+def dense_oracle(q, k, v, lengths):
+  """kvlowrank's model attention over the slot cache: decode token at position len - 1."""
+  b, s = k.shape[:2]
+  k_pos = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
+  out, lse = dot_product_attention(q[:, None].astype(F32), k.astype(F32), v.astype(F32),
+                                   (lengths - 1)[:, None], k_pos, k_pos < lengths[:, None],
+                                   out_dtype=F32)
+  return out[:, 0], lse[:, 0]
+
+
+def case(idx, dtype=F32):
+  shape = shapes.TEST_SHAPES[idx]
+  rng = np.random.default_rng(idx)
+  lens = shapes.ragged_lengths(shape.batch, shape.capacity, rng)
+  return shapes.make_inputs(shape, jax.random.key(idx), dtype=dtype, lengths=lens)
+
+
+@pytest.mark.parametrize("idx", range(len(shapes.TEST_SHAPES)))
+def test_reference_matches_model_attention(idx):
+  q, k, v, lens = case(idx)
+  assert int(lens.min()) == 1  # ragged lengths include 1
+  out, lse = decode_attention_reference(q, k, v, lens, out_dtype=F32)
+  ref, ref_lse = dense_oracle(q, k, v, lens)
+  np.testing.assert_allclose(out, ref, atol=2e-6, rtol=2e-5)
+  np.testing.assert_allclose(lse, ref_lse, atol=2e-6, rtol=2e-6)
+
+
+@pytest.mark.parametrize("idx", range(len(shapes.TEST_SHAPES)))
+def test_xla_path_matches_reference(idx):
+  q, k, v, lens = case(idx, jnp.bfloat16)
+  out, lse = decode_attention(q, k, v, lens, implementation="xla", out_dtype=F32)
+  ref, ref_lse = decode_attention_reference(q, k, v, lens, out_dtype=F32)
+  np.testing.assert_allclose(out, ref, atol=1e-2, rtol=1e-2)
+  np.testing.assert_allclose(lse, ref_lse, atol=1e-4, rtol=1e-4)
+
+
+def test_negative_control_wrong_gqa_mapping():
+  """Interleaving KV heads (n % K instead of n // (N/K)) must be caught."""
+  q, k, v, lens = case(1)  # 8 query heads on 2 KV heads
+  ref, _ = dense_oracle(q, k, v, lens)
+  kk = k.shape[2]
+  perm = np.arange(q.shape[1]).reshape(q.shape[1] // kk, kk).T.reshape(-1)
+  wrong, _ = decode_attention_reference(q[:, perm], k, v, lens, out_dtype=F32)
+  assert not np.allclose(np.asarray(wrong)[:, np.argsort(perm)], ref, atol=1e-3)
+
+
+def test_zero_length_gives_zero_and_neg_inf():
+  q, k, v, _ = case(0)
+  lens = jnp.asarray([0, 5, 0], jnp.int32)
+  out, lse = decode_attention_reference(q, k, v, lens, out_dtype=F32)
+  assert np.all(np.asarray(out)[[0, 2]] == 0) and np.all(np.isneginf(np.asarray(lse)[[0, 2]]))
+  assert np.all(np.isfinite(np.asarray(lse)[1]))
+
+
+def test_split_combine_equals_full_attention():
+  """Chunked partials merged by `combine_partials` equal attention over all keys."""
+  q, k, v, lens = case(0)
+  s = k.shape[1]
+  bounds = [0, 40, 41, 170, s]
+  outs, lses = [], []
+  for lo, hi in zip(bounds[:-1], bounds[1:]):
+    chunk_len = jnp.clip(lens - lo, 0, hi - lo)
+    o, l = decode_attention_reference(q, k[:, lo:hi], v[:, lo:hi], chunk_len, out_dtype=F32)
+    outs.append(o)
+    lses.append(l)
+  out, lse = splitk.combine_partials(jnp.stack(outs, -2), jnp.stack(lses, -1))
+  ref, ref_lse = decode_attention_reference(q, k, v, lens, out_dtype=F32)
+  np.testing.assert_allclose(out, ref, atol=2e-6, rtol=2e-5)
+  np.testing.assert_allclose(lse, ref_lse, atol=2e-6, rtol=2e-6)
+
+
+def test_choose_num_splits():
+  assert splitk.choose_num_splits(1024, 65536, 64) == 1
+  assert splitk.choose_num_splits(32, 4096, 64) == 16
+  assert splitk.choose_num_splits(8, 100, 64) == 1
+  assert splitk.choose_num_splits(8, 100000, 64, requested=7) == 7
+  with pytest.raises(ValueError, match="num_splits"):
+    splitk.choose_num_splits(8, 1000, 64, requested=0)
+
+
+def test_dispatcher_falls_back_on_cpu():
+  if jax.default_backend() != "cpu":
+    pytest.skip("CPU-only behaviour")
+  assert resolve_implementation() == "reference"
+  q, k, v, lens = case(2)
+  with warnings.catch_warnings(record=True) as w:
+    warnings.simplefilter("always")
+    out, _ = decode_attention(q, k, v, lens, implementation="triton", out_dtype=F32)
+  assert any("unavailable" in str(x.message) for x in w)
+  ref, _ = decode_attention_reference(q, k, v, lens, out_dtype=F32)
+  np.testing.assert_array_equal(out, ref)
+  with pytest.raises(ValueError, match="implementation"):
+    decode_attention(q, k, v, lens, implementation="cuda")
+
+
+def test_shape_errors_name_the_argument():
+  q, k, v, lens = case(0)
+  with pytest.raises(ValueError, match="lengths"):
+    decode_attention_reference(q, k, v, lens[:2])
+  with pytest.raises(ValueError, match="v shape"):
+    decode_attention_reference(q, k, v[:, :5], lens)
