@@ -4,3 +4,5 @@ from kvlowrank.cache.base import (AttnInputs, KVCache, cache_methods, caches_nby
                                   init_caches, register_cache)
 from kvlowrank.cache.dense import DenseCache, DenseSpec
 from kvlowrank.cache.kivi import KiviCache, KiviSpec
+from kvlowrank.cache.xquant import XCache, XQuantSpec
+from kvlowrank.cache.xquant_cl import XCLCache, XQuantCLSpec

@@ -1,0 +1,90 @@
+r"""The main job: perplexity vs KV bytes/token of every method on SmolLM2-135M.
+
+  python experiments/sweep.py --config=configs/main.py --workdir=runs/main
+
+Sweep (get_sweep): bf16 dense baseline, KIVI-4, KIVI-2 (G = 32, R = 128, fp16 scales),
+Palu G-LRD (gs-4 -> gs=3 = all 3 KV heads on SmolLM2; Fisher ranks, whitened SVD) at
+50% with bf16 latents and at 30% with 3-bit Hadamard-rotated latents (about KIVI-2's
+bytes), XQuant-4 and XQuant-2 (auto = GQA latent path, groups of 64) and XQuant-CL-2
+(paper Table 4 recipe), each in both eval modes, on the embedded SmolLM2-135M-Instruct (fp32 weights) and a
+WikiText-2 test subset: the first 4 windows of 512 tokens (GPTQ windows, scored in one
+batch of 4). Decode mode prefills 256 tokens (in chunks of 128) and decodes the last
+256 one by one. Sized for <= ~10 min on a 2-core CPU; writes results.jsonl,
+report.md and pareto.png into the workdir and prints where they went.
+
+Args after `:`: model, seq_len, windows, prompt_len, smoke (stories260K, < 2 min).
+
+Expected (measured 2026-11-21 on the 2-core CPU box, fp32 weights, bf16 K/V, 4 x 511
+scored tokens; the dense/KIVI points only):
+
+  | method | bits | KV bytes/token | vs bf16 | PPL prefill | PPL decode |
+  |---|---|---|---|---|---|
+  | dense (baseline) | 16 | 23040 | 1.00x | 30.953 | 30.950 |
+  | kivi | 4 | 7200 | 3.20x | 31.566 | 31.155 |
+  | kivi | 2 | 4320 | 5.33x | 54.747 | 41.662 |
+
+  These three points took 10 min 13 s wall (4 min 43 s CPU) with other jobs keeping the
+  load average near 9 on the 2 cores; per point ~25-80 s prefill mode, ~120-155 s
+  decode mode (mostly XLA compilation of the 30-layer KIVI step, and 255 decode steps).
+"""
+
+from ml_collections import ConfigDict, config_dict
+
+from kvlowrank.config_lib import parse_arg
+from kvlowrank.experiment.config import apply_smoke, base_config
+
+
+def get_config(arg=None):
+  arg = parse_arg(arg, model="smollm2", seq_len=512, windows=4, prompt_len=256,
+                  smoke=False)
+  c = base_config()
+  c.model.path = arg.model
+  c.method = "dense"
+  c.cache_dtype = "bfloat16"
+  c.kivi = ConfigDict(dict(bits=4, group_size=32, residual=128,
+                           v_bits=config_dict.placeholder(int), scale_dtype="float16"))
+  # Palu (configs/palu.py documents the fields); calibrated on c.calib (WikiText-2
+  # validation, 16 x 512 tokens; Fisher on the first 8), cached in the workdir.
+  c.palu = ConfigDict(dict(granularity="g", group_size=0, decomposition="whiten",
+                           rank_search="fisher", target_ratio=0.5, rank_multiple=16,
+                           fisher_reduce="rms", hadamard=True,
+                           bits=config_dict.placeholder(int), window=0, damping=1e-6,
+                           fisher_samples=8))
+  # XQuant / XQuant-CL (configs/xquant.py documents the fields): groups of 64 (SmolLM2's
+  # widths 576 / 192 are not multiples of 128), no exact window; CL = paper Table 4
+  # recipe (base layer 2, layers 0-2 at 4 bits).
+  c.xquant = ConfigDict(dict(bits=4, group_size=64, window=0, path="auto",
+                             key_axis="channel", value_axis="token", n_high_layers=0,
+                             high_bits=4, scale_dtype="float16", implementation="reference"))
+  c.xquant_cl = ConfigDict(dict(bits=2, base_layer=2, n_high_layers=3, high_bits=4,
+                                layer_bits=(), group_size=64, window=0, path="auto",
+                                delta_axis="token", key_axis="channel", value_axis="token",
+                                scale_dtype="float16", implementation="reference"))
+  c.eval.seq_len = arg.seq_len
+  c.eval.max_windows = arg.windows
+  c.eval.batch_size = arg.windows
+  c.eval.prompt_len = arg.prompt_len
+  c.eval.prefill_chunk = 128
+  if arg.smoke:
+    apply_smoke(c)
+    c.palu.rank_multiple = 8       # stories260K: head dim 8
+    c.palu.fisher_samples = 0
+    c.xquant.group_size = 32       # stories260K: D = 64 (auto path: x)
+    c.xquant_cl.group_size = 32
+    c.xquant_cl.base_layer = 1
+    c.xquant_cl.n_high_layers = 1
+  return c
+
+
+def get_sweep(arg=None):
+  del arg
+  return [
+      {"method": "dense"},
+      {"method": "kivi", "kivi.bits": 4},
+      {"method": "kivi", "kivi.bits": 2},
+      {"method": "palu"},
+      {"method": "palu", "palu.target_ratio": 0.3, "palu.bits": 3},
+      {"method": "xquant", "xquant.bits": 4},
+      {"method": "xquant", "xquant.bits": 2},
+      {"method": "xquant_cl", "xquant_cl.bits": 2},
+  ]

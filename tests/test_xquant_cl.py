@@ -1,0 +1,181 @@
+"""XQuant-CL: exactness when unquantized, closed-loop (non-accumulating) errors, the
+GQA latent variant, the method registry's byte accounting, and config errors."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from kvlowrank.cache import init_caches
+from kvlowrank.cache.xquant_cl import XCLCache, XQuantCLSpec, reconstruct_inputs
+from kvlowrank.methods import get_method
+from kvlowrank.model.params import init_params
+from kvlowrank.model.transformer import forward
+from kvlowrank.quant import fake_quant
+from kvlowrank.spec import ModelSpec
+
+GQA = ModelSpec(vocab_size=64, dim=64, n_layers=4, n_heads=4, n_kv_heads=2, head_dim=8,
+                ffn_dim=96, qkv_bias=True)
+MHA = ModelSpec(vocab_size=64, dim=64, n_layers=4, n_heads=4, n_kv_heads=4, head_dim=16,
+                ffn_dim=96)
+T = 16
+_fwd = jax.jit(forward, static_argnums=4, static_argnames=("capture_inputs",))
+
+
+def _setup(spec, seed=0):
+  params = init_params(spec, jax.random.key(seed), scale=0.15)
+  tokens = jax.random.randint(jax.random.key(seed + 1), (2, T), 0, spec.vocab_size)
+  pos = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (2, T))
+  return params, tokens, pos
+
+
+def _run(spec, params, tokens, pos, cspec, mode):
+  caches = init_caches("xquant_cl", cspec, spec, params, batch=2, capacity=24,
+                       dtype=jnp.float32)
+  if mode == "prefill":
+    return _fwd(params, tokens, pos, caches, spec)
+  outs = []
+  for t in range(T):
+    o, caches = _fwd(params, tokens[:, t:t + 1], pos[:, t:t + 1], caches, spec)
+    outs.append(o)
+  return jnp.concatenate(outs, 1), caches
+
+
+@pytest.mark.parametrize("spec,path,base", [(MHA, "x", 0), (GQA, "x", 2), (GQA, "latent", 1)],
+                         ids=["mha-x-b0", "gqa-x-b2", "gqa-latent-b1"])
+@pytest.mark.parametrize("mode", ["prefill", "decode"])
+def test_unquantized_matches_dense(spec, path, base, mode):
+  """With bits=None every X̂_i = X_i (latent: X̂_i·U_kv = X_i·U_kv), so the logits are the
+  dense (uncached) forward's."""
+  params, tokens, pos = _setup(spec)
+  cspec = XQuantCLSpec(bits=None, path=path, base_layer=base)
+  logits, _ = _run(spec, params, tokens, pos, cspec, mode)
+  want, _ = _fwd(params, tokens, pos, None, spec)
+  np.testing.assert_allclose(np.asarray(logits), np.asarray(want), atol=1e-4, rtol=0)
+  if mode == "prefill":   # Negative control: 2-bit deltas visibly change the logits.
+    q, _ = _run(spec, params, tokens, pos, dataclasses.replace(cspec, bits=2, group_size=16),
+                mode)
+    assert float(jnp.abs(q - want).max()) > 1e-2
+
+
+def _chain(xs, cspec, spec, params):
+  """Runs XCLCache.advance (what step does) over layers of random inputs xs [L,B,T,D]."""
+  caches = init_caches("xquant_cl", cspec, spec, params, batch=xs.shape[1], capacity=xs.shape[2],
+                       dtype=jnp.float32)
+  pos = jnp.broadcast_to(jnp.arange(xs.shape[2], dtype=jnp.int32), xs.shape[1:3])
+  acc, accs, out = None, [], []
+  for i, c in enumerate(caches):
+    c, acc = c.advance(xs[i], pos, acc)
+    accs.append(acc)
+    out.append(c)
+  return out, accs
+
+
+def test_closed_loop_error_equals_own_quantization_error():
+  """On a random walk X_i = X_{i-1} + noise (the residual stream's slow drift), layer i's
+  reconstruction error is exactly Q(r_i) − r_i with r_i = X_i − X̂_{i−1}: it does not grow
+  with depth. Open-loop deltas Q(X_i − X_{i−1}) accumulate (negative control)."""
+  spec = MHA.replace(n_layers=12)
+  params = init_params(spec, jax.random.key(0))
+  rng = np.random.default_rng(0)
+  x0 = rng.normal(size=(2, 16, 64))
+  xs = np.cumsum(np.concatenate([x0[None], 0.1 * rng.normal(size=(11, 2, 16, 64))]), 0)
+  xs = jnp.asarray(xs, jnp.float32)
+  cspec = XQuantCLSpec(bits=2, path="x", group_size=16, base_layer=0)
+  caches, accs = _chain(xs, cspec, spec, params)
+  prev = jnp.zeros_like(xs[0])
+  errs = []
+  for i in range(12):
+    r = xs[i] - prev
+    qerr = fake_quant(r, bits=2, axis=-1, group_size=16) - r
+    np.testing.assert_allclose(np.asarray(accs[i] - xs[i]), np.asarray(qerr), atol=2e-5)
+    errs.append(float(jnp.sqrt(jnp.mean((accs[i] - xs[i]) ** 2))))
+    prev = accs[i]
+  # The same reconstruction rebuilt from the stored codes (what a later decode step does).
+  rec = reconstruct_inputs(caches)
+  np.testing.assert_allclose(np.asarray(rec[-1]), np.asarray(accs[-1]), atol=1e-5)
+  # No accumulation: the deep layers' error is the size of a delta's quantization error.
+  assert max(errs[1:]) < 2 * errs[1]
+  # Open loop accumulates: the sum of independently quantized deltas drifts.
+  open_acc = fake_quant(xs[0], bits=2, axis=-1, group_size=16)
+  for i in range(1, 12):
+    open_acc = open_acc + fake_quant(xs[i] - xs[i - 1], bits=2, axis=-1, group_size=16)
+  open_err = float(jnp.sqrt(jnp.mean((open_acc - xs[11]) ** 2)))
+  assert open_err > 2 * errs[11]
+  # And plain XQuant (quantizing X_11 itself at 2 bits) is far worse than the CL delta.
+  plain = float(jnp.sqrt(jnp.mean((fake_quant(xs[11], bits=2, axis=-1, group_size=16)
+                                   - xs[11]) ** 2)))
+  assert plain > 3 * errs[11]
+
+
+def test_gqa_latent_error_is_own_latent_quantization_error():
+  """GQA-CL: X̂_i·U_kv^(i) − X_i·U_kv^(i) = Q(r_i U) − r_i U, r_i = X_i − X̂_{i−1}."""
+  spec = GQA
+  params = init_params(spec, jax.random.key(1))
+  rng = np.random.default_rng(1)
+  xs = jnp.asarray(np.cumsum(rng.normal(size=(4, 1, 16, 64)) * np.array(
+      [1.0, 0.1, 0.1, 0.1])[:, None, None, None], 0), jnp.float32)
+  cspec = XQuantCLSpec(bits=3, path="latent", group_size=16)
+  caches, accs = _chain(xs, cspec, spec, params)
+  prev = jnp.zeros_like(xs[0])
+  for i, c in enumerate(caches):
+    u = c.u
+    r = (xs[i] - prev) @ u
+    want = fake_quant(r, bits=3, axis=-1, group_size=16) - r
+    np.testing.assert_allclose(np.asarray(accs[i] @ u - xs[i] @ u), np.asarray(want),
+                               atol=5e-5)
+    prev = accs[i]
+  # The subspace is 2·kv_dim = 32 < D = 64 wide: X̂ itself is NOT X (only its projection).
+  assert float(jnp.abs(accs[-1] - xs[-1]).max()) > 0.1
+
+
+def test_registry_bytes_match_caches_and_paper_recipe():
+  smollm2 = ModelSpec(vocab_size=8, dim=576, n_layers=30, n_heads=9, n_kv_heads=3,
+                      head_dim=64, ffn_dim=8)
+  small = smollm2.replace(n_layers=5)
+  params = init_params(small, jax.random.key(0))
+  m = get_method("xquant_cl")
+  for sec in (dict(bits=2, group_size=64, base_layer=2, n_high_layers=3),
+              dict(bits=3, group_size=64, path="x", base_layer=0)):
+    s = m.build_spec(sec, small)
+    caches = init_caches("xquant_cl", s, small, params, batch=1, capacity=64)
+    got = m.kv_bytes_per_token(small, s, params, jnp.bfloat16)
+    assert got == pytest.approx(sum(c.bytes_per_token() for c in caches))
+  # Table-4 recipe on SmolLM2, 2-bit latent deltas of 384 channels, groups of 64:
+  # 27 delta layers x (4·24 + 2·2·6) + 3 layers at 4 bits: base 4-bit delta, 2 plain
+  # latent layers (K per channel 192 + V per token 192).
+  s = m.build_spec(dict(bits=2, group_size=64, base_layer=2, n_high_layers=3), smollm2)
+  want = 27 * (4 * 24 + 24) + (4 * 48 + 24) + 2 * 2 * (4 * 24 + 2 * 2 * 3)
+  assert m.kv_bytes_per_token(smollm2, s, None, jnp.bfloat16) == want
+
+
+def test_invalid_configs_raise_clear_errors():
+  params, _, _ = _setup(MHA)
+  with pytest.raises(ValueError, match="XQuantCLSpec.bits"):
+    XQuantCLSpec(bits=1)
+  with pytest.raises(ValueError, match="XQuantCLSpec.base_layer"):
+    XQuantCLSpec(base_layer=-1)
+  with pytest.raises(ValueError, match="delta_axis"):
+    XQuantCLSpec(delta_axis="layer")
+  with pytest.raises(ValueError, match=r"layer_bits\[1\]"):
+    XQuantCLSpec(layer_bits=(4, 7, 2, 2))
+  with pytest.raises(ValueError, match="base_layer .4. must be < n_layers"):
+    init_caches("xquant_cl", XQuantCLSpec(base_layer=4), MHA, params, batch=1, capacity=8)
+  with pytest.raises(ValueError, match="base_layer .9. must be < n_layers"):
+    get_method("xquant_cl").build_spec(dict(base_layer=9), MHA)
+  with pytest.raises(ValueError, match="layer_bits has 2 entries"):
+    init_caches("xquant_cl", XQuantCLSpec(layer_bits=(4, 2)), MHA, params, batch=1,
+                capacity=8)
+  with pytest.raises(ValueError, match="group_size .48. must divide"):
+    init_caches("xquant_cl", XQuantCLSpec(group_size=48, path="x"), MHA, params, batch=1,
+                capacity=8)
+  c = init_caches("xquant_cl", XQuantCLSpec(bits=2, path="x", base_layer=1), MHA, params,
+                  batch=1, capacity=8)
+  with pytest.raises(NotImplementedError, match="carry"):
+    c[1].attend(None, None, None, spec=MHA)
+  # A delta layer without a carry (its predecessor not a CL layer) is refused.
+  with pytest.raises(ValueError, match="no carry"):
+    c[2].advance(jnp.zeros((1, 1, 64)), jnp.zeros((1, 1), jnp.int32), None)
+  assert isinstance(c[1], XCLCache) and c[1].is_base and not c[2].is_base
