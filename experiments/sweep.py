@@ -9,6 +9,14 @@ by rerunning the same command. With config.write_report the markdown table and t
 Pareto plot are written at the end.
 """
 
+import os
+
+# Before numpy loads OpenBLAS: on small CPU boxes its worker threads spin against
+# XLA:CPU's thread pool, and Palu's float64 SVD/Cholesky calibration ran 25x slower
+# (137 s vs 5 s for SmolLM2 on 2 cores). Set OPENBLAS_NUM_THREADS to override.
+if (os.cpu_count() or 1) <= 4:
+  os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+
 import platform
 
 from absl import app

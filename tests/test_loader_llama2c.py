@@ -159,8 +159,10 @@ def test_unshared_classifier_gqa_synthetic(tmp_path):
 # ---------------------------------------------------------------- tokenizer
 
 
-def _ref_encode(pieces, scores, text, bos=True, dummy_prefix=True):
-  """Independent llama2.c `encode`: strings of bytes, merged by best score."""
+def _ref_encode(pieces, scores, text, bos=True, dummy_prefix=True, by_score=True):
+  """Independent llama2.c `encode`: strings of bytes, merged by best score (leftmost
+  pair on ties). by_score=False merges the leftmost mergeable pair instead (negative
+  control: another merge order)."""
   index = {}
   for i, p in enumerate(pieces):
     index.setdefault(p, i)
@@ -177,8 +179,8 @@ def _ref_encode(pieces, scores, text, bos=True, dummy_prefix=True):
   for cp in cps:
     syms += [cp] if cp in index else [b"<0x%02X>" % c for c in cp]
   while True:
-    cands = [(scores[index[a + b]], -i) for i, (a, b) in enumerate(zip(syms, syms[1:]))
-             if a + b in index]
+    cands = [(scores[index[a + b]] if by_score else 0.0, -i)
+             for i, (a, b) in enumerate(zip(syms, syms[1:])) if a + b in index]
     if not cands:
       break
     i = -max(cands)[1]
@@ -210,6 +212,25 @@ def test_tokenizer_matches_reference_and_round_trips():
   assert tok.encode(text) != _ref_encode(tok.pieces, tok.scores, text, dummy_prefix=False)
   with pytest.raises(ValueError, match="no chat template"):
     tok.apply_chat_template([{"role": "user", "content": "hi"}])
+
+
+def test_tokenizer_long_text_matches_reference():
+  """The heap-based merge (O(n log n)) makes the same merges as llama2.c's rescan loop
+  on a long text (thousands of merges, many equal-score ties and repeated words)."""
+  d = _stories()
+  tok = load_model(d / "stories260K.bin").tokenizer
+  rng = np.random.default_rng(1)
+  words = ("Once upon a time there was a little girl named Lily . She liked to play in "
+           "the park with her dog , Max ! \"Wow,\" said Tom. naïve café 日本 😀 the the "
+           "aaaa bbbb    ").split(" ")
+  text = " ".join(rng.choice(words, 800))
+  assert len(text) > 3000
+  ids = tok.encode(text)
+  assert ids == _ref_encode(tok.pieces, tok.scores, text)
+  assert tok.decode(ids, skip_special=True) == text
+  # Negative control: another merge order (leftmost mergeable pair first, scores
+  # ignored) gives other ids on this text.
+  assert ids != _ref_encode(tok.pieces, tok.scores, text, by_score=False)
 
 
 def test_explicit_tokenizer_path(tmp_path):

@@ -55,7 +55,14 @@ def scatter_slots(buf, new, positions):
   s = buf.shape[1]
   slots = jnp.where(positions >= 0, positions, s)  # out of range → dropped
   bidx = jnp.arange(buf.shape[0])[:, None]
-  return buf.at[bidx, slots].set(new.astype(buf.dtype), mode="drop")
+  new = new.astype(buf.dtype)
+  if buf.dtype in (jnp.bfloat16, jnp.float16):
+    # Same bits, scattered as uint16: XLA:CPU has no 16-bit float scatter and otherwise
+    # widens the whole buffer to f32 and back around every write.
+    u16 = lambda a: jax.lax.bitcast_convert_type(a, jnp.uint16)
+    out = u16(buf).at[bidx, slots].set(u16(new), mode="drop")
+    return jax.lax.bitcast_convert_type(out, buf.dtype)
+  return buf.at[bidx, slots].set(new, mode="drop")
 
 
 def new_lengths(lengths, positions):

@@ -17,6 +17,13 @@ Modes (both run the real cache code; only the call schedule differs):
     has not been flushed yet). The window's last token is never fed: it has no target.
 For an exact (dense) cache both modes compute the same function (up to fp32 round-off
 from different reduction shapes).
+
+Each batch of windows is one jitted call whatever the mode: the schedule's segments are
+fed to the cache in order by kvlowrank.model.segments.forward_segments (same cache
+states as one forward call per segment; one compiled program, no per-token dispatch).
+For per-layer caches it computes the per-token work (projections, MLP, head) layer by
+layer over the whole window and only the cache calls segment by segment, scanning over
+the layers when the stack is homogeneous.
 """
 
 from __future__ import annotations
@@ -32,22 +39,29 @@ import jax.numpy as jnp
 import numpy as np
 
 from kvlowrank.cache.base import init_caches
-from kvlowrank.model.transformer import forward
+from kvlowrank.model.segments import forward_segments
 from kvlowrank.spec import ModelSpec
 
 MODES = ("prefill", "decode")
 
 
-@functools.partial(jax.jit, static_argnames=("spec",), donate_argnums=(1,))
-def _nll_step(params, caches, tokens, positions, targets, *, spec: ModelSpec):
-  """Feeds tokens [B,t] at positions [B,t]; returns (caches, nll [B,t] fp32).
+@functools.partial(jax.jit, static_argnames=("spec", "segments"))
+def _window_nll(params, caches, tokens, targets, *, spec: ModelSpec,
+                segments: tuple[tuple[int, int], ...]):
+  """Feeds tokens [B, n] (n = end of the last segment) segment by segment through the
+  caches; returns nll [B, n] fp32.
 
   nll[b, i] = logsumexp(logits) - logits[target]: the cross entropy of targets[b, i]
-  under the model's next-token distribution after tokens[b, :i+1].
+  under the model's next-token distribution after tokens[b, :i+1]. The segments run as
+  successive cache calls (kvlowrank.model.segments): one compiled program per window
+  shape, mode and method. The caches are not returned, so nothing is donated (XLA only
+  aliases donated inputs to outputs).
   """
-  logits, caches = forward(params, tokens, positions, caches, spec)
+  b, n = tokens.shape
+  positions = jnp.broadcast_to(jnp.arange(n, dtype=jnp.int32), (b, n))
+  logits, _ = forward_segments(params, tokens, positions, caches, spec, segments)
   picked = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
-  return caches, jax.nn.logsumexp(logits, axis=-1) - picked
+  return jax.nn.logsumexp(logits, axis=-1) - picked
 
 
 def schedule(seq_len: int, mode: str, prompt_len: int = 0, prefill_chunk: int = 0
@@ -97,16 +111,14 @@ def window_nll(params, tokens, *, spec: ModelSpec, method: str, method_spec,
   b, t = tokens.shape
   caches = init_caches(method, method_spec, spec, params, batch=b, capacity=t,
                        dtype=cache_dtype)
-  positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+  segments = tuple(schedule(t, mode, prompt_len, prefill_chunk))
+  n = segments[-1][1]
   targets = jnp.concatenate([tokens[:, 1:], jnp.zeros((b, 1), jnp.int32)], axis=1)
-  out = []
-  for s, e in schedule(t, mode, prompt_len, prefill_chunk):
-    caches, nll = _nll_step(params, caches, tokens[:, s:e], positions[:, s:e],
-                            targets[:, s:e], spec=spec)
-    out.append(nll)
-    if progress is not None:
-      progress.update(e - s)
-  nll = np.asarray(jnp.concatenate(out, axis=1), np.float32)
+  nll = _window_nll(params, caches, tokens[:, :n], targets[:, :n], spec=spec,
+                    segments=segments)
+  nll = np.asarray(nll, np.float32)
+  if progress is not None:
+    progress.update(n)
   return nll[:, :t - 1]
 
 

@@ -7,11 +7,14 @@ token: float32 score, int32 byte length, the piece's bytes. Pieces spell spaces 
 Encoding follows llama2.c `encode`: optional BOS (id 1), a dummy-prefix " " token,
 one token per UTF-8 codepoint (or its "<0xXX>" byte tokens when the codepoint is not
 a piece), then repeatedly merge the adjacent pair whose concatenation is a piece
-with the highest score (leftmost on ties) until no pair merges.
+with the highest score (leftmost on ties) until no pair merges. llama2.c rescans
+every pair after each merge (quadratic in the text length); `_merge` finds the same
+merge sequence with a heap over a linked list of symbols (O(n log n)).
 """
 
 from __future__ import annotations
 
+import heapq
 import struct
 from pathlib import Path
 from typing import Sequence
@@ -83,16 +86,49 @@ class Llama2cTokenizer:
       cp = raw[i:j]
       ids += [self._lookup[cp]] if cp in self._lookup else self._byte_tokens(cp)
       i = j
-    while len(ids) > 1:
-      best, best_id, best_idx = -1e10, -1, -1
-      for k in range(len(ids) - 1):
-        cand = self._lookup.get(self.pieces[ids[k]] + self.pieces[ids[k + 1]])
-        if cand is not None and self.scores[cand] > best:
-          best, best_id, best_idx = self.scores[cand], cand, k
-      if best_idx < 0:
-        break
-      ids[best_idx:best_idx + 2] = [best_id]
+    ids = self._merge(ids)
     return ([self.bos_id] + ids) if add_bos else ids
+
+  def _merge(self, ids: list[int]) -> list[int]:
+    """llama2.c's merge loop with a heap: same merges, in the same order.
+
+    llama2.c repeatedly merges the adjacent pair whose concatenation is a piece of
+    highest score (strict `>` from -1e10: the leftmost such pair on ties; scores <= -1e10
+    never merge). Heap entries are (-score, left symbol index, left id, right id); a
+    merged symbol keeps its left index, so index order is list order and the heap order
+    is exactly that rule. An entry is stale (skipped) when either side has changed.
+    """
+    n = len(ids)
+    if n < 2:
+      return ids
+    ids = list(ids)
+    nxt = list(range(1, n + 1))    # n marks the end of the list
+    prv = list(range(-1, n - 1))
+    alive = [True] * n
+
+    def entry(i, j):
+      cand = self._lookup.get(self.pieces[ids[i]] + self.pieces[ids[j]])
+      if cand is None or not float(self.scores[cand]) > -1e10:
+        return None
+      return (-float(self.scores[cand]), i, ids[i], ids[j], cand)
+
+    heap = [e for e in (entry(i, i + 1) for i in range(n - 1)) if e is not None]
+    heapq.heapify(heap)
+    while heap:
+      _, i, left, right, cand = heapq.heappop(heap)
+      j = nxt[i] if alive[i] else n
+      if j >= n or ids[i] != left or ids[j] != right:
+        continue  # stale: a side was merged away or changed since the push
+      ids[i] = cand
+      alive[j] = False
+      nxt[i] = nxt[j]
+      if nxt[j] < n:
+        prv[nxt[j]] = i
+      for a, b in ((prv[i], i), (i, nxt[i])):
+        e = entry(a, b) if a >= 0 and b < n else None
+        if e is not None:
+          heapq.heappush(heap, e)
+    return [ids[i] for i in range(n) if alive[i]]
 
   def decode(self, ids: Sequence[int], skip_special: bool = False) -> str:
     """Text of `ids`.

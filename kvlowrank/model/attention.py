@@ -58,14 +58,20 @@ def dot_product_attention(q, k, v, q_pos, k_pos, k_valid, *, sliding_window=None
   kh = k.shape[2]
   g = n // kh
   scale = (h ** -0.5) if scale is None else scale
-  qg = q.reshape(b, t, kh, g, h).astype(jnp.float32)
-  scores = jnp.einsum("btkgh,bskh->bkgts", qg, k.astype(jnp.float32),
+  # Heads-major operands ([B,K,G*T,H] queries, [B,K,S,H] keys and values) make both
+  # products plain batched matmuls whose outputs are already in the layout the next
+  # step reads (scores [B,K,G,T,S] with S contiguous for the softmax). Einsums over the
+  # cache's [B,S,K,H] layout made XLA:CPU transpose the [B,K,G,T,S] scores and the
+  # products (1.5-2x the attention time); the cast + transpose of K/V fuse into one copy.
+  qg = q.reshape(b, t, kh, g, h).astype(jnp.float32).transpose(0, 2, 3, 1, 4)
+  kt = k.astype(jnp.float32).transpose(0, 2, 1, 3)
+  vt = v.astype(jnp.float32).transpose(0, 2, 1, 3)
+  scores = jnp.einsum("bkgth,bksh->bkgts", qg, kt,
                       precision=jax.lax.Precision.HIGHEST) * scale
   mask = attention_mask(q_pos, k_pos, k_valid, sliding_window)[:, None, None]
   probs, lse = masked_softmax_lse(scores, mask)
-  out = jnp.einsum("bkgts,bskv->btkgv", probs, v.astype(jnp.float32),
-                   precision=jax.lax.Precision.HIGHEST)
-  out = out.reshape(b, t, n, v.shape[-1]).astype(out_dtype or v.dtype)
+  out = jnp.einsum("bkgts,bksv->bkgtv", probs, vt, precision=jax.lax.Precision.HIGHEST)
+  out = out.transpose(0, 3, 1, 2, 4).reshape(b, t, n, v.shape[-1]).astype(out_dtype or v.dtype)
   lse = lse.transpose(0, 3, 1, 2).reshape(b, t, n)
   return out, lse
 

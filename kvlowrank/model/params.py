@@ -48,9 +48,28 @@ def layer_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
 
 
 def init_params(spec: ModelSpec, key: jax.Array, dtype=jnp.float32, scale: float = 0.02):
-  """Random parameters of the right shapes (tests, benchmarks with real shapes)."""
-  keys = iter(jax.random.split(key, 4 + 16 * spec.n_layers))
-  normal = lambda shape: (scale * jax.random.normal(next(keys), shape, jnp.float32)).astype(dtype)
+  """Random parameters of the right shapes (tests, benchmarks with real shapes).
+
+  Norm weights are 1; every other tensor is N(0, scale^2) in fp32, then cast to `dtype`.
+  The draws use numpy's PCG64 generator seeded with the key's data words
+  (`np.random.default_rng(list(key_data(key)))`), tensor by tensor in a fixed order:
+  each layer's `layer_shapes` entries, then embed, then lm_head. (jax.random would
+  compile a sampler per tensor shape: seconds per new spec on a CPU; numpy takes
+  microseconds and is equally deterministic.) Equal keys give equal parameters.
+
+  Args:
+    spec: the model's ModelSpec.
+    key: a jax.random key (typed, or a raw uint32 PRNGKey).
+    dtype: parameter dtype.
+    scale: standard deviation of the weights.
+  Returns:
+    the parameter pytree (module docstring layout).
+  """
+  if jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
+    key = jax.random.key_data(key)
+  rng = np.random.default_rng([int(w) for w in np.asarray(key, np.uint32).ravel()])
+  scale = np.float32(scale)
+  normal = lambda shape: jnp.asarray(scale * rng.standard_normal(shape, np.float32), dtype)
   layers = []
   for _ in range(spec.n_layers):
     lp = {}

@@ -40,8 +40,22 @@ def mlp(lp, h):
   return (jax.nn.silu(h @ lp["w_gate"]) * (h @ lp["w_up"])) @ lp["w_down"]
 
 
-def attention_block(lp, x, positions, cache, carry, spec: ModelSpec):
-  """One layer's attention sublayer. cache None → uncached causal attention over x."""
+def cache_step(cache, inputs: AttnInputs, q, lp, carry, spec: ModelSpec):
+  """The default cache call of one forward: `cache.step` over all T tokens at once.
+
+  Returns:
+    (out [B,T,N,Hv], cache, carry).
+  """
+  out, _, cache, carry = cache.step(inputs, q, lp, carry, spec=spec)
+  return out, cache, carry
+
+
+def attention_block(lp, x, positions, cache, carry, spec: ModelSpec, *, step=cache_step):
+  """One layer's attention sublayer. cache None → uncached causal attention over x.
+
+  `step(cache, inputs, q, lp, carry, spec) -> (out, cache, carry)` runs the cache call;
+  kvlowrank.model.segments replaces it to feed the tokens segment by segment.
+  """
   h = rms_norm(x, lp["attn_norm"], spec.norm_eps)
   q, inputs = qkv_projections(lp, h, positions, spec)
   if cache is None:
@@ -49,12 +63,28 @@ def attention_block(lp, x, positions, cache, carry, spec: ModelSpec):
     out, _ = dot_product_attention(q, inputs.k, inputs.v, positions, positions, valid,
                                    sliding_window=spec.sliding_window, out_dtype=q.dtype)
   else:
-    out, _, cache, carry = cache.step(inputs, q, lp, carry, spec=spec)
+    out, cache, carry = step(cache, inputs, q, lp, carry, spec)
   b, t = x.shape[:2]
   o = out.reshape(b, t, -1).astype(x.dtype) @ lp["wo"]
   if "bo" in lp:
     o = o + lp["bo"]
   return o, h, cache, carry
+
+
+def decoder_layer(lp, x, positions, cache, carry, spec: ModelSpec, *, step=cache_step):
+  """Attention and MLP sublayers with their residuals → (x, h, cache, carry); h is the
+  normed attention input (calibration statistics)."""
+  o, h, cache, carry = attention_block(lp, x, positions, cache, carry, spec, step=step)
+  x = x + o
+  x = x + mlp(lp, rms_norm(x, lp["mlp_norm"], spec.norm_eps))
+  return x, h, cache, carry
+
+
+def lm_head(params, x, spec: ModelSpec):
+  """Final norm and output projection: x [B,T,D] → fp32 logits [B,T,V]."""
+  x = rms_norm(x, params["final_norm"], spec.norm_eps)
+  head = params["embed"].T if spec.tie_embeddings else params["lm_head"]
+  return (x @ head).astype(jnp.float32)
 
 
 def forward(params, tokens, positions, caches: Optional[tuple], spec: ModelSpec, *,
@@ -84,19 +114,15 @@ def forward(params, tokens, positions, caches: Optional[tuple], spec: ModelSpec,
   carry: Any = None
   for i, lp in enumerate(params["layers"]):
     cache = None if caches is None else caches[i]
-    o, h, cache, carry = attention_block(lp, x, positions, cache, carry, spec)
+    x, h, cache, carry = decoder_layer(lp, x, positions, cache, carry, spec)
     if capture_inputs:
       captured.append(h)
-    x = x + o
-    x = x + mlp(lp, rms_norm(x, lp["mlp_norm"], spec.norm_eps))
     new_caches.append(cache)
   if logits_at is not None:
     x = jnp.take_along_axis(x, logits_at.astype(jnp.int32)[:, None, None], axis=1)
   elif last_only:
     x = x[:, -1:]
-  x = rms_norm(x, params["final_norm"], spec.norm_eps)
-  head = params["embed"].T if spec.tie_embeddings else params["lm_head"]
-  logits = (x @ head).astype(jnp.float32)
+  logits = lm_head(params, x, spec)
   out_caches = None if caches is None else tuple(new_caches)
   if capture_inputs:
     return logits, out_caches, jnp.stack(captured)
