@@ -14,18 +14,19 @@ report.md and pareto.png into the workdir and prints where they went.
 
 Args after `:`: model, seq_len, windows, prompt_len, smoke (stories260K, < 2 min).
 
-Expected (measured 2026-11-21 on the 2-core CPU box, fp32 weights, bf16 K/V, 4 x 511
-scored tokens; the dense/KIVI points only):
+Expected (measured 2026-11-22 on the 2-core CPU box, fp32 weights, bf16 K/V, 4 x 511
+scored tokens; all 8 points took ~9 min 10 s wall incl. Palu calibration):
 
   | method | bits | KV bytes/token | vs bf16 | PPL prefill | PPL decode |
   |---|---|---|---|---|---|
-  | dense (baseline) | 16 | 23040 | 1.00x | 30.953 | 30.950 |
-  | kivi | 4 | 7200 | 3.20x | 31.566 | 31.155 |
-  | kivi | 2 | 4320 | 5.33x | 54.747 | 41.662 |
-
-  These three points took 10 min 13 s wall (4 min 43 s CPU) with other jobs keeping the
-  load average near 9 on the 2 cores; per point ~25-80 s prefill mode, ~120-155 s
-  decode mode (mostly XLA compilation of the 30-layer KIVI step, and 255 decode steps).
+  | dense (baseline) | 16 | 23040 | 1.00x | 30.953 | 30.953 |
+  | palu | 16 | 11520 | 2.00x | 44.504 | 44.503 |
+  | kivi | 4 | 7200 | 3.20x | 31.566 | 31.165 |
+  | xquant | 4 | 6480 | 3.56x | 31.138 | 31.153 |
+  | kivi | 2 | 4320 | 5.33x | 54.747 | 41.660 |
+  | xquant_cl | 2+4x3 | 3888 | 5.93x | 41.671 | 42.784 |
+  | xquant | 2 | 3600 | 6.40x | 48.305 | 46.109 |
+  | palu | 3 | 3432 | 6.71x | 38.450 | 38.779 |
 """
 
 from ml_collections import ConfigDict, config_dict
