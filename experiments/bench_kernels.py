@@ -207,8 +207,10 @@ SWEEP = {
               dict(block_s=32, num_warps=4, num_stages=4)],
     "palu": [dict(block_s=32, num_warps=4, num_stages=2, trans=True),
              dict(block_s=32, num_warps=4, num_stages=2, trans=False),
-             dict(block_s=16, num_warps=4, num_stages=3, trans=False),
-             dict(block_s=16, num_warps=4, num_stages=3, trans=True)],
+             dict(block_s=64, num_warps=4, num_stages=1, trans=True),
+             dict(block_s=64, num_warps=4, num_stages=1, trans=False),
+             dict(block_s=64, num_warps=8, num_stages=1, trans=False),
+             dict(block_s=32, num_warps=8, num_stages=2, trans=True)],
     "kivi": [dict(block_s=64, num_warps=8, num_stages=3),
              dict(block_s=32, num_warps=4, num_stages=3),
              dict(block_s=32, num_warps=4, num_stages=5),
@@ -225,12 +227,15 @@ def _try_time(name, fn, log):
     return None
 
 
-def sweep(model, s, b, log):
+FAMILIES = ("dense", "palu", "kivi")
+
+
+def sweep(model, s, b, log, families=FAMILIES):
   """Best triton options per kernel family for one (model, context, batch)."""
   m = MODELS[model]
   best = {}
   key = jax.random.key(7)
-  for fam in ("dense", "palu", "kivi"):
+  for fam in families:
     if fam == "dense":
       inp = dense_inputs(m, s, b, key)
     elif fam == "palu":
@@ -259,14 +264,15 @@ def sweep(model, s, b, log):
   return best
 
 
-# Winners of the --sweep run on the H200 (16K context, batch 8), 2026-11-21.
+# Winners of the --sweep runs on the H200 (16K context, batch 8): dense and KIVI
+# 2026-11-21; Palu 2026-11-22 (after the absorbed-query / RoPE-table change).
 DEFAULT_OPTIONS = {
     "llama2-7b": dict(dense=dict(block_s=64, num_warps=8, num_stages=4, target_programs=528),
-                      palu=dict(block_s=32, num_warps=4, num_stages=2, trans=True,
-                                target_programs=528),
+                      palu=dict(block_s=32, num_warps=4, num_stages=2, trans=False,
+                                target_programs=1056),
                       kivi=dict(block_s=32, num_warps=4, num_stages=5, target_programs=528)),
     "llama3-8b": dict(dense=dict(block_s=128, num_warps=4, num_stages=3, target_programs=528),
-                      palu=dict(block_s=32, num_warps=4, num_stages=2, trans=True,
+                      palu=dict(block_s=32, num_warps=4, num_stages=2, trans=False,
                                 target_programs=528),
                       kivi=dict(block_s=32, num_warps=4, num_stages=5, target_programs=1056)),
 }
@@ -276,7 +282,7 @@ def _opts_for(best, fam):
   return dict(best.get(fam, {}))
 
 
-def run_config(model, s, b, best, log, ablate=False):
+def run_config(model, s, b, best, log, ablate=False, families=FAMILIES):
   """All kernels on one (model, context, batch); returns records (times in us)."""
   m = MODELS[model]
   recs = []
@@ -293,7 +299,7 @@ def run_config(model, s, b, best, log, ablate=False):
     add(name, fn, rd, fl)
   del inp, fn
   gc.collect()
-  for v_bits in (16, 4):
+  for v_bits in (16, 4) if "palu" in families else ():
     inp, sh = palu_inputs(m, s, b, key, v_bits)
     rd, fl = palu_cost(m, s, b, inp, sh)
     name = "palu-bf16" if v_bits == 16 else "palu-v4"
@@ -304,6 +310,8 @@ def run_config(model, s, b, best, log, ablate=False):
             ablation=True)
     del inp
     gc.collect()
+  if "kivi" not in families:
+    return recs
   inp = kivi_inputs(m, s, b, key)
   rd, fl = kivi_cost(m, s, b, inp)
   add("kivi-2bit", kivi_fn(inp, _opts_for(best, "kivi")), rd, fl)
@@ -371,6 +379,8 @@ def main(argv=None):
   ap.add_argument("--sweep", action="store_true", help="tune kernel options at 16K, B=8 first")
   ap.add_argument("--sweep_only", action="store_true")
   ap.add_argument("--options", default=None, help="JSON file of per-model best options")
+  ap.add_argument("--families", default=",".join(FAMILIES),
+                  help="kernel families to sweep (dense,palu,kivi)")
   ap.add_argument("--ablate", action="store_true",
                   help="also time Palu/KIVI with the value or key path skipped (16K, B=8)")
   ap.add_argument("--time_budget", type=float, default=1e9,
@@ -407,7 +417,8 @@ def main(argv=None):
       best = json.load(f)
   if args.sweep or args.sweep_only:
     for model in models:
-      best[model] = sweep(model, 16384, 8, log)
+      best[model] = dict(best.get(model, {}),
+                         **sweep(model, 16384, 8, log, args.families.split(",")))
   out = dict(info=info, options=best, records=[])
   if not args.sweep_only:
     recs = []
@@ -424,7 +435,8 @@ def main(argv=None):
         log(f"skip {model} S={s} B={b}: does not fit")
         continue
       recs += run_config(model, s, b, best.get(model, {}), log,
-                         ablate=args.ablate and s == 16384 and b == 8)
+                         ablate=args.ablate and s == 16384 and b == 8,
+                         families=args.families.split(","))
       log(f"done {model} S={s} B={b}")
       out["records"] = recs
       with open(args.out, "w", encoding="utf-8") as f:

@@ -72,6 +72,6 @@ def latent_attention(q, hk, hv, b_k, lengths, *, rope_theta=10000.0, inv_freq=No
   if impl == "xla":
     return _latent_attention_xla(q, hk, hv, b_k, lengths, inv, k_bias, scale, out_dtype)
   check_shapes(q, hk, hv, b_k, lengths, k_bias)
-  from .triton_latent import latent_attention_triton  # pylint: disable=import-outside-toplevel
+  from .triton_latent_launch import latent_attention_triton  # pylint: disable=import-outside-toplevel
   return latent_attention_triton(q, hk, hv, b_k, lengths, inv, k_bias=k_bias, scale=scale,
                                  out_dtype=out_dtype, **options)

@@ -22,9 +22,11 @@ B1 = B_k[gr][:, jH : jH + H/2], B2 = the next H/2 columns):
     QPK query heads of KV head j.
 Then an online softmax over the tile and acc^T += hv^T @ p. Output per head is
 the value-latent mixture [rv] (B_v lives in W_o, Palu Eq. 6) plus its LSE;
-splits merge in `splitk.combine_partials`. TRANS (default) lays token tiles
-along the MMA N dimension ([H/2, T] tiles, Hopper warpgroup MMA at T = 32);
-TRANS=False along M ([T, H/2], register MMA at T = 32).
+splits merge in `splitk.combine_partials`. TRANS=False (default) lays token
+tiles along the MMA M dimension ([T, H/2]; B_k slices / absorbed queries are the
+B operand, kept in shared memory); TRANS along N ([H/2, T]; they become the A
+operand, which Triton holds in registers: more spills, and on GQA shapes more
+shared memory than an H200 block may use at block_s = 32, 2 stages).
 
 Measured limits (H200, BENCHMARKS.md): the reconstruction matrices of a group
 (rk x g*H bf16 = 128 KiB at Palu's 50% setting) live in shared memory, so one
@@ -34,14 +36,15 @@ cross-warp score reductions, softmax) is latency bound: the key path runs at
 attention. A faster design needs warp specialisation (TMA producer, MMA
 consumers) that Triton 3.6 does not give here.
 
-RoPE at position t = t0 + tau (t0 the tile start, a multiple of BLOCK_S) uses
-fl(t0 w) and fl(tau w) from two small XLA-made tables ([S / BLOCK_S, H/2] and
-[BLOCK_S, H/2]): ABSORB forms cos/sin(t0 w + tau w) by the angle-sum formulas,
-the GQA path rotates the queries by -fl(t0 w) per tile and the keys by
-fl(tau w). No sin/cos code sits in the kernel (precise sin/cos inline a large
-range-reduction path that cost the kernel its registers). The angle differs
-from the reference's fl(t * w) by at most the fp32 rounding of the angle
-(<= 2**-24 * |t * w| rad), the same order as the reference's own rounding.
+RoPE angles come from an XLA-made [2, S, H/2] float32 cos/sin table of fl(t w)
+(exactly the reference's angles), read per tile at the key positions (L2
+resident, shared by all programs). No sin/cos code sits in the kernel (precise
+sin/cos inline a large range-reduction path that cost the kernel its registers),
+and no loop-invariant tables are held in registers: the first H200 runs showed
+255 registers/thread with hundreds of bytes of spills per thread in most
+configurations (experiments/ptx_stats.py), so register pressure is what this
+kernel is designed around. The GQA path rotates the reconstructed keys by the
+full angle and scores them against the unrotated (already RoPE'd) queries.
 
 Ranks need not be powers of two: each rank is split into a power-of-two piece
 A and a remainder B padded to a power of two (384 = 256 + 128 exactly).
@@ -57,17 +60,11 @@ Packed latents need block_s >= 32 (see `plan`).
 
 from __future__ import annotations
 
-import jax
-import jax.numpy as jnp
-import numpy as np
 import triton
 import triton.language as tl
 
-from ..decode_attention import splitk
-from ..decode_attention import triton_backend
-from ..decode_attention.triton_decode import split_range, store_partial
+from ..decode_attention.triton_decode import split_range
 from . import triton_unpack as tu
-from .packing import PackedLatent
 
 
 @triton.jit
@@ -105,8 +102,8 @@ def _value_piece(hv_ptr, tok, t_ok, C0: tl.constexpr, CP: tl.constexpr, CN: tl.c
 
 
 @triton.jit
-def _latent_body(q_ptr, hk_ptr, hks_ptr, hkz_ptr, hv_ptr, hvs_ptr, hvz_ptr, bk_ptr, bias_ptr,
-                 tau_ptr, base_ptr, len_ptr, S, NSPLIT, sm_scale, o_ptr, lse_ptr,
+def _latent_body(q_ptr, hk_ptr, hks_ptr, hkz_ptr, hv_ptr, hvs_ptr, hvz_ptr, bk_ptr, bias_ptr, pq_ptr, pqb_ptr,
+                 rope_ptr, len_ptr, S, NSPLIT, sm_scale, o_ptr, lse_ptr,
                  GR: tl.constexpr, G: tl.constexpr, QPK: tl.constexpr, NQP: tl.constexpr,
                  H: tl.constexpr, RK: tl.constexpr, RKA: tl.constexpr, RKB: tl.constexpr,
                  RKBP: tl.constexpr, RV: tl.constexpr, RVA: tl.constexpr, RVB: tl.constexpr,
@@ -129,14 +126,6 @@ def _latent_body(q_ptr, hk_ptr, hks_ptr, hkz_ptr, hv_ptr, hvs_ptr, hvz_ptr, bk_p
   hh = tl.arange(0, HH)
   tcol = tl.arange(0, BLOCK_S)
   qscale = sm_scale * 1.4426950408889634
-  # tau table [2, BLOCK_S, HH]: cos, sin of fl(tau * w); read as [HH, T] (TRANS) or [T, HH].
-  if TRANS:
-    tt = tcol[None, :] * HH + hh[:, None]
-  else:
-    tt = tcol[:, None] * HH + hh[None, :]
-  ct = tl.load(tau_ptr + tt)
-  st = tl.load(tau_ptr + BLOCK_S * HH + tt)
-  n_tiles = tl.cdiv(S, BLOCK_S)
   if not ABSORB:
     qrows = q_ptr + (b64 * N + gr * NQG + rows)[:, None] * H
     q1 = tl.load(qrows + hh[None, :], mask=row_ok[:, None], other=0.0).to(tl.float32) * qscale
@@ -150,7 +139,6 @@ def _latent_body(q_ptr, hk_ptr, hks_ptr, hkz_ptr, hv_ptr, hvs_ptr, hvz_ptr, bk_p
   psum = tl.zeros([NQP], tl.float32)
   pz = tl.zeros([NQP], tl.float32)
   bk_base = bk_ptr + gr * (RK * GH)
-  q_base = q_ptr + (b64 * N + gr * NQG) * H
   rka = tl.arange(0, RKA)
   rkb = RKA + tl.arange(0, RKBP)
   rkb_ok = tl.arange(0, RKBP) < RKB
@@ -158,23 +146,16 @@ def _latent_body(q_ptr, hk_ptr, hks_ptr, hkz_ptr, hv_ptr, hvs_ptr, hvz_ptr, bk_p
     offs = t0 + tcol
     t_ok = offs < end
     tok = (b64 * S + offs) * GR + gr
-    # cos/sin of fl(t0 w) for this tile.
-    c0 = tl.load(base_ptr + (t0 // BLOCK_S) * HH + hh)
-    s0 = tl.load(base_ptr + (n_tiles + t0 // BLOCK_S) * HH + hh)
+    # cos/sin of fl(t w) at this tile's key positions, from the [2, S, HH] table
+    # (L2-resident, shared by every program): no loop-invariant tables held in registers.
     if TRANS:
-      c0b = c0[:, None]
-      s0b = s0[:, None]
+      tt = offs[None, :] * HH + hh[:, None]
+      rmask = t_ok[None, :]
     else:
-      c0b = c0[None, :]
-      s0b = s0[None, :]
-    if ABSORB:
-      # Full angles fl(t0 w) + fl(tau w): cos/sin tiles by the angle-sum formulas.
-      cos_t = c0b * ct - s0b * st
-      sin_t = s0b * ct + c0b * st
-    else:
-      # Rotate the queries by -fl(t0 w) (cheap: [NQP, HH]); keys get fl(tau w) below.
-      qr1 = q1 * c0[None, :] + q2 * s0[None, :]
-      qr2 = q2 * c0[None, :] - q1 * s0[None, :]
+      tt = offs[:, None] * HH + hh[None, :]
+      rmask = t_ok[:, None]
+    cos_t = tl.load(rope_ptr + tt, mask=rmask, other=0.0)
+    sin_t = tl.load(rope_ptr + S * HH + tt, mask=rmask, other=0.0)
     if SKIP == 2:
       # Ablation (timing only): no key latent load or reconstruction.
       if TRANS:
@@ -193,68 +174,47 @@ def _latent_body(q_ptr, hk_ptr, hks_ptr, hkz_ptr, hv_ptr, hvs_ptr, hvz_ptr, bk_p
       else:
         scores = tl.zeros([BLOCK_S, NQP], tl.float32)
       for j in tl.static_range(G):
-        # B_k[gr][:, jH : jH + H] halves: [HH, RK] (TRANS) or [RK, HH].
-        if TRANS:
-          b1 = tl.load(bk_base + rka[None, :] * GH + j * H + hh[:, None])
-          b2 = tl.load(bk_base + rka[None, :] * GH + j * H + HH + hh[:, None])
-          if RKB > 0:
-            b1b = tl.load(bk_base + rkb[None, :] * GH + j * H + hh[:, None],
-                          mask=rkb_ok[None, :], other=0.0)
-            b2b = tl.load(bk_base + rkb[None, :] * GH + j * H + HH + hh[:, None],
-                          mask=rkb_ok[None, :], other=0.0)
-        else:
-          b1 = tl.load(bk_base + rka[:, None] * GH + j * H + hh[None, :])
-          b2 = tl.load(bk_base + rka[:, None] * GH + j * H + HH + hh[None, :])
-          if RKB > 0:
-            b1b = tl.load(bk_base + rkb[:, None] * GH + j * H + hh[None, :],
-                          mask=rkb_ok[:, None], other=0.0)
-            b2b = tl.load(bk_base + rkb[:, None] * GH + j * H + HH + hh[None, :],
-                          mask=rkb_ok[:, None], other=0.0)
-        if HAS_BIAS:
-          bias1 = tl.load(bias_ptr + gr * GH + j * H + hh).to(tl.float32)
-          bias2 = tl.load(bias_ptr + gr * GH + j * H + HH + hh).to(tl.float32)
-          if TRANS:
-            bias1 = bias1[:, None]
-            bias2 = bias2[:, None]
-          else:
-            bias1 = bias1[None, :]
-            bias2 = bias2[None, :]
         if ABSORB:
-          # One query head per KV head: fold it into B_k (loop invariant, built once):
+          # One query head per KV head, folded into B_k outside the kernel (`absorbed_queries`):
           #   q . RoPE_t(k) = sum_i cos_i (h P)_i + sin_i (h Q)_i,
           #   P = q1 B1 + q2 B2, Q = q2 B1 - q1 B2 (per rotation pair i).
-          q1 = tl.load(q_base + j * H + hh).to(tl.float32) * qscale
-          q2 = tl.load(q_base + j * H + HH + hh).to(tl.float32) * qscale
+          # P, Q arrive as MMA-ready operands [2, RK, HH] per head: no per-tile elementwise work.
+          pq_base = pq_ptr + (b64 * N + gr * NQG + j) * (2 * RK * HH)
           if TRANS:
-            q1 = q1[:, None]
-            q2 = q2[:, None]
-          else:
-            q1 = q1[None, :]
-            q2 = q2[None, :]
-          b1f = b1.to(tl.float32)
-          b2f = b2.to(tl.float32)
-          pm = (q1 * b1f + q2 * b2f).to(KDT)
-          qm = (q2 * b1f - q1 * b2f).to(KDT)
-          if TRANS:
+            pa = rka[None, :] * HH + hh[:, None]
+            pm = tl.load(pq_base + pa)
+            qm = tl.load(pq_base + RK * HH + pa)
             x1 = tl.dot(pm, hka)
             x2 = tl.dot(qm, hka)
-          else:
-            x1 = tl.dot(hka, pm)
-            x2 = tl.dot(hka, qm)
-          if RKB > 0:
-            b1bf = b1b.to(tl.float32)
-            b2bf = b2b.to(tl.float32)
-            pmb = (q1 * b1bf + q2 * b2bf).to(KDT)
-            qmb = (q2 * b1bf - q1 * b2bf).to(KDT)
-            if TRANS:
+            if RKB > 0:
+              pb_ = rkb[None, :] * HH + hh[:, None]
+              pmb = tl.load(pq_base + pb_, mask=rkb_ok[None, :], other=0.0)
+              qmb = tl.load(pq_base + RK * HH + pb_, mask=rkb_ok[None, :], other=0.0)
               x1 = tl.dot(pmb, hkb, x1)
               x2 = tl.dot(qmb, hkb, x2)
-            else:
+          else:
+            pa = rka[:, None] * HH + hh[None, :]
+            pm = tl.load(pq_base + pa)
+            qm = tl.load(pq_base + RK * HH + pa)
+            x1 = tl.dot(hka, pm)
+            x2 = tl.dot(hka, qm)
+            if RKB > 0:
+              pb_ = rkb[:, None] * HH + hh[None, :]
+              pmb = tl.load(pq_base + pb_, mask=rkb_ok[:, None], other=0.0)
+              qmb = tl.load(pq_base + RK * HH + pb_, mask=rkb_ok[:, None], other=0.0)
               x1 = tl.dot(hkb, pmb, x1)
               x2 = tl.dot(hkb, qmb, x2)
           if HAS_BIAS:
-            x1 += q1 * bias1 + q2 * bias2
-            x2 += q2 * bias1 - q1 * bias2
+            # (q1 b1 + q2 b2, q2 b1 - q1 b2) of the key bias, also folded outside.
+            qb = pqb_ptr + (b64 * N + gr * NQG + j) * (2 * HH)
+            qb1 = tl.load(qb + hh)
+            qb2 = tl.load(qb + HH + hh)
+            if TRANS:
+              x1 += qb1[:, None]
+              x2 += qb2[:, None]
+            else:
+              x1 += qb1[None, :]
+              x2 += qb2[None, :]
           if TRANS:
             sj = tl.sum(cos_t * x1 + sin_t * x2, 0)
             scores = tl.where((rows == j)[:, None], sj[None, :], scores)
@@ -262,29 +222,48 @@ def _latent_body(q_ptr, hk_ptr, hks_ptr, hkz_ptr, hv_ptr, hvs_ptr, hvz_ptr, bk_p
             sj = tl.sum(cos_t * x1 + sin_t * x2, 1)
             scores = tl.where((rows == j)[None, :], sj[:, None], scores)
         else:
-          # Reconstruct the KV head's keys (two halves), RoPE, then score its QPK heads.
+          # Reconstruct the KV head's keys (two halves: B_k[gr][:, jH : jH + H] as
+          # [HH, RK] (TRANS) or [RK, HH]), RoPE, then score its QPK query heads.
           if TRANS:
+            b1 = tl.load(bk_base + rka[None, :] * GH + j * H + hh[:, None])
+            b2 = tl.load(bk_base + rka[None, :] * GH + j * H + HH + hh[:, None])
             k1 = tl.dot(b1.to(KDT), hka)
             k2 = tl.dot(b2.to(KDT), hka)
             if RKB > 0:
+              b1b = tl.load(bk_base + rkb[None, :] * GH + j * H + hh[:, None],
+                            mask=rkb_ok[None, :], other=0.0)
+              b2b = tl.load(bk_base + rkb[None, :] * GH + j * H + HH + hh[:, None],
+                            mask=rkb_ok[None, :], other=0.0)
               k1 = tl.dot(b1b.to(KDT), hkb, k1)
               k2 = tl.dot(b2b.to(KDT), hkb, k2)
           else:
+            b1 = tl.load(bk_base + rka[:, None] * GH + j * H + hh[None, :])
+            b2 = tl.load(bk_base + rka[:, None] * GH + j * H + HH + hh[None, :])
             k1 = tl.dot(hka, b1.to(KDT))
             k2 = tl.dot(hka, b2.to(KDT))
             if RKB > 0:
+              b1b = tl.load(bk_base + rkb[:, None] * GH + j * H + hh[None, :],
+                            mask=rkb_ok[:, None], other=0.0)
+              b2b = tl.load(bk_base + rkb[:, None] * GH + j * H + HH + hh[None, :],
+                            mask=rkb_ok[:, None], other=0.0)
               k1 = tl.dot(hkb, b1b.to(KDT), k1)
               k2 = tl.dot(hkb, b2b.to(KDT), k2)
           if HAS_BIAS:
-            k1 += bias1
-            k2 += bias2
-          r1 = k1 * ct - k2 * st
-          r2 = k2 * ct + k1 * st
+            bias1 = tl.load(bias_ptr + gr * GH + j * H + hh).to(tl.float32)
+            bias2 = tl.load(bias_ptr + gr * GH + j * H + HH + hh).to(tl.float32)
+            if TRANS:
+              k1 += bias1[:, None]
+              k2 += bias2[:, None]
+            else:
+              k1 += bias1[None, :]
+              k2 += bias2[None, :]
+          r1 = k1 * cos_t - k2 * sin_t
+          r2 = k2 * cos_t + k1 * sin_t
           sel = ((rows // QPK == j) & row_ok)[:, None]
           # fp16 operands (8x finer than bf16; rotated keys and scaled queries are far
           # inside fp16's range).
-          qj1 = tl.where(sel, qr1, 0.0).to(tl.float16)
-          qj2 = tl.where(sel, qr2, 0.0).to(tl.float16)
+          qj1 = tl.where(sel, q1, 0.0).to(tl.float16)
+          qj2 = tl.where(sel, q2, 0.0).to(tl.float16)
           if TRANS:
             scores = tl.dot(qj1, r1.to(tl.float16), scores)
             scores = tl.dot(qj2, r2.to(tl.float16), scores)
@@ -333,7 +312,7 @@ def _latent_body(q_ptr, hk_ptr, hks_ptr, hkz_ptr, hv_ptr, hvs_ptr, hvz_ptr, bk_p
 
 @triton.jit
 def latent_kernel(q_ptr, hk_ptr, hks_ptr, hkz_ptr, hv_ptr, hvs_ptr, hvz_ptr, bk_ptr, bias_ptr,
-                  tau_ptr, base_ptr, len_ptr, S, NSPLIT, sm_scale, o_ptr, lse_ptr,
+                  pq_ptr, pqb_ptr, rope_ptr, len_ptr, S, NSPLIT, sm_scale, o_ptr, lse_ptr,
                   GR: tl.constexpr, G: tl.constexpr, QPK: tl.constexpr, NQP: tl.constexpr,
                   H: tl.constexpr, RK: tl.constexpr, RKA: tl.constexpr, RKB: tl.constexpr,
                   RKBP: tl.constexpr, RV: tl.constexpr, RVA: tl.constexpr, RVB: tl.constexpr,
@@ -341,14 +320,14 @@ def latent_kernel(q_ptr, hk_ptr, hks_ptr, hkz_ptr, hv_ptr, hvs_ptr, hvz_ptr, bk_
                   HAS_BIAS: tl.constexpr, BLOCK_S: tl.constexpr,
                   ABSORB: tl.constexpr, TRANS: tl.constexpr, SKIP: tl.constexpr):
   _latent_body(q_ptr, hk_ptr, hks_ptr, hkz_ptr, hv_ptr, hvs_ptr, hvz_ptr, bk_ptr, bias_ptr,
-               tau_ptr, base_ptr, len_ptr, S, NSPLIT, sm_scale, o_ptr, lse_ptr, GR, G, QPK, NQP,
+               pq_ptr, pqb_ptr, rope_ptr, len_ptr, S, NSPLIT, sm_scale, o_ptr, lse_ptr, GR, G, QPK, NQP,
                H, RK, RKA, RKB, RKBP, RV, RVA, RVB, RVBP, KBITS, VBITS, HAS_BIAS, BLOCK_S, ABSORB,
                TRANS, SKIP)
 
 
 @triton.jit
 def latent_kernel_poisoned(q_ptr, hk_ptr, hks_ptr, hkz_ptr, hv_ptr, hvs_ptr, hvz_ptr, bk_ptr,
-                           bias_ptr, tau_ptr, base_ptr, len_ptr, S, NSPLIT, sm_scale, o_init,
+                           bias_ptr, pq_ptr, pqb_ptr, rope_ptr, len_ptr, S, NSPLIT, sm_scale, o_init,
                            lse_init, o_ptr, lse_ptr, GR: tl.constexpr, G: tl.constexpr,
                            QPK: tl.constexpr, NQP: tl.constexpr, H: tl.constexpr, RK: tl.constexpr,
                            RKA: tl.constexpr, RKB: tl.constexpr, RKBP: tl.constexpr,
@@ -357,116 +336,6 @@ def latent_kernel_poisoned(q_ptr, hk_ptr, hks_ptr, hkz_ptr, hv_ptr, hvs_ptr, hvz
                            HAS_BIAS: tl.constexpr, BLOCK_S: tl.constexpr,
                            ABSORB: tl.constexpr, TRANS: tl.constexpr, SKIP: tl.constexpr):
   _latent_body(q_ptr, hk_ptr, hks_ptr, hkz_ptr, hv_ptr, hvs_ptr, hvz_ptr, bk_ptr, bias_ptr,
-               tau_ptr, base_ptr, len_ptr, S, NSPLIT, sm_scale, o_ptr, lse_ptr, GR, G, QPK, NQP,
+               pq_ptr, pqb_ptr, rope_ptr, len_ptr, S, NSPLIT, sm_scale, o_ptr, lse_ptr, GR, G, QPK, NQP,
                H, RK, RKA, RKB, RKBP, RV, RVA, RVB, RVBP, KBITS, VBITS, HAS_BIAS, BLOCK_S, ABSORB,
                TRANS, SKIP)
-
-
-def _split_rank(r: int):
-  """r = A + B with A the largest power of two <= r; B padded to a power of two (0 if none)."""
-  a = 1 << (r.bit_length() - 1)
-  rb = r - a
-  rbp = 0 if rb == 0 else max(16, 1 << (rb - 1).bit_length())
-  return a, rb, max(rbp, 16)
-
-
-def plan(q_shape, hk_shape, hv_shape, bk_shape, *, kbits=16, vbits=16, has_bias=False,
-         block_s=32, num_splits=None, absorb=None, target_programs=None, trans=True,
-         skip=0):
-  """Launch geometry shared by the JAX wrapper and the CPU interpreter check.
-
-  skip: 0, or an ablation for timing only (1: no value path, 2: no key path; wrong output).
-  """
-  b, n, h = q_shape
-  s, gr, rk = hk_shape[1], hk_shape[2], hk_shape[3]
-  rv = hv_shape[3]
-  g = bk_shape[2] // h
-  qpk = n // (gr * g)
-  nqg = g * qpk
-  for name, val in (("rk", rk), ("rv", rv)):
-    if val % 16 or val < 16:
-      raise ValueError(f"triton latent attention: {name} must be a multiple of 16, got {val}")
-  if h < 32 or h & (h - 1):
-    raise ValueError(f"triton latent attention: head dim must be a power of 2 >= 32, got {h}")
-  if block_s < 16 or block_s & (block_s - 1):
-    raise ValueError(f"triton latent attention: block_s must be a power of 2 >= 16, got {block_s}")
-  # The GPU tests caught wrong results for tiny packed tiles (block_s = 16 with 2-bit
-  # keys; 3-bit latents with a 16-wide rank piece) where the CPU interpreter agrees
-  # with the reference; not root-caused, so those shapes are refused.
-  if block_s < 32 and (kbits != 16 or vbits != 16):
-    raise ValueError("triton latent attention: packed latents need block_s >= 32")
-  if s * gr * max(rk, rv) >= 2 ** 31:
-    raise ValueError("triton latent attention: one sequence's latent cache exceeds int32 indexing")
-  rka, rkb, rkbp = _split_rank(rk)
-  rva, rvb, rvbp = _split_rank(rv)
-  for name, bits, pieces in (("rk", kbits, (rka, rkb)), ("rv", vbits, (rva, rvb))):
-    if bits != 16 and min(p for p in pieces if p) < 32:
-      raise ValueError(f"triton latent attention: packed {name} must split into power-of-two "
-                       f"pieces >= 32 (got {pieces})")
-  if absorb is None:
-    absorb = qpk == 1
-  if absorb and qpk != 1:
-    raise ValueError("triton latent attention: absorb=True needs one query head per KV head")
-  ns = splitk.choose_num_splits(b * gr, s, block_s, requested=num_splits,
-                                  target=target_programs or splitk.TARGET_PROGRAMS)
-  return dict(
-      grid=(b * gr, ns),
-      constexprs=dict(GR=gr, G=g, QPK=qpk, NQP=max(16, 1 << (nqg - 1).bit_length()), H=h,
-                      RK=rk, RKA=rka, RKB=rkb, RKBP=rkbp, RV=rv, RVA=rva, RVB=rvb, RVBP=rvbp,
-                      KBITS=kbits, VBITS=vbits, HAS_BIAS=bool(has_bias),
-                      BLOCK_S=block_s, ABSORB=bool(absorb), TRANS=bool(trans),
-                      SKIP=int(skip)), num_splits=ns,
-      out_shapes=[jax.ShapeDtypeStruct((b, n, ns, rv), jnp.float32),
-                  jax.ShapeDtypeStruct((b, n, ns), jnp.float32)])
-
-
-def rope_tables(inv_freq, capacity: int, block_s: int):
-  """(tau [2, block_s, H/2], base [2, ceil(S / block_s), H/2]) float32 cos/sin tables."""
-  inv = jnp.asarray(inv_freq, jnp.float32)
-  tau = jnp.arange(block_s, dtype=jnp.int32).astype(jnp.float32)[:, None] * inv[None, :]
-  n_tiles = -(-capacity // block_s)
-  base = (jnp.arange(n_tiles, dtype=jnp.int32) * block_s).astype(jnp.float32)[:, None] * inv
-  return (jnp.stack([jnp.cos(tau), jnp.sin(tau)]), jnp.stack([jnp.cos(base), jnp.sin(base)]))
-
-
-def _latent_args(x, dummy):
-  """(data, scale, zero, bits) for an array or PackedLatent."""
-  if isinstance(x, PackedLatent):
-    if x.bits not in (2, 3, 4):
-      raise ValueError(f"triton latent attention supports 2/3/4-bit latents, got {x.bits}")
-    return x.codes, x.scale, x.zero, x.bits
-  return x.astype(jnp.bfloat16), dummy, dummy, 16
-
-
-def latent_attention_triton(q, hk, hv, b_k, lengths, inv_freq, *, k_bias=None, scale=None,
-                            out_dtype=None, block_s=32, num_splits=None, absorb=None,
-                            target_programs=None, trans=True, skip=0, num_warps=4,
-                            num_stages=2, poison=False, return_partials=False):
-  """Fused Palu decode attention; same contract as `latent_attention_reference`.
-
-  Args (beyond the reference's): inv_freq [H/2] float32 (already resolved);
-    block_s, num_splits, absorb, target_programs, trans, num_warps, num_stages: kernel knobs
-      (trans: token tiles as the MMA N dim, [H/2, T]; else as M, [T, H/2]);
-    poison: NaN-fill partial outputs first (tests); return_partials: also return them.
-  """
-  h = q.shape[-1]
-  # np.float32: jax-triton passes a Python float as an fp64 scalar.
-  scale = np.float32(h ** -0.5 if scale is None else scale)
-  lengths = lengths.astype(jnp.int32)
-  hk_d, hks, hkz, kbits = _latent_args(hk, lengths)
-  hv_d, hvs, hvz, vbits = _latent_args(hv, lengths)
-  p = plan(q.shape, hk.shape, hv.shape, b_k.shape, kbits=kbits, vbits=vbits,
-           has_bias=k_bias is not None, block_s=block_s, num_splits=num_splits,
-           absorb=absorb, target_programs=target_programs, trans=trans, skip=skip)
-  bias = k_bias.astype(jnp.float32) if k_bias is not None else lengths
-  tau, base = rope_tables(inv_freq, int(hk.shape[1]), block_s)
-  o, lse = triton_backend.launch(
-      latent_kernel, latent_kernel_poisoned,
-      q.astype(jnp.bfloat16), hk_d, hks, hkz, hv_d, hvs, hvz, b_k.astype(jnp.bfloat16), bias,
-      tau, base, lengths, int(hk.shape[1]), p["num_splits"], scale,
-      out_shapes=p["out_shapes"], grid=p["grid"], num_warps=num_warps, num_stages=num_stages,
-      poison=poison, **p["constexprs"])
-  out, total = splitk.combine_partials(o, lse, out_dtype or q.dtype)
-  if return_partials:
-    return out, total, (o, lse)
-  return out, total

@@ -1,0 +1,176 @@
+"""Kernel-vs-reference checks run under Triton's CPU interpreter (one check per process).
+
+`python tests/kernels/interpret_checks.py NAME` sets TRITON_INTERPRET=1 *before*
+importing the kernel modules (Triton decides at decoration time), runs check
+NAME and exits non-zero on a mismatch. `test_triton_interpret.py` runs every
+check in a subprocess; it skips where Triton or torch is not installed (CI).
+Shapes are small and ragged (lengths 1, full, non-multiples of the tiles); the
+GPU tests (`-m gpu`) repeat these on the device with larger shapes.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+os.environ["TRITON_INTERPRET"] = "1"
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+from triton_interpret import interpreted_launch  # noqa: E402
+
+F32 = jnp.float32
+
+
+def assert_close(out, ref, atol, rtol, what):
+  out, ref = np.asarray(out, np.float64), np.asarray(ref, np.float64)
+  assert out.shape == ref.shape, (what, out.shape, ref.shape)
+  assert not np.isnan(out).any(), f"{what}: NaN in output"
+  both_inf = np.isinf(out) & np.isinf(ref) & (np.sign(out) == np.sign(ref))
+  err = np.where(both_inf, 0.0, np.abs(out - ref))
+  bad = err > atol + rtol * np.abs(np.where(both_inf, 0.0, ref))
+  assert not bad.any(), f"{what}: {bad.sum()} of {bad.size} off, max err {err.max():.3g}"
+  print(f"{what}: max err {err.max():.3g}")
+
+
+def check_dense():
+  from kvlowrank_kernels.decode_attention import shapes as ds  # pylint: disable=import-outside-toplevel
+  from kvlowrank_kernels.decode_attention.reference import decode_attention_reference  # pylint: disable=import-outside-toplevel
+  from kvlowrank_kernels.decode_attention.triton_decode import decode_attention_triton  # pylint: disable=import-outside-toplevel
+  for i, shape in enumerate(ds.TEST_SHAPES[:2]):
+    lens = ds.ragged_lengths(shape.batch, shape.capacity, np.random.default_rng(i))
+    args = ds.make_inputs(shape, jax.random.key(i), lengths=lens)
+    with interpreted_launch():
+      out, lse = decode_attention_triton(*args, out_dtype=F32, block_s=16, poison=True)
+    ref, ref_lse = decode_attention_reference(*args, out_dtype=F32)
+    assert_close(out, ref, 1e-2, 1e-2, f"dense[{i}] out")
+    assert_close(lse, ref_lse, 1e-2, 1e-3, f"dense[{i}] lse")
+
+
+def check_kivi():
+  from kvlowrank_kernels.decode_attention import shapes as ds  # pylint: disable=import-outside-toplevel
+  from kvlowrank_kernels.kivi_attention import shapes as ks  # pylint: disable=import-outside-toplevel
+  from kvlowrank_kernels.kivi_attention.reference import kivi_attention_reference  # pylint: disable=import-outside-toplevel
+  from kvlowrank_kernels.kivi_attention.triton_kivi import kivi_attention_triton  # pylint: disable=import-outside-toplevel
+  for i, shape in enumerate(ks.TEST_SHAPES):
+    q_len = ds.ragged_lengths(shape.batch, shape.capacity, np.random.default_rng(500 + i))
+    w_len = np.asarray([shape.window, 1, 7][:shape.batch], np.int32)
+    args = ks.make_inputs(shape, jax.random.key(500 + i), q_len=q_len, w_len=w_len)
+    with interpreted_launch():
+      out, lse = kivi_attention_triton(*args, out_dtype=F32, poison=True)
+    ref, ref_lse = kivi_attention_reference(*args, out_dtype=F32)
+    assert_close(out, ref, 1e-2, 1e-2, f"kivi[{i}] out")
+    assert_close(lse, ref_lse, 1e-2, 1e-3, f"kivi[{i}] lse")
+
+
+def check_latent():
+  from kvlowrank_kernels.decode_attention import shapes as ds  # pylint: disable=import-outside-toplevel
+  from kvlowrank_kernels.latent_attention import shapes as ls  # pylint: disable=import-outside-toplevel
+  from kvlowrank_kernels.latent_attention.reference import (  # pylint: disable=import-outside-toplevel
+      latent_attention_reference, rope_inv_freq)
+  from kvlowrank_kernels.latent_attention.triton_latent_launch import latent_attention_triton  # pylint: disable=import-outside-toplevel
+  for i, shape in enumerate(ls.TEST_SHAPES):
+    lens = ds.ragged_lengths(shape.batch, shape.capacity, np.random.default_rng(300 + i))
+    q, hk, hv, b_k, bias, lens = ls.make_inputs(shape, jax.random.key(300 + i), lengths=lens)
+    inv = rope_inv_freq(shape.head_dim, 10000.0)
+    with interpreted_launch():
+      out, lse = latent_attention_triton(q, hk, hv, b_k, lens, inv, k_bias=bias, out_dtype=F32,
+                                         poison=True)
+    ref, ref_lse = latent_attention_reference(q, hk, hv, b_k, lens, inv_freq=inv, k_bias=bias,
+                                              out_dtype=F32)
+    assert_close(out, ref, 2e-2, 2e-2, f"latent[{i}] out")
+    assert_close(lse, ref_lse, 2e-2, 1e-3, f"latent[{i}] lse")
+
+
+def _xq_rows(seed, b, s, c, bits, axis, group):
+  """Packed XQuant rows [B, S, C] of seeded normal data (kvlowrank.quant layout)."""
+  from kvlowrank.quant import pack, quantize_codes  # pylint: disable=import-outside-toplevel
+  from kvlowrank_kernels.dequant_matmul.reference import PackedRows  # pylint: disable=import-outside-toplevel
+  x = jax.random.normal(jax.random.key(seed), (b, s, c), F32)
+  codes, sc, zr = quantize_codes(x, bits=bits, axis=-1 if axis == "token" else 1,
+                                 group_size=group)
+  return PackedRows(codes=pack(codes, bits), scale=sc, zero=zr, bits=bits, axis=axis,
+                    group=group)
+
+
+def check_xquant():
+  """XQuant kernels (kvlowrank_kernels.dequant_matmul): the GEMM-shaped fused decode kernel
+  on the X path (MHA, shared rows) and the latent path (GQA, K per channel, V per token) at
+  2/3/4 bits with ragged lengths (1, full, non-multiples of BLOCK_M) and 1 or many splits,
+  with fp32 weights (exact algebra: tight bound) and bf16 weights (bf16 MMA operands); the
+  first fused kernel (v1); the plain dequant-matmul kernel at every bit width and axis."""
+  from kvlowrank_kernels.dequant_matmul import reference as ref  # pylint: disable=import-outside-toplevel
+  from kvlowrank_kernels.dequant_matmul import triton_dm, triton_remat, triton_remat_v1  # pylint: disable=import-outside-toplevel
+  from kvlowrank_kernels.dequant_matmul.reference import rope_half  # pylint: disable=import-outside-toplevel,unused-import
+  theta = 10000.0
+  # (name, shared, B, S, lens, N, KH, H, C, k (bits, axis, group), v (bits, axis, group), tuning)
+  cases = [
+      ("x2", True, 3, 80, [80, 1, 45], 4, 4, 16, 64, (2, "token", 32), None,
+       dict(block_m=32, block_k=32)),
+      ("x3", True, 2, 64, [33, 64], 2, 2, 32, 96, (3, "token", 96), None,
+       dict(block_m=16, block_k=32, num_splits=1)),
+      ("x4", True, 2, 48, [47, 17], 4, 4, 16, 64, (4, "token", 16), None,
+       dict(block_m=16, block_k=64, num_splits=2)),
+      ("lat2", False, 3, 96, [96, 1, 50], 8, 2, 16, 32, (2, "channel", 32), (2, "token", 16),
+       dict(block_m=32, block_k=16)),
+      ("lat3", False, 2, 64, [64, 23], 8, 2, 16, 32, (3, "channel", 16), (3, "token", 32),
+       dict(block_m=32, block_k=32, num_splits=1)),
+      ("lat4", False, 2, 64, [40, 9], 4, 1, 32, 64, (4, "channel", 64), (4, "token", 64),
+       dict(block_m=16, block_k=32)),
+  ]
+  for (name, shared, b, s, lens, n, kh, h, c, kq, vq, tuning) in cases:
+    kr = _xq_rows(11, b, s, c, *kq)
+    vr = None if shared else _xq_rows(12, b, s, c, *vq)
+    keys = jax.random.split(jax.random.key(13), 5)
+    wk = 0.3 * jax.random.normal(keys[0], (c, kh * h), F32)
+    wv = 0.3 * jax.random.normal(keys[1], (c, kh * h), F32)
+    bk = jax.random.normal(keys[2], (kh * h,), F32)
+    bv = jax.random.normal(keys[3], (kh * h,), F32)
+    q = jax.random.normal(keys[4], (b, n, h), F32)
+    inv = 1.0 / theta ** (np.arange(0, h, 2) / h)
+    ang = jnp.asarray(np.arange(s)[:, None] * inv[None, :], F32)
+    cos, sin = jnp.cos(ang), jnp.sin(ang)
+    lens = jnp.asarray(lens, jnp.int32)
+    for wdt, tol in ((F32, 2e-4), (jnp.bfloat16, 3e-2)):
+      args = (q, kr, vr, wk.astype(wdt), wv.astype(wdt), bk, bv, cos, sin, lens)
+      want, want_lse = ref.remat_decode_attention(
+          q, kr, vr, wk.astype(wdt).astype(F32), wv.astype(wdt).astype(F32), bk, bv, cos, sin,
+          lens, n_kv_heads=kh, return_lse=True)
+      with interpreted_launch():
+        got, lse = triton_remat.remat_decode_attention(*args, n_kv_heads=kh, return_lse=True,
+                                                       poison=True, **tuning)
+      scale = float(jnp.max(jnp.abs(want)))
+      tag = f"xquant fused {name} w={jnp.dtype(wdt).name}"
+      assert_close(got, want, tol * scale, tol, f"{tag} out")
+      assert_close(lse, want_lse, tol * 10, 1e-3 if wdt == F32 else tol, f"{tag} lse")
+    if name in ("x2", "lat2"):  # the first kernel, same contract
+      with interpreted_launch():
+        got = triton_remat_v1.remat_decode_attention(*args[:3], wk, wv, *args[5:], n_kv_heads=kh,
+                                                     block_s=16, block_k=16, poison=True)
+      want = ref.remat_decode_attention(*args[:3], wk, wv, *args[5:], n_kv_heads=kh)
+      assert_close(got, want, 1e-3 * float(jnp.max(jnp.abs(want))), 1e-3, f"xquant v1 {name}")
+  # Plain dequant-matmul: ragged M and N tiles, every width and both axes.
+  for bits, axis, group in ((2, "token", 32), (3, "token", 64), (4, "channel", 16),
+                            (8, "channel", 32), (3, "channel", 8)):
+    m, c, nn = 96 if axis == "channel" else 70, 64, 48
+    rows = _xq_rows(20 + bits, 1, m, c, bits, axis, group)
+    w = jax.random.normal(jax.random.key(30 + bits), (c, nn), F32)
+    a = (rows.codes[0], rows.scale[0], rows.zero[0], w)
+    want = ref.dequant_matmul(*a, bits=bits, axis=axis, group=group)
+    with interpreted_launch():
+      got = triton_dm.dequant_matmul(*a, bits=bits, axis=axis, group=group, block_m=32,
+                                     block_n=32, block_k=16, poison=True)
+    assert_close(got, want, 1e-4 * float(jnp.max(jnp.abs(want))), 1e-4,
+                 f"xquant dequant_matmul {bits}b {axis}")
+
+
+CHECKS = {name[len("check_"):]: fn for name, fn in dict(globals()).items()
+          if name.startswith("check_") and callable(fn)}
+
+if __name__ == "__main__":
+  if len(sys.argv) != 2 or sys.argv[1] not in CHECKS:
+    sys.exit(f"usage: interpret_checks.py {{{'|'.join(CHECKS)}}}")
+  CHECKS[sys.argv[1]]()
