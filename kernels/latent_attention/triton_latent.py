@@ -9,8 +9,9 @@ the same source on a CPU. Pallas Mosaic GPU would need hand-written warpgroup
 and barrier code (which is what the measured gap below calls for; see
 BENCHMARKS.md).
 
-Grid: (B * Gr, num_splits). Program (b, group gr, split) holds the NQG = g * QPK
-query heads of the group (padded to NQP >= 16 rows) and streams its chunk of
+Grid: (B * Gr * g / HPP, num_splits). Program (b, group gr, part, split) holds
+the HPP * QPK query heads of HPP KV heads of the group (padded to NQP >= 16 rows;
+HPP = g by default) and streams its chunk of
 slots in tiles of BLOCK_S tokens, reading the group's key latent [T, rk] and
 value latent [T, rv] once per tile. Per KV head j of the group (two RoPE halves,
 B1 = B_k[gr][:, jH : jH + H/2], B2 = the next H/2 columns):
@@ -109,25 +110,30 @@ def _latent_body(q_ptr, hk_ptr, hks_ptr, hkz_ptr, hv_ptr, hvs_ptr, hvz_ptr, bk_p
                  RKBP: tl.constexpr, RV: tl.constexpr, RVA: tl.constexpr, RVB: tl.constexpr,
                  RVBP: tl.constexpr, KBITS: tl.constexpr, VBITS: tl.constexpr,
                  HAS_BIAS: tl.constexpr, BLOCK_S: tl.constexpr,
-                 ABSORB: tl.constexpr, TRANS: tl.constexpr, SKIP: tl.constexpr):
+                 ABSORB: tl.constexpr, TRANS: tl.constexpr, SKIP: tl.constexpr,
+                 HPP: tl.constexpr):
   HH: tl.constexpr = H // 2
+  NPART: tl.constexpr = G // HPP
+  NQH: tl.constexpr = HPP * QPK
   NQG: tl.constexpr = G * QPK
   N: tl.constexpr = GR * NQG
   GH: tl.constexpr = G * H
   KDT: tl.constexpr = tl.bfloat16 if KBITS == 16 else tl.float16
   pid = tl.program_id(0)
   sid = tl.program_id(1)
-  b = pid // GR
-  gr = pid % GR
+  b = pid // (GR * NPART)
+  gr = (pid // NPART) % GR
+  j0 = (pid % NPART) * HPP        # first KV head of the group handled by this program
+  hbase = gr * NQG + j0 * QPK      # its first query head
   start, end = split_range(len_ptr, b, sid, NSPLIT, BLOCK_S)
   b64 = b.to(tl.int64)
   rows = tl.arange(0, NQP)
-  row_ok = rows < NQG
+  row_ok = rows < NQH
   hh = tl.arange(0, HH)
   tcol = tl.arange(0, BLOCK_S)
   qscale = sm_scale * 1.4426950408889634
   if not ABSORB:
-    qrows = q_ptr + (b64 * N + gr * NQG + rows)[:, None] * H
+    qrows = q_ptr + (b64 * N + hbase + rows)[:, None] * H
     q1 = tl.load(qrows + hh[None, :], mask=row_ok[:, None], other=0.0).to(tl.float32) * qscale
     q2 = tl.load(qrows + HH + hh[None, :], mask=row_ok[:, None], other=0.0).to(tl.float32) * qscale
   m_i = tl.full([NQP], float("-inf"), tl.float32)
@@ -173,7 +179,8 @@ def _latent_body(q_ptr, hk_ptr, hks_ptr, hkz_ptr, hv_ptr, hvs_ptr, hvz_ptr, bk_p
         scores = tl.zeros([NQP, BLOCK_S], tl.float32)
       else:
         scores = tl.zeros([BLOCK_S, NQP], tl.float32)
-      for j in tl.static_range(G):
+      for jj in tl.static_range(HPP):
+        j = j0 + jj
         if ABSORB:
           # One query head per KV head, folded into B_k outside the kernel (`absorbed_queries`):
           #   q . RoPE_t(k) = sum_i cos_i (h P)_i + sin_i (h Q)_i,
@@ -217,10 +224,10 @@ def _latent_body(q_ptr, hk_ptr, hks_ptr, hkz_ptr, hv_ptr, hvs_ptr, hvz_ptr, bk_p
               x2 += qb2[None, :]
           if TRANS:
             sj = tl.sum(cos_t * x1 + sin_t * x2, 0)
-            scores = tl.where((rows == j)[:, None], sj[None, :], scores)
+            scores = tl.where((rows == jj)[:, None], sj[None, :], scores)
           else:
             sj = tl.sum(cos_t * x1 + sin_t * x2, 1)
-            scores = tl.where((rows == j)[None, :], sj[:, None], scores)
+            scores = tl.where((rows == jj)[None, :], sj[:, None], scores)
         else:
           # Reconstruct the KV head's keys (two halves: B_k[gr][:, jH : jH + H] as
           # [HH, RK] (TRANS) or [RK, HH]), RoPE, then score its QPK query heads.
@@ -259,7 +266,7 @@ def _latent_body(q_ptr, hk_ptr, hks_ptr, hkz_ptr, hv_ptr, hvs_ptr, hvz_ptr, bk_p
               k2 += bias2[None, :]
           r1 = k1 * cos_t - k2 * sin_t
           r2 = k2 * cos_t + k1 * sin_t
-          sel = ((rows // QPK == j) & row_ok)[:, None]
+          sel = ((rows // QPK == jj) & row_ok)[:, None]
           # fp16 operands (8x finer than bf16; rotated keys and scaled queries are far
           # inside fp16's range).
           qj1 = tl.where(sel, q1, 0.0).to(tl.float16)
@@ -297,7 +304,7 @@ def _latent_body(q_ptr, hk_ptr, hks_ptr, hkz_ptr, hv_ptr, hvs_ptr, hvz_ptr, bk_p
     acc_a = (acc_a - psum[None, :]) * (1 << VBITS) + pz[None, :]
     acc_b = (acc_b - psum[None, :]) * (1 << VBITS) + pz[None, :]
   # Partial rows [B, N, NSPLIT] x RV: piece A at column 0, piece B at column RVA.
-  prow = (b64 * N + gr * NQG + rows) * NSPLIT + sid
+  prow = (b64 * N + hbase + rows) * NSPLIT + sid
   has = l_i > 0
   l_safe = tl.where(has, l_i, 1.0)
   ca = tl.arange(0, RVA)[:, None]
@@ -318,11 +325,12 @@ def latent_kernel(q_ptr, hk_ptr, hks_ptr, hkz_ptr, hv_ptr, hvs_ptr, hvz_ptr, bk_
                   RKBP: tl.constexpr, RV: tl.constexpr, RVA: tl.constexpr, RVB: tl.constexpr,
                   RVBP: tl.constexpr, KBITS: tl.constexpr, VBITS: tl.constexpr,
                   HAS_BIAS: tl.constexpr, BLOCK_S: tl.constexpr,
-                  ABSORB: tl.constexpr, TRANS: tl.constexpr, SKIP: tl.constexpr):
+                  ABSORB: tl.constexpr, TRANS: tl.constexpr, SKIP: tl.constexpr,
+                  HPP: tl.constexpr):
   _latent_body(q_ptr, hk_ptr, hks_ptr, hkz_ptr, hv_ptr, hvs_ptr, hvz_ptr, bk_ptr, bias_ptr,
                pq_ptr, pqb_ptr, rope_ptr, len_ptr, S, NSPLIT, sm_scale, o_ptr, lse_ptr, GR, G, QPK, NQP,
                H, RK, RKA, RKB, RKBP, RV, RVA, RVB, RVBP, KBITS, VBITS, HAS_BIAS, BLOCK_S, ABSORB,
-               TRANS, SKIP)
+               TRANS, SKIP, HPP)
 
 
 @triton.jit
@@ -334,8 +342,9 @@ def latent_kernel_poisoned(q_ptr, hk_ptr, hks_ptr, hkz_ptr, hv_ptr, hvs_ptr, hvz
                            RV: tl.constexpr, RVA: tl.constexpr, RVB: tl.constexpr,
                            RVBP: tl.constexpr, KBITS: tl.constexpr, VBITS: tl.constexpr,
                            HAS_BIAS: tl.constexpr, BLOCK_S: tl.constexpr,
-                           ABSORB: tl.constexpr, TRANS: tl.constexpr, SKIP: tl.constexpr):
+                           ABSORB: tl.constexpr, TRANS: tl.constexpr, SKIP: tl.constexpr,
+                  HPP: tl.constexpr):
   _latent_body(q_ptr, hk_ptr, hks_ptr, hkz_ptr, hv_ptr, hvs_ptr, hvz_ptr, bk_ptr, bias_ptr,
                pq_ptr, pqb_ptr, rope_ptr, len_ptr, S, NSPLIT, sm_scale, o_ptr, lse_ptr, GR, G, QPK, NQP,
                H, RK, RKA, RKB, RKBP, RV, RVA, RVB, RVBP, KBITS, VBITS, HAS_BIAS, BLOCK_S, ABSORB,
-               TRANS, SKIP)
+               TRANS, SKIP, HPP)

@@ -27,10 +27,13 @@ def _split_rank(r: int):
 
 def plan(q_shape, hk_shape, hv_shape, bk_shape, *, kbits=16, vbits=16, has_bias=False,
          block_s=32, num_splits=None, absorb=None, target_programs=None, trans=False,
-         skip=0):
+         skip=0, heads_per_program=None):
   """Launch geometry shared by the JAX wrapper and the CPU interpreter check.
 
   skip: 0, or an ablation for timing only (1: no value path, 2: no key path; wrong output).
+  heads_per_program: KV heads of a group per program (divides g; default g). Fewer heads
+    per program need fewer reconstruction operands in shared memory (more programs per
+    SM) but read the group's latent tile once per program (L2 hits for the repeats).
   """
   b, n, h = q_shape
   s, gr, rk = hk_shape[1], hk_shape[2], hk_shape[3]
@@ -62,15 +65,19 @@ def plan(q_shape, hk_shape, hv_shape, bk_shape, *, kbits=16, vbits=16, has_bias=
     absorb = qpk == 1
   if absorb and qpk != 1:
     raise ValueError("triton latent attention: absorb=True needs one query head per KV head")
-  ns = splitk.choose_num_splits(b * gr, s, block_s, requested=num_splits,
+  hpp = g if heads_per_program is None else int(heads_per_program)
+  if hpp < 1 or g % hpp:
+    raise ValueError(f"triton latent attention: heads_per_program ({heads_per_program}) must "
+                     f"divide the group's KV heads ({g})")
+  ns = splitk.choose_num_splits(b * gr * (g // hpp), s, block_s, requested=num_splits,
                                   target=target_programs or splitk.TARGET_PROGRAMS)
   return dict(
-      grid=(b * gr, ns),
-      constexprs=dict(GR=gr, G=g, QPK=qpk, NQP=max(16, 1 << (nqg - 1).bit_length()), H=h,
+      grid=(b * gr * (g // hpp), ns),
+      constexprs=dict(GR=gr, G=g, QPK=qpk, NQP=max(16, 1 << (hpp * qpk - 1).bit_length()), H=h,
                       RK=rk, RKA=rka, RKB=rkb, RKBP=rkbp, RV=rv, RVA=rva, RVB=rvb, RVBP=rvbp,
                       KBITS=kbits, VBITS=vbits, HAS_BIAS=bool(has_bias),
                       BLOCK_S=block_s, ABSORB=bool(absorb), TRANS=bool(trans),
-                      SKIP=int(skip)), num_splits=ns,
+                      SKIP=int(skip), HPP=hpp), num_splits=ns,
       out_shapes=[jax.ShapeDtypeStruct((b, n, ns, rv), jnp.float32),
                   jax.ShapeDtypeStruct((b, n, ns), jnp.float32)])
 
@@ -121,7 +128,8 @@ def _latent_args(x, dummy):
 def latent_attention_triton(q, hk, hv, b_k, lengths, inv_freq, *, k_bias=None, scale=None,
                             out_dtype=None, block_s=32, num_splits=None, absorb=None,
                             target_programs=None, trans=False, skip=0, num_warps=4,
-                            num_stages=2, poison=False, return_partials=False, rope=None):
+                            num_stages=2, poison=False, return_partials=False, rope=None,
+                            heads_per_program=None):
   """Fused Palu decode attention; same contract as `latent_attention_reference`.
 
   Args (beyond the reference's): inv_freq [H/2] float32 (already resolved);
@@ -139,7 +147,8 @@ def latent_attention_triton(q, hk, hv, b_k, lengths, inv_freq, *, k_bias=None, s
   hv_d, hvs, hvz, vbits = _latent_args(hv, lengths)
   p = plan(q.shape, hk.shape, hv.shape, b_k.shape, kbits=kbits, vbits=vbits,
            has_bias=k_bias is not None, block_s=block_s, num_splits=num_splits,
-           absorb=absorb, target_programs=target_programs, trans=trans, skip=skip)
+           absorb=absorb, target_programs=target_programs, trans=trans, skip=skip,
+           heads_per_program=heads_per_program)
   bias = k_bias.astype(jnp.float32) if k_bias is not None else lengths
   rope = rope_table(inv_freq, int(hk.shape[1])) if rope is None else rope
   pq, pqb = lengths, lengths

@@ -1,0 +1,65 @@
+"""Runs one decode-attention kernel a few times at one shape, for a profiler to attach to.
+
+  ncu --clock-control none -k regex:latent_kernel --launch-skip 2 --launch-count 1 \
+      --section SpeedOfLight --section WarpStateStats \
+      python experiments/profile_kernel.py --family palu --model llama2-7b --context 16384 --batch 8
+
+Inputs and kernel options are the benchmark's (`bench_kernels.py`: random data of the
+real layer shapes, options from its DEFAULT_OPTIONS or --options JSON). Prints the
+median wall time of the calls so a profiled run can be matched with the benchmark.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import jax
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import bench_kernels as bk  # noqa: E402  pylint: disable=wrong-import-position
+
+
+def build(family, model, s, b, opts, v_bits=16):
+  """A zero-argument callable running the kernel once (jitted)."""
+  m = bk.MODELS[model]
+  key = jax.random.key(s * 131 + b)
+  if family == "dense":
+    return bk.dense_fns(bk.dense_inputs(m, s, b, key), opts)["dense-triton"]
+  if family == "palu":
+    inp, _ = bk.palu_inputs(m, s, b, key, v_bits)
+    return bk.palu_fn(inp, opts)
+  if family == "kivi":
+    return bk.kivi_fn(bk.kivi_inputs(m, s, b, key), opts)
+  raise ValueError(f"--family must be dense, palu or kivi, got {family!r}")
+
+
+def main():
+  ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  ap.add_argument("--family", required=True)
+  ap.add_argument("--model", default="llama2-7b", choices=sorted(bk.MODELS))
+  ap.add_argument("--context", type=int, default=16384)
+  ap.add_argument("--batch", type=int, default=8)
+  ap.add_argument("--v_bits", type=int, default=16)
+  ap.add_argument("--options", default=None, help="JSON dict of kernel options")
+  ap.add_argument("--calls", type=int, default=5)
+  args = ap.parse_args()
+  opts = dict(bk.DEFAULT_OPTIONS[args.model].get(args.family, {}))
+  if args.options:
+    opts.update(json.loads(args.options))
+  fn = build(args.family, args.model, args.context, args.batch, opts, args.v_bits)
+  times = []
+  for _ in range(args.calls):
+    t = time.perf_counter()
+    jax.block_until_ready(fn())
+    times.append(time.perf_counter() - t)
+  times.sort()
+  print(f"{args.family} {args.model} S={args.context} B={args.batch} {opts}: "
+        f"median {times[len(times) // 2] * 1e6:.1f} us over {args.calls} calls (first incl. compile)")
+
+
+if __name__ == "__main__":
+  main()
