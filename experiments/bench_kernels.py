@@ -211,10 +211,12 @@ SWEEP = {
              dict(block_s=32, num_warps=4, num_stages=3, heads_per_program=1),
              dict(block_s=64, num_warps=4, num_stages=2, heads_per_program=1),
              dict(block_s=64, num_warps=4, num_stages=2, heads_per_program=2)],
-    "kivi": [dict(block_s=64, num_warps=8, num_stages=3),
-             dict(block_s=32, num_warps=4, num_stages=3),
-             dict(block_s=32, num_warps=4, num_stages=5),
-             dict(block_s=64, num_warps=8, num_stages=4)],
+    "kivi": [dict(block_s=32, num_warps=2, num_stages=4, target_programs=1584),
+             dict(block_s=32, num_warps=2, num_stages=3, target_programs=2112),
+             dict(block_s=32, num_warps=2, num_stages=3, target_programs=1056),
+             dict(block_s=64, num_warps=2, num_stages=3, target_programs=1056),
+             dict(block_s=64, num_warps=2, num_stages=3, target_programs=2112),
+             dict(block_s=128, num_warps=2, num_stages=2, target_programs=1056)],
 }
 TARGETS = (528, 1056)
 
@@ -244,7 +246,7 @@ def sweep(model, s, b, log, families=FAMILIES):
       inp = kivi_inputs(m, s, b, key)
     results = []
     for opts in SWEEP[fam]:
-      for target in TARGETS:
+      for target in ((opts["target_programs"],) if "target_programs" in opts else TARGETS):
         o = dict(opts, target_programs=target)
         if fam == "dense":
           fn = dense_fns(inp, o)["dense-triton"]
@@ -264,17 +266,18 @@ def sweep(model, s, b, log, families=FAMILIES):
   return best
 
 
-# Winners of the --sweep runs on the H200 (16K context, batch 8): dense and KIVI
-# 2026-11-21; Palu 2026-11-22 (after the absorbed-query / RoPE-table change).
+# Winners of the --sweep runs on the H200 (16K context, batch 8): dense 2026-11-21;
+# Palu 2026-11-22 (after the absorbed-query / RoPE-table change); KIVI 2026-11-22
+# (planar-layout kernel, kernel-only do_bench sweep of its author).
 DEFAULT_OPTIONS = {
     "llama2-7b": dict(dense=dict(block_s=64, num_warps=8, num_stages=4, target_programs=528),
                       palu=dict(block_s=32, num_warps=4, num_stages=2, trans=False,
                                 target_programs=1056),
-                      kivi=dict(block_s=32, num_warps=4, num_stages=5, target_programs=528)),
+                      kivi=dict(block_s=32, num_warps=2, num_stages=4, target_programs=1584)),
     "llama3-8b": dict(dense=dict(block_s=128, num_warps=4, num_stages=3, target_programs=528),
                       palu=dict(block_s=32, num_warps=4, num_stages=2, trans=False,
                                 target_programs=528),
-                      kivi=dict(block_s=32, num_warps=4, num_stages=5, target_programs=1056)),
+                      kivi=dict(block_s=32, num_warps=2, num_stages=4, target_programs=1584)),
 }
 
 

@@ -4,7 +4,8 @@
 (out [B, N, H], lse) with the semantics of `reference.kivi_attention_reference`.
 Implementations: "reference" (jnp float32, runs anywhere; prefill uses it or
 dense attention on the unquantized prompt), "xla" (dequantize to bf16 + XLA
-dense attention per segment), "triton" (`triton_kivi`, dequant fused).
+dense attention per segment), "triton" (`triton_kivi`, dequantization fused;
+planar codes, see `packing`).
 None picks "triton" on a GPU with jax-triton, else "reference".
 """
 
@@ -37,7 +38,8 @@ def kivi_attention(q, keys: KiviKeys, values: KiviValues, k_win, v_win, q_len, w
 
   Args:
     implementation: None | "reference" | "xla" | "triton".
-    **options: triton knobs (block_s, block_w, num_splits, num_warps, num_stages, poison).
+    **options: triton knobs (block_s, block_w, num_splits, target_programs, num_warps,
+      num_stages, min_rows, poison, skip, fast; see `triton_kivi.kivi_attention_triton`).
   """
   impl = resolve_implementation(implementation)
   if implementation not in (None, impl):

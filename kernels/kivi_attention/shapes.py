@@ -28,13 +28,22 @@ class KiviShape:
   v_group: int = 32
 
 
+# Small problems for the tests, all within the Triton kernel's constraints (`triton_kivi.plan`):
+# GQA 1/4/8; 2/4-bit K and V; one and several code segments per row (H = 64, 128); value
+# planes of 16 and 32 channels; 1, 2, 4 and 8 value groups per token; key groups of 8 (the
+# gathered-scale path), 16 (half tiles), 32 and 64. Capacities are multiples of
+# `packing.VALUE_BLOCK`.
 TEST_SHAPES = (
     KiviShape(batch=3, capacity=320, window=40, n_heads=4, n_kv_heads=4, head_dim=64,
               k_group=32, v_group=32),
-    KiviShape(batch=2, capacity=192, window=33, n_heads=8, n_kv_heads=2, head_dim=32, k_bits=4,
-              v_bits=2, k_group=32, v_group=8),
+    KiviShape(batch=2, capacity=192, window=33, n_heads=8, n_kv_heads=2, head_dim=128, k_bits=4,
+              v_bits=2, k_group=64, v_group=16),
     KiviShape(batch=2, capacity=128, window=20, n_heads=8, n_kv_heads=1, head_dim=64, k_bits=2,
-              v_bits=4, k_group=16, v_group=32),
+              v_bits=4, k_group=16, v_group=64),
+    KiviShape(batch=2, capacity=256, window=128, n_heads=2, n_kv_heads=2, head_dim=128,
+              k_group=32, v_group=32),
+    KiviShape(batch=2, capacity=96, window=8, n_heads=4, n_kv_heads=1, head_dim=64, k_bits=4,
+              v_bits=4, k_group=8, v_group=32),
 )
 
 
