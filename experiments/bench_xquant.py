@@ -1,28 +1,37 @@
 """XQuant rematerialisation vs bf16 KV decode attention, one transformer layer, on GPU.
 
-One device call: checks the Triton kernels against the jnp reference on small
-shapes, measures the device's bf16 matmul rate and copy bandwidth, then times per
-(model, batch, context):
+One device call: checks the kernels against the jnp reference on small shapes,
+measures the device's bf16 matmul rate and copy bandwidth, then times per
+(model, batch, context), cheapest first, until --budget_s:
 
-  kv      bf16 K/V cache decode attention (XLA einsum + softmax; reads 2·S·kv_dim bf16)
-  fused   XQuant Triton rematerialise-and-attend kernel (K/V only in registers)
-  unfused Triton dequant-matmul writing K|V to HBM, then RoPE + XLA attention
-  weights one layer's bf16 weight GEMV at this batch (what remat may hide under,
-          the paper's Eq. 3/4 model)
+  kv        bf16 K/V cache decode attention (XLA; reads 2·S·kv_dim bf16 per row)
+  fused     GEMM-shaped Triton rematerialise-and-attend kernel (`triton_remat`, v2)
+  fused_v1  the first fused kernel (`triton_remat_v1`), where B·S <= --v1_max_tokens
+  xla       XLA rematerialisation: bf16 dequant, cuBLAS GEMM (bf16 in, fp32 acc) writing
+            K|V, RoPE, XLA attention (`dequant_matmul.xla`): the library baseline
+  xla_vlate the same with W_v applied after attention ((sum_t p_t X̂_t) W_v, exact):
+            only K is rematerialised (`xla.remat_decode_attention_vlate`)
+  w         one layer's bf16 weight GEMV at this batch (what remat may hide under,
+            the paper's Eq. 3/4 model)
 
-Layer shapes: Llama-2-7B (MHA 32x128, D=4096; X path, one 2-bit X per token) and
+Layer shapes: Llama-2-7B (MHA 32x128, D=4096; X path, one X row per token) and
 Llama-3.1-8B (32q/8kv x128, D=4096; GQA latent path: X·U_k per channel, X·U_v per
-token, 2-bit, Σ·Bᵀ 1024x1024). Quantization groups of 128, fp16 scale/zero.
+token, Σ·Bᵀ 1024x1024). --bits (2) codes, groups of 128, fp16 scale/zero.
 
-Usage (device machine): python experiments/bench_xquant.py --out $OUT/bench_xquant.json
+Usage (device machine):
+  python experiments/bench_xquant.py --out $OUT/bench_xquant.json   # ~8 min on an H200
+  python experiments/bench_xquant.py --quick            # knob sweep, one shape per path
+The default shapes cover Llama-2-7B B=1 S=1K..16K, B=8 S=16K/32K, B=32 S=4K..32K and
+Llama-3.1-8B B=1 S=1K..16K, B=32 S=32K; --budget_s (wall seconds since start) skips the
+most expensive remaining shapes once spent.
 Prints a table; writes every number as JSON.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
-import math
 import platform
 import sys
 import time
@@ -36,6 +45,7 @@ from kvlowrank.quant import packed_words
 from kvlowrank.spec import ModelSpec
 from kvlowrank_kernels.dequant_matmul import reference as ref
 from kvlowrank_kernels.dequant_matmul import triton_backend as tb
+from kvlowrank_kernels.dequant_matmul import xla as xq
 
 MODELS = {
     # name: (spec, path, weight params per layer)
@@ -45,15 +55,14 @@ MODELS = {
                               n_kv_heads=8, head_dim=128, ffn_dim=14336, rope_theta=500000.0),
                     "latent", 2 * 4096**2 + 2 * 4096 * 1024 + 3 * 4096 * 14336),
 }
-
-
-def paper_break_even(model: str, p_ridge: float, bits: int) -> float:
-  """Context l where remat FLOPs / bytes = ridge point P (paper Eq. 3 and Eq. 4, as printed)."""
-  d, e = 4096, bits
-  if model == "llama2-7b":   # P = 4 l d² / (e/8 l d + 24 d²)
-    return 24 * p_ridge * d**2 / (4 * d**2 - p_ridge * e / 8 * d)
-  dg = 1024                  # d/g, g = 4: P = 4 l dg² / (e/8 l dg + 26 d² + 4 dg²)
-  return p_ridge * (26 * d**2 + 4 * dg**2) / (4 * dg**2 - p_ridge * e / 8 * dg)
+K1 = 1024
+SHAPES = ([("llama2-7b", 1, s * K1) for s in (1, 2, 4, 8, 16)]
+          + [("llama3.1-8b", 1, s * K1) for s in (1, 2, 4, 8, 16)]
+          + [("llama2-7b", 8, 16 * K1), ("llama2-7b", 8, 32 * K1)]
+          + [("llama2-7b", 32, s * K1) for s in (4, 8, 16, 32)]
+          + [("llama3.1-8b", 32, 32 * K1)])
+QUICK_SHAPES = {"llama2-7b": (8, 8 * K1), "llama3.1-8b": (32, 8 * K1)}
+V2_DEFAULT = dict(block_m=64, block_k=64, num_warps=8, num_stages=3)
 
 
 def timed(fn, args, perturb_idx, target_s=0.1):
@@ -95,89 +104,62 @@ def packed(key, b, s, c, bits, axis, group=128):
                         bits=bits, axis=axis, group=group)
 
 
-def kv_attention(q, k, v, lens):
-  """bf16 KV decode attention (XLA): q [B,N,H], k/v [B,S,K,H] post-RoPE."""
-  b, n, h = q.shape
-  kh = k.shape[2]
-  qg = q.reshape(b, kh, n // kh, h)
-  sc = jnp.einsum("bkgh,bskh->bkgs", qg, k, preferred_element_type=jnp.float32) / math.sqrt(h)
-  sc = jnp.where((jnp.arange(k.shape[1])[None, :] < lens[:, None])[:, None, None], sc, -jnp.inf)
-  p = jax.nn.softmax(sc, axis=-1).astype(v.dtype)
-  return jnp.einsum("bkgs,bskh->bkgh", p, v, preferred_element_type=jnp.float32).reshape(b, n, h)
-
-
-def setup(model, b, s, bits, key):
+def setup(model, b, s, bits, key, lens=None):
+  """Inputs of one layer's decode attention (all slots valid unless lens is given)."""
   spec, path, _ = MODELS[model]
-  kd, h, kh = spec.kv_dim, spec.head_dim, spec.n_kv_heads
+  kd, h = spec.kv_dim, spec.head_dim
   ks = jax.random.split(key, 8)
   bf = jnp.bfloat16
   if path == "x":
-    k_rows, v_rows = packed(ks[0], b, s, spec.dim, bits, "token"), None
-    wk = (0.02 * jax.random.normal(ks[1], (spec.dim, kd))).astype(bf)
-    wv = (0.02 * jax.random.normal(ks[2], (spec.dim, kd))).astype(bf)
+    k_rows, v_rows, c = packed(ks[0], b, s, spec.dim, bits, "token"), None, spec.dim
   else:
-    k_rows = packed(ks[0], b, s, kd, bits, "channel")
+    k_rows, c = packed(ks[0], b, s, kd, bits, "channel"), kd
     v_rows = packed(ks[3], b, s, kd, bits, "token")
-    wk = (0.05 * jax.random.normal(ks[1], (kd, kd))).astype(bf)
-    wv = (0.05 * jax.random.normal(ks[2], (kd, kd))).astype(bf)
+  wk = (jax.random.normal(ks[1], (c, kd)) / np.sqrt(c)).astype(bf)
+  wv = (jax.random.normal(ks[2], (c, kd)) / np.sqrt(c)).astype(bf)
   bias = jnp.zeros((kd,), bf)
   cos, sin = rope_cos_sin(jnp.arange(s), spec)
   q = jax.random.normal(ks[4], (b, spec.n_heads, h), jnp.float32).astype(bf)
-  lens = jnp.full((b,), s, jnp.int32)
-  return dict(spec=spec, path=path, k_rows=k_rows, v_rows=v_rows, wk=wk, wv=wv, bias=bias,
-              cos=cos, sin=sin, q=q, lens=lens, kh=kh)
+  lens = jnp.full((b,), s, jnp.int32) if lens is None else jnp.asarray(lens, jnp.int32)
+  return dict(spec=spec, args=(q, k_rows, v_rows, wk, wv, bias, bias, cos, sin, lens),
+              kh=spec.n_kv_heads)
 
 
-# Tried in order; the first that compiles and matches the reference is used (shared
-# memory and register limits differ between configurations and GPUs).
-FUSED_CONFIGS = (dict(block_s=64, num_warps=8, num_stages=2),
-                 dict(block_s=64, num_warps=4, num_stages=1),
-                 dict(block_s=32, num_warps=4, num_stages=1),
-                 dict(block_s=16, num_warps=4, num_stages=1, block_k=32))
-DM_CONFIGS = (dict(block_m=64, block_n=128, num_warps=4, num_stages=2),
-              dict(block_m=64, block_n=64, num_warps=4, num_stages=1),
-              dict(block_m=32, block_n=64, num_warps=4, num_stages=1, block_k=32))
+def kv_attention(q, k, v, lens):
+  """bf16 KV decode attention (XLA): q [B,N,H], k/v [B,S,K,H] post-RoPE."""
+  return xq.decode_attention_bf16(q, k, v, lens)[0]
 
 
 def _rel(got, want):
   return float(jnp.linalg.norm(got.astype(jnp.float32) - want) / jnp.linalg.norm(want))
 
 
-def check_kernels(key, tol=2e-2):
-  """Per model: the first working config of each kernel, and its relative error vs
-  the jnp reference for bits 2/3/4 (small shapes, one row with a short length)."""
-  errs, chosen = {}, {}
+def check_kernels(key, v2cfg, bits_list=(2, 3)):
+  """Relative error vs the jnp reference (B=2, S=384, ragged lengths 384 and 200):
+  fused v2 at each bit width (3 bits: the straddling-code path), v1 / xla /
+  dequant-matmul at the first."""
+  errs = {}
   flat = lambda a: a.reshape(-1, a.shape[-1])
-  for model in MODELS:
-    for bits in (2, 3, 4):
-      d = setup(model, 2, 384, bits, key)
-      args = (d["q"], d["k_rows"], d["v_rows"], d["wk"], d["wv"], d["bias"], d["bias"],
-              d["cos"], d["sin"], jnp.array([384, 200], jnp.int32))
-      want = ref.remat_decode_attention(*args, n_kv_heads=d["kh"])
-      kr = d["k_rows"]
-      w = d["wk"] if d["v_rows"] is not None else jnp.concatenate([d["wk"], d["wv"]], 1)
-      want_dm = ref.dequant_matmul(flat(kr.codes), flat(kr.scale), flat(kr.zero), w,
-                                   bits=bits, axis=kr.axis, group=kr.group)
-      for name, cfgs, run in (
-          ("fused", FUSED_CONFIGS,
-           lambda c: tb.remat_decode_attention(*args, n_kv_heads=d["kh"], **c)),
-          ("dm", DM_CONFIGS,
-           lambda c: tb.dequant_matmul(flat(kr.codes), flat(kr.scale), flat(kr.zero), w,
-                                       bits=bits, axis=kr.axis, group=kr.group, **c))):
-        target = want if name == "fused" else want_dm
-        ck = (name, model)
-        todo = [chosen[ck]] if ck in chosen else list(range(len(cfgs)))
-        for i in todo:
-          tag = f"{name}/{model}/{bits}/cfg{i}"
-          try:
-            errs[tag] = _rel(run(cfgs[i]), target)
-          except Exception as e:  # pylint: disable=broad-except
-            errs[tag] = repr(e)[:200]
-            continue
-          if errs[tag] < tol:
-            chosen.setdefault(ck, i)
-            break
-  return errs, {f"{k[0]}/{k[1]}": v for k, v in chosen.items()}
+  for model, bits in itertools.product(MODELS, bits_list):
+    d = setup(model, 2, 384, bits, key, lens=[384, 200])
+    args, kh = d["args"], d["kh"]
+    want = ref.remat_decode_attention(*args, n_kv_heads=kh)
+    runs = {"fused": lambda: tb.remat_decode_attention(*args, n_kv_heads=kh, **v2cfg)}
+    if bits == bits_list[0]:
+      kr, vr = args[1], args[2]
+      w = args[3] if vr is not None else jnp.concatenate([args[3], args[4]], 1)
+      dm_args = (flat(kr.codes), flat(kr.scale), flat(kr.zero), w)
+      want_dm = ref.dequant_matmul(*dm_args, bits=bits, axis=kr.axis, group=kr.group)
+      runs["fused_v1"] = lambda: tb.remat_decode_attention(*args, n_kv_heads=kh, kernel="v1")
+      runs["xla"] = lambda: xq.remat_decode_attention(*args, n_kv_heads=kh)
+      runs["xla_vlate"] = lambda: xq.remat_decode_attention_vlate(*args, n_kv_heads=kh)
+      runs["dm"] = lambda: tb.dequant_matmul(*dm_args, bits=bits, axis=kr.axis, group=kr.group)
+    for name, run in runs.items():
+      try:
+        errs[f"{name}/{model}/{bits}"] = _rel(run(), want_dm if name == "dm" else want)
+      except Exception as e:  # pylint: disable=broad-except  (report, keep going)
+        errs[f"{name}/{model}/{bits}"] = repr(e)[:300]
+  return errs
 
 
 def ceilings(key):
@@ -192,8 +174,8 @@ def ceilings(key):
     t0 = time.perf_counter()
     scale(x).block_until_ready()
     tcs.append(time.perf_counter() - t0)
-  tc = float(np.median(tcs))
-  return {"bf16_tflops": 2 * 8192**3 / t / 1e12, "copy_tb_s": 2 * x.nbytes / tc / 1e12}
+  return {"bf16_tflops": 2 * 8192**3 / t / 1e12, "copy_tb_s": 2 * x.nbytes / float(np.median(tcs))
+          / 1e12}
 
 
 _WEIGHTS = {}
@@ -210,117 +192,161 @@ def weights_time(model, b, key):
   return _WEIGHTS[(model, b)]
 
 
-def measure(model, b, s, bits, key, unfused_max_tokens, fcfg, dcfg):
+def remat_flop(d, b, s):
+  """FLOPs of rematerialising K and V for b·s tokens (2 per multiply-add)."""
+  wk, wv = d["args"][3], d["args"][4]
+  return 2 * b * s * (wk.shape[0] * wk.shape[1] + wv.shape[0] * wv.shape[1])
+
+
+def measure(model, b, s, bits, key, v2cfg, v1_max_tokens, skip_xla=False):
   d = setup(model, b, s, bits, key)
   spec, kh, h = d["spec"], d["kh"], d["spec"].head_dim
-  row = {"model": model, "batch": b, "context": s, "bits": bits}
-  # bf16 KV baseline (K already rotated in the cache).
+  args = d["args"]
+  row = {"model": model, "batch": b, "context": s, "bits": bits,
+         "remat_flop": remat_flop(d, b, s), "kv_bytes": 2 * b * s * spec.kv_dim * 2}
   k = jax.random.normal(key, (b, s, kh, h), jnp.bfloat16)
   v = jax.random.normal(jax.random.split(key)[0], (b, s, kh, h), jnp.bfloat16)
-  row["kv_s"] = timed(lambda q, k, v, l: kv_attention(q, k, v, l), (d["q"], k, v, d["lens"]), 0)
+  row["kv_s"] = timed(kv_attention, (args[0], k, v, args[-1]), 0)
   del k, v
-  fused = lambda q: tb.remat_decode_attention(q, d["k_rows"], d["v_rows"], d["wk"], d["wv"],
-                                              d["bias"], d["bias"], d["cos"], d["sin"],
-                                              d["lens"], n_kv_heads=kh, **fcfg)
-  row["fused_s"] = timed(fused, (d["q"],), 0)
-  c = d["wk"].shape[0]
-  row["remat_flop"] = 2 * b * s * (c * spec.kv_dim + d["wv"].shape[0] * spec.kv_dim)
-  row["fused_tflops"] = row["remat_flop"] / row["fused_s"] / 1e12
-  if dcfg is not None and b * s <= unfused_max_tokens:
-    kr, vr = d["k_rows"], d["v_rows"]
-    flat = lambda a: a.reshape(-1, a.shape[-1])
-
-    def unfused(q, kzero):
-      kp = tb.dequant_matmul(flat(kr.codes), flat(kr.scale), kzero, d["wk"] if vr is not None
-                             else jnp.concatenate([d["wk"], d["wv"]], 1), bits=bits,
-                             axis=kr.axis, group=kr.group, out_dtype=jnp.bfloat16, **dcfg)
-      if vr is None:
-        kk, vv = kp[:, :spec.kv_dim], kp[:, spec.kv_dim:]
-      else:
-        kk = kp
-        vv = tb.dequant_matmul(flat(vr.codes), flat(vr.scale), flat(vr.zero), d["wv"],
-                               bits=bits, axis=vr.axis, group=vr.group, out_dtype=jnp.bfloat16,
-                               **dcfg)
-      kk = ref.rope_half(kk.reshape(b, s, kh, h).astype(jnp.float32), d["cos"], d["sin"])
-      return kv_attention(q, kk.astype(jnp.bfloat16), vv.reshape(b, s, kh, h), d["lens"])
+  run = lambda impl, **kw: (lambda q: impl(q, *args[1:], n_kv_heads=kh, **kw))
+  row["fused_s"] = timed(run(tb.remat_decode_attention, **v2cfg), (args[0],), 0)
+  if b * s <= v1_max_tokens:
+    row["fused_v1_s"] = timed(run(tb.remat_decode_attention, kernel="v1"), (args[0],), 0)
+  if not skip_xla:
     try:
-      row["unfused_s"] = timed(unfused, (d["q"], flat(kr.zero)), 1)
+      row["xla_s"] = timed(run(xq.remat_decode_attention), (args[0],), 0)
+    except Exception as e:  # pylint: disable=broad-except  (e.g. out of memory)
+      row["xla_error"] = repr(e)[:200]
+    try:
+      row["xla_vlate_s"] = timed(run(xq.remat_decode_attention_vlate), (args[0],), 0)
     except Exception as e:  # pylint: disable=broad-except
-      row["unfused_error"] = repr(e)[:200]
+      row["xla_vlate_error"] = repr(e)[:200]
   row["weights_s"] = weights_time(model, b, key)
-  row["kv_bytes"] = 2 * b * s * spec.kv_dim * 2
+  for name in ("fused", "fused_v1", "xla"):
+    if f"{name}_s" in row:
+      row[f"{name}_tflops"] = row["remat_flop"] / row[f"{name}_s"] / 1e12
   return row
+
+
+def quick(args, key):
+  """Sweeps the v2 kernel knobs at one shape per path; prints and returns the best."""
+  grid = list(itertools.product(*(map(int, getattr(args, k).split(",")) for k in
+                                  ("q_block_m", "q_block_k", "q_warps", "q_stages"))))
+  t_start, out = time.time(), {}
+  for model in args.models.split(","):
+    b, s = QUICK_SHAPES[model]
+    d = setup(model, b, s, args.bits, key)
+    qa, rest, kh = d["args"][0], d["args"][1:], d["kh"]
+    want = ref.remat_decode_attention(*d["args"], n_kv_heads=kh) if b * s <= 65536 else None
+    res = []
+    for bm, bk, nw, ns in grid:
+      if time.time() - t_start > args.budget_s:
+        print("time budget reached", flush=True)
+        break
+      cfg = dict(block_m=bm, block_k=bk, num_warps=nw, num_stages=ns)
+      fn = lambda q, cfg=cfg: tb.remat_decode_attention(q, *rest, n_kv_heads=kh, **cfg)
+      try:
+        t = timed(fn, (qa,), 0, target_s=0.05)
+        r = dict(cfg, s=t, tflops=remat_flop(d, b, s) / t / 1e12)
+        if want is not None:
+          r["rel_err"] = _rel(fn(qa), want)
+      except Exception as e:  # pylint: disable=broad-except  (smem / register limits)
+        r = dict(cfg, error=repr(e)[:160])
+      res.append(r)
+      print(model, json.dumps(r), flush=True)
+    ok = [r for r in res if "s" in r]
+    best = min(ok, key=lambda r: r["s"]) if ok else None
+    out[model] = {"batch": b, "context": s, "results": res, "best": best}
+    print(f"best {model} B={b} S={s}: {json.dumps(best)}", flush=True)
+  return out
 
 
 def main(argv=None):
   ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   ap.add_argument("--out", default="bench_xquant.json")
   ap.add_argument("--bits", type=int, default=2)
-  ap.add_argument("--contexts", default="1024,2048,4096,8192,16384,32768")
-  ap.add_argument("--batches", default="1,8,32")
+  ap.add_argument("--shapes", default="",
+                  help="model:batch:context,... (default: the SHAPES list)")
   ap.add_argument("--models", default="llama2-7b,llama3.1-8b")
-  ap.add_argument("--unfused_max_tokens", type=int, default=65536)
-  ap.add_argument("--budget_s", type=float, default=330.0)
+  ap.add_argument("--v1_max_tokens", type=int, default=4096)
+  ap.add_argument("--xla_max_tokens", type=int, default=1 << 20)
+  ap.add_argument("--budget_s", type=float, default=380.0)
+  ap.add_argument("--block_m", type=int, default=V2_DEFAULT["block_m"])
+  ap.add_argument("--block_k", type=int, default=V2_DEFAULT["block_k"])
+  ap.add_argument("--num_warps", type=int, default=V2_DEFAULT["num_warps"])
+  ap.add_argument("--num_stages", type=int, default=V2_DEFAULT["num_stages"])
+  ap.add_argument("--quick", action="store_true", help="sweep the v2 knobs and exit")
+  ap.add_argument("--q_block_m", default="64,128")
+  ap.add_argument("--q_block_k", default="32,64")
+  ap.add_argument("--q_warps", default="4,8")
+  ap.add_argument("--q_stages", default="3,4")
+  ap.add_argument("--skip_checks", action="store_true")
   args = ap.parse_args(argv)
   if not tb.available():
     raise SystemExit("bench_xquant needs a CUDA GPU with jax-triton (none found)")
   t_start = time.time()
   key = jax.random.key(0)
-  checks, chosen = check_kernels(key)
   res = {"device": str(jax.devices()[0].device_kind), "jax": jax.__version__,
          "python": platform.python_version(), "date": time.strftime("%Y-%m-%d"),
-         "checks": checks, "configs": {k: (FUSED_CONFIGS if k.startswith("fused") else
-                                           DM_CONFIGS)[v] for k, v in chosen.items()},
-         "ceilings": ceilings(key), "rows": []}
-  print("kernel checks (rel. error vs jnp reference):", json.dumps(res["checks"]), flush=True)
-  print("configs:", json.dumps(res["configs"]), flush=True)
+         "argv": sys.argv[1:]}
+  if args.quick:
+    res["quick"] = quick(args, key)
+    with open(args.out, "w") as f:
+      json.dump(res, f, indent=1)
+    return
+  v2cfg = dict(block_m=args.block_m, block_k=args.block_k, num_warps=args.num_warps,
+               num_stages=args.num_stages)
+  res["v2_config"] = v2cfg
+  if not args.skip_checks:
+    res["checks"] = check_kernels(key, v2cfg)
+    print("kernel checks (rel. error vs jnp reference):", json.dumps(res["checks"]), flush=True)
+  res["ceilings"] = ceilings(key)
   print("ceilings:", json.dumps(res["ceilings"]), flush=True)
-  p_ridge = res["ceilings"]["bf16_tflops"] / res["ceilings"]["copy_tb_s"]
-  res["break_even"] = {m: {"paper_h100_p378": paper_break_even(m, 378.0, args.bits),
-                           "roofline_this_device": paper_break_even(m, p_ridge, args.bits)}
-                       for m in MODELS}
-  grid = sorted(((b, s) for b in map(int, args.batches.split(","))
-                 for s in map(int, args.contexts.split(","))), key=lambda bs: bs[0] * bs[1])
-  for b, s in grid:   # cheapest first: the budget cuts the largest shapes
-    for model in args.models.split(","):
-      if time.time() - t_start > args.budget_s:
-        print(f"time budget reached; skipped {model} B={b} S={s}", flush=True)
-        continue
-      fcfg, dcfg = res["configs"].get(f"fused/{model}"), res["configs"].get(f"dm/{model}")
-      if fcfg is None:
-        print(f"no working fused config for {model}; skipped", flush=True)
-        continue
-      try:
-        row = measure(model, b, s, args.bits, key, args.unfused_max_tokens, fcfg, dcfg)
-      except Exception as e:  # pylint: disable=broad-except  (keep the other rows)
-        row = {"model": model, "batch": b, "context": s, "error": repr(e)[:300]}
-      res["rows"].append(row)
-      print(json.dumps(row), flush=True)
-      with open(args.out, "w") as f:   # after every row: a timeout keeps what was measured
-        json.dump(res, f, indent=1)
-  with open(args.out, "w") as f:
-    json.dump(res, f, indent=1)
+  shapes = SHAPES if not args.shapes else [
+      (m, int(b), int(s)) for m, b, s in (x.split(":") for x in args.shapes.split(","))]
+  # Cheapest first (remat FLOPs), so the budget cuts the most expensive shapes.
+  cost = lambda x: x[1] * x[2] * (MODELS[x[0]][0].dim if MODELS[x[0]][1] == "x"
+                                  else MODELS[x[0]][0].kv_dim)
+  shapes = sorted((x for x in shapes if x[0] in args.models.split(",")), key=cost)
+  res["rows"] = []
+  for model, b, s in shapes:   # cheapest first: the budget cuts the largest shapes
+    if time.time() - t_start > args.budget_s:
+      print(f"time budget reached; skipped {model} B={b} S={s}", flush=True)
+      res["rows"].append({"model": model, "batch": b, "context": s, "skipped": "budget"})
+      continue
+    try:
+      row = measure(model, b, s, args.bits, key, v2cfg, args.v1_max_tokens,
+                    skip_xla=b * s > args.xla_max_tokens)
+    except Exception as e:  # pylint: disable=broad-except  (keep the other rows)
+      row = {"model": model, "batch": b, "context": s, "error": repr(e)[:300]}
+    res["rows"].append(row)
+    print(json.dumps(row), flush=True)
+    with open(args.out, "w") as f:   # after every row: a timeout keeps what was measured
+      json.dump(res, f, indent=1)
   print_table(res)
 
 
 def print_table(res):
-  print(f"\n{res['device']}  jax {res['jax']}  bf16 {res['ceilings']['bf16_tflops']:.0f} TFLOP/s"
-        f"  copy {res['ceilings']['copy_tb_s']:.2f} TB/s")
-  for m, be in res["break_even"].items():
-    print(f"  {m}: roofline break-even l = {be['roofline_this_device']:.0f} (this device), "
-          f"{be['paper_h100_p378']:.0f} (paper H100, P=378)")
-  hdr = (f"{'model':12s} {'B':>3s} {'S':>6s} {'kv_us':>9s} {'fused_us':>9s} {'unfus_us':>9s} "
-         f"{'w_us':>8s} {'TFLOP/s':>8s} {'xq/kv':>6s} {'layer xq/kv':>11s}")
-  print(hdr)
+  c = res["ceilings"]
+  print(f"\n{res['device']}  jax {res['jax']}  bf16 {c['bf16_tflops']:.0f} TFLOP/s"
+        f"  copy {c['copy_tb_s']:.2f} TB/s  v2 {json.dumps(res['v2_config'])}")
+  print(f"{'model':12s} {'B':>3s} {'S':>6s} {'kv_us':>9s} {'fused_us':>10s} {'v1_us':>10s} "
+        f"{'xla_us':>10s} {'vlate_us':>10s} {'w_us':>7s} {'TF/s':>6s} {'xlaTF/s':>7s} {'f/kv':>6s} "
+        f"{'f/xla':>6s} {'f/v1':>6s} {'(w+f)/(w+kv)':>12s}")
   for r in sorted(res["rows"], key=lambda r: (r["model"], r["batch"], r["context"])):
-    if "error" in r:
-      print(f"{r['model']:12s} {r['batch']:3d} {r['context']:6d} ERROR {r['error'][:80]}")
+    head = f"{r['model']:12s} {r['batch']:3d} {r['context']:6d}"
+    if "kv_s" not in r:
+      print(f"{head} {r.get('error', r.get('skipped', ''))[:80]}")
       continue
-    us = lambda k: f"{1e6 * r[k]:9.1f}" if k in r else f"{'-':>9s}"
+    us = lambda k, w=10: f"{1e6 * r[k]:{w}.1f}" if k in r else f"{'-':>{w}s}"
+    ratio = lambda a, b: f"{r[a] / r[b]:6.2f}" if a in r and b in r else f"{'-':>6s}"
+    tf = lambda k: f"{r[k]:7.1f}" if k in r else f"{'-':>7s}"
     layer = (r["weights_s"] + r["fused_s"]) / (r["weights_s"] + r["kv_s"])
-    print(f"{r['model']:12s} {r['batch']:3d} {r['context']:6d} {us('kv_s')} {us('fused_s')} "
-          f"{us('unfused_s')} {1e6 * r['weights_s']:8.1f} {r['fused_tflops']:8.1f} "
-          f"{r['fused_s'] / r['kv_s']:6.2f} {layer:11.2f}")
+    print(f"{head} {us('kv_s', 9)} {us('fused_s')} {us('fused_v1_s')} {us('xla_s')} "
+          f"{us('xla_vlate_s')} "
+          f"{us('weights_s', 7)} {r['fused_tflops']:6.1f} {tf('xla_tflops')} "
+          f"{ratio('fused_s', 'kv_s')} {ratio('fused_s', 'xla_s')} "
+          f"{ratio('fused_s', 'fused_v1_s')} {layer:12.2f}")
 
 
 if __name__ == "__main__":

@@ -47,11 +47,12 @@ def check_layout(codes, scale, zero, w, *, bits: int, axis: str, group: int):
   return m, c, n
 
 
-def dequantize_rows(codes, scale, zero, *, bits: int, width: int, axis: str, group: int):
-  """X̂ [M, C] in fp32 from packed codes."""
+def dequantize_rows(codes, scale, zero, *, bits: int, width: int, axis: str, group: int,
+                    dtype=jnp.float32):
+  """X̂ [M, C] from packed codes (fp32 math, then cast to dtype)."""
   q = packing.unpack(codes, bits, width)
   return dequantize_codes(q, scale, zero, axis=1 if axis == "token" else 0, group_size=group,
-                          dtype=jnp.float32)
+                          dtype=dtype)
 
 
 def dequant_matmul(codes, scale, zero, w, *, bits: int, axis: str = "token", group: int,
@@ -76,12 +77,12 @@ class PackedRows:
   axis: str = dataclasses.field(metadata=dict(static=True), default="token")
   group: int = dataclasses.field(metadata=dict(static=True), default=128)
 
-  def dequantize(self, width: int):
-    """X̂ [B, S, C] fp32."""
+  def dequantize(self, width: int, dtype=jnp.float32):
+    """X̂ [B, S, C] (fp32 math, cast to dtype)."""
     b, s, _ = self.codes.shape
     flat = lambda a: a.reshape(-1, a.shape[-1])
     x = dequantize_rows(flat(self.codes), flat(self.scale), flat(self.zero), bits=self.bits,
-                        width=width, axis=self.axis, group=self.group)
+                        width=width, axis=self.axis, group=self.group, dtype=dtype)
     return x.reshape(b, s, width)
 
 
@@ -93,7 +94,7 @@ def rope_half(x, cos, sin):
 
 
 def remat_decode_attention(q, k_rows: PackedRows, v_rows, wk, wv, bk, bv, cos, sin, lens, *,
-                           n_kv_heads: int):
+                           n_kv_heads: int, return_lse: bool = False):
   """Decode attention over K/V rematerialised from packed rows (XQuant decode step).
 
   Args:
@@ -104,9 +105,14 @@ def remat_decode_attention(q, k_rows: PackedRows, v_rows, wk, wv, bk, bv, cos, s
     bk, bv: [K·H] biases (zeros when the model has none).
     cos, sin: [S, H/2] fp32 RoPE tables at the key positions (half-rotation layout).
     lens: [B] valid cached tokens per row (keys at positions >= lens are masked).
+    k_rows, v_rows and the tables may hold different slot counts S (a per-channel store
+    allocates whole token groups); the first min(S) slots are used (lens <= min(S)).
     n_kv_heads: K.
+    return_lse: also return the log-sum-exp of the scaled scores (for an LSE merge with
+      other key segments, kvlowrank.model.attention.combine).
   Returns:
-    out [B, N, H] fp32.
+    out [B, N, H] fp32 (rows with no valid key: 0); with return_lse also lse [B, N]
+    (natural log; -inf for rows with no valid key).
   """
   b, n, h = q.shape
   kh = n_kv_heads
@@ -114,7 +120,8 @@ def remat_decode_attention(q, k_rows: PackedRows, v_rows, wk, wv, bk, bv, cos, s
   hi = jax.lax.Precision.HIGHEST
   xk = k_rows.dequantize(wk.shape[0])
   xv = xk if v_rows is None else v_rows.dequantize(wv.shape[0])
-  s = xk.shape[1]
+  s = min(xk.shape[1], xv.shape[1], cos.shape[0])   # slot counts may differ (whole groups)
+  xk, xv, cos, sin = xk[:, :s], xv[:, :s], cos[:s], sin[:s]
   k = (jnp.matmul(xk, f32(wk), precision=hi) + f32(bk)).reshape(b, s, kh, h)
   v = (jnp.matmul(xv, f32(wv), precision=hi) + f32(bv)).reshape(b, s, kh, h)
   k = rope_half(k, f32(cos), f32(sin))
@@ -123,6 +130,10 @@ def remat_decode_attention(q, k_rows: PackedRows, v_rows, wk, wv, bk, bv, cos, s
   valid = jnp.arange(s)[None, :] < lens[:, None]
   sc = jnp.where(valid[:, None, None, :], sc, -jnp.inf)
   p = jax.nn.softmax(sc, axis=-1)
-  p = jnp.where(jnp.any(valid, axis=-1)[:, None, None, None], p, 0.0)   # empty row -> 0
-  out = jnp.einsum("bkgs,bskh->bkgh", p, v, precision=hi)
-  return out.reshape(b, n, h)
+  has = jnp.any(valid, axis=-1)[:, None, None]
+  p = jnp.where(has[..., None], p, 0.0)   # empty row -> 0
+  out = jnp.einsum("bkgs,bskh->bkgh", p, v, precision=hi).reshape(b, n, h)
+  if not return_lse:
+    return out
+  lse = jnp.where(has, jax.nn.logsumexp(jnp.where(has[..., None], sc, 0.0), axis=-1), -jnp.inf)
+  return out, lse.reshape(b, n)

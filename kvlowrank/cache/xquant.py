@@ -33,6 +33,29 @@ Choices the paper leaves open (digest §3, §12):
 
 `nbytes()` counts what grows with the cache (codes, scales, zero points, exact tails,
 lengths). The SVD factors are model weights kept on the cache (`weights_nbytes()`).
+
+Attention dispatch (`XCache.attend`; `implementation` in CACHE_IMPLEMENTATIONS):
+  * Fused decode: a single-token query (T == 1), no sliding window, quantized stores,
+    and `implementation` resolving to "triton" (head_dim a power of 2 >= 16 and the
+    quantized widths multiples of 16) or "reference_fused". Keys [0, n) with
+    n = min(positions held as codes by every store, q_pos + 1) go through
+    `dequant_matmul.remat_decode_attention` (on the GPU the fused Triton kernel: K/V
+    are rematerialised tile by tile in registers and never written to HBM); the
+    remaining keys [n, L), the exact tails of the stores (at most their flush block
+    F, e.g. the incomplete token group of a per-channel latent), are rematerialised
+    from `TokenStore.rows_at` and attended densely; both parts are merged by their
+    log-sum-exp (`model.attention.combine`). Interleaved-RoPE models run the fused
+    op on W_k / b_k / q permuted to the half-rotation layout (q·k is invariant under
+    a common permutation); RoPE-free models use cos = 1, sin = 0 tables.
+    "reference_fused" is the same dispatch with the op's jnp reference (CPU tests).
+  * Everything else (prefill chunks, sliding windows, exact bits=None stores,
+    "reference", "xla", and "triton" where the kernel's shape rules fail):
+    materialise K/V for all slots with `dequant_matmul` ("reference": fp32 jnp;
+    "xla": bf16 XLA dequant + one bf16 GEMM with fp32 accumulation; "triton": the
+    Triton dequant-matmul kernel), then dense attention.
+XQuant-CL (`xquant_cl`) does not share this path: its delta layers rebuild the dense
+fp32 accumulator X̂_i for every slot anyway (the cross-layer carry) and project it with
+one dense matmul; only its plain layers before the base layer are XCaches.
 """
 
 from __future__ import annotations
@@ -47,13 +70,15 @@ import numpy as np
 
 from kvlowrank.cache import base
 from kvlowrank.cache.xquant_store import AXES, TokenStore
-from kvlowrank.model.attention import dot_product_attention
-from kvlowrank.model.rope import apply_rope
+from kvlowrank.model.attention import combine, dot_product_attention
+from kvlowrank.model.rope import apply_rope, interleaved_to_half_perm, rope_cos_sin
 from kvlowrank.quant import packing
 from kvlowrank.spec import ModelSpec
 from kvlowrank_kernels import dequant_matmul as dm
 
 PATHS = ("auto", "x", "latent")
+CACHE_IMPLEMENTATIONS = dm.IMPLEMENTATIONS + ("reference_fused",)
+_HI = jax.lax.Precision.HIGHEST
 
 
 def _check_bits(bits, field):
@@ -72,7 +97,8 @@ class XQuantSpec:
   key_axis / value_axis: quantization axis of X·U_k / X·U_v on the latent path.
   n_high_layers / high_bits: the first n layers use high_bits (paper Table 4: 3, 4).
   scale_dtype: dtype of scales and zero points.
-  implementation: dequant-matmul backend ("reference" | "triton" | "auto").
+  implementation: "reference" | "xla" | "triton" | "auto" | "reference_fused" (the
+    module doc's attention dispatch).
   """
 
   bits: Optional[int] = 4
@@ -98,8 +124,8 @@ class XQuantSpec:
       v = getattr(self, f)
       if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < (f == "group_size"):
         raise ValueError(f"XQuantSpec.{f} must be an int >= {int(f == 'group_size')}, got {v!r}")
-    if self.implementation not in dm.IMPLEMENTATIONS:
-      raise ValueError(f"XQuantSpec.implementation must be one of {dm.IMPLEMENTATIONS}, "
+    if self.implementation not in CACHE_IMPLEMENTATIONS:
+      raise ValueError(f"XQuantSpec.implementation must be one of {CACHE_IMPLEMENTATIONS}, "
                        f"got {self.implementation!r}")
 
   def layer_bits(self, i: int) -> Optional[int]:
@@ -128,12 +154,34 @@ def svd_factors(w) -> tuple[np.ndarray, np.ndarray]:
   return u, s[:, None] * vt
 
 
+def op_implementation(implementation: str) -> str:
+  """The dequant-matmul op implementation behind a cache implementation name."""
+  return "reference" if implementation == "reference_fused" else implementation
+
+
+def fused_decode_backend(implementation: str, spec: ModelSpec, stores, sliding_window,
+                         n_query: int) -> Optional[str]:
+  """Implementation of the fused decode op for this attend call, or None to materialise
+  K/V (the module doc's dispatch rule)."""
+  if n_query != 1 or sliding_window is not None or any(s.bits is None for s in stores):
+    return None
+  if implementation == "reference_fused":
+    return "reference"
+  if dm.resolve(op_implementation(implementation)) != "triton":
+    return None
+  h = spec.head_dim
+  if h < 16 or h & (h - 1) or any(s.width % 16 for s in stores):
+    return None
+  return "triton"
+
+
 def remat(store: TokenStore, w, implementation: str):
   """Rematerialises store rows times w: [B, S, C] x [C, N] -> [B, S, N] fp32.
 
   Quantized rows go through the dequant-matmul op; exact tail rows are multiplied
   directly and overlaid (they are at most F rows).
   """
+  implementation = op_implementation(implementation)
   wf = w.astype(jnp.float32)
   if store.bits is None:
     return jnp.matmul(store.raw.astype(jnp.float32), wf, precision=jax.lax.Precision.HIGHEST)
@@ -149,14 +197,16 @@ def remat(store: TokenStore, w, implementation: str):
   return out[:, :store.capacity]
 
 
-def kv_from_rows(k_pre, v, lp, spec: ModelSpec, dtype):
-  """[B,S,kv_dim] pre-bias K and V -> (k post-RoPE, v) [B,S,K,H] at slot positions."""
+def kv_from_rows(k_pre, v, lp, spec: ModelSpec, dtype, positions=None):
+  """[B,S,kv_dim] pre-bias K and V -> (k post-RoPE, v) [B,S,K,H] at `positions` [B,S]
+  (default: slot positions 0..S-1)."""
   if spec.qkv_bias:
     k_pre, v = k_pre + lp["bk"].astype(jnp.float32), v + lp["bv"].astype(jnp.float32)
   b, s, _ = k_pre.shape
   k_pre = k_pre.reshape(b, s, spec.n_kv_heads, spec.head_dim)
   v = v.reshape(b, s, spec.n_kv_heads, spec.head_dim)
-  pos = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
+  pos = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s)) if positions is None \
+      else positions
   k = apply_rope(k_pre, pos, spec)   # rotate in fp32 at the key positions, then cast
   return k.astype(dtype), v.astype(dtype)
 
@@ -236,8 +286,28 @@ class XCache(base.KVCache):
     return kv_from_rows(k_pre, v, lp, spec, dtype)
 
   def attend(self, q, q_positions, lp, *, spec: ModelSpec):
+    fused = fused_decode_backend(self.implementation, spec, self.stores, self.sliding_window,
+                                 q.shape[1])
+    if fused is not None:
+      return fused_decode(self, q, q_positions, lp, spec, fused)
     k, v = self.rematerialize(lp, spec, q.dtype)
     return attend_rows(k, v, self.lengths, q, q_positions, self.sliding_window)
+
+  def fused_operands(self, lp):
+    """(k_rows, v_rows, wk, wv) of the fused op: X and [W_k, W_v] ("x": shared rows), or
+    the latents and Σ_kB_kᵀ, Σ_vB_vᵀ ("latent")."""
+    if self.path == "x":
+      return self.stores[0].packed(), None, lp["wk"], lp["wv"]
+    _, rk, _, rv = self.proj
+    return self.stores[0].packed(), self.stores[1].packed(), rk, rv
+
+  def rows_kv(self, positions, lp):
+    """Pre-bias K, V [B, W, kv_dim] fp32 of the rows at positions [B, W] (as stored)."""
+    _, _, wk, wv = self.fused_operands(lp)
+    xk = self.stores[0].rows_at(positions)
+    xv = xk if self.path == "x" else self.stores[1].rows_at(positions)
+    f32 = lambda a: a.astype(jnp.float32)
+    return (jnp.matmul(xk, f32(wk), precision=_HI), jnp.matmul(xv, f32(wv), precision=_HI))
 
   def materialize(self):
     raise NotImplementedError(
@@ -254,6 +324,43 @@ class XCache(base.KVCache):
 
   def bytes_per_token(self) -> float:
     return float(sum(s.bytes_per_token() for s in self.stores))
+
+
+def fused_decode(cache: XCache, q, q_positions, lp, spec: ModelSpec, backend: str):
+  """Decode attention (q [B, 1, N, H], q_positions [B, 1]) without materialising K/V for
+  the quantized prefix (module doc): the fused op (`backend`: "triton" | "reference") over
+  keys [0, n), the exact tail keys [n, L) densely, LSE-merged.
+
+  Returns:
+    (out [B, 1, N, H] q.dtype, lse [B, 1, N]).
+  """
+  lengths, qpos = cache.lengths, q_positions[:, 0]
+  n_codes = jnp.min(jnp.stack([st.n_quantized() for st in cache.stores]), axis=0)
+  n_fused = jnp.clip(jnp.minimum(n_codes, qpos + 1), 0).astype(jnp.int32)
+  k_rows, v_rows, wk, wv = cache.fused_operands(lp)
+  zeros = jnp.zeros((spec.kv_dim,), jnp.float32)
+  bk, bv = (lp["bk"], lp["bv"]) if spec.qkv_bias else (zeros, zeros)
+  qh, h, s = q[:, 0], spec.head_dim, k_rows.codes.shape[1]
+  if spec.rope_layout == "interleaved":   # to the half-rotation layout (common permutation)
+    perm = interleaved_to_half_perm(h)
+    cols = (np.arange(spec.n_kv_heads)[:, None] * h + perm[None, :]).reshape(-1)
+    qh, wk, bk = qh[..., perm], wk[:, cols], bk[cols]
+  if spec.rope_layout == "none":
+    cos, sin = jnp.ones((s, h // 2), jnp.float32), jnp.zeros((s, h // 2), jnp.float32)
+  else:
+    cos, sin = rope_cos_sin(jnp.arange(s, dtype=jnp.int32), spec)
+  out, lse = dm.remat_decode_attention(qh, k_rows, v_rows, wk, wv, bk, bv, cos, sin, n_fused,
+                                       n_kv_heads=spec.n_kv_heads, implementation=backend,
+                                       return_lse=True)
+  parts = [(out[:, None], lse[:, None])]
+  w = max(st.flush for st in cache.stores)
+  if w:   # the rows no store holds as codes yet: at most the largest flush block
+    pos = n_fused[:, None] + jnp.arange(w, dtype=jnp.int32)[None, :]
+    k_pre, v = cache.rows_kv(pos, lp)
+    k, v = kv_from_rows(k_pre, v, lp, spec, jnp.float32, positions=pos)
+    parts.append(dot_product_attention(q, k, v, q_positions, pos, pos < lengths[:, None],
+                                       out_dtype=jnp.float32))
+  return combine(parts, out_dtype=q.dtype)
 
 
 def materialize_all(caches, params, spec: ModelSpec, dtype=jnp.float32):

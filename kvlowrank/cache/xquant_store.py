@@ -36,6 +36,7 @@ import numpy as np
 from kvlowrank.cache import base
 from kvlowrank.quant import packing
 from kvlowrank.quant.uniform import canonical_scale_dtype, dequantize_codes, quantize_codes
+from kvlowrank_kernels.dequant_matmul.reference import PackedRows
 
 AXES = ("token", "channel")
 
@@ -221,6 +222,33 @@ class TokenStore:
     in_tail = spos >= nq[:, None]
     idx = jnp.clip(spos - nq[:, None], 0, self.flush - 1)
     return jnp.where(in_tail[..., None], _rows(tail_rows.astype(full.dtype), idx), full)
+
+  def rows_at(self, positions, dtype=jnp.float32):
+    """Rows at positions [B, W] as the cache reproduces them: [B, W, C] (dequantized codes
+    below n_quantized, exact tail rows from there; positions outside the store read
+    clipped slots, so callers mask them)."""
+    if self.bits is None:
+      return _rows(self.raw, jnp.clip(positions, 0, self.raw.shape[1] - 1)).astype(dtype)
+    p = jnp.clip(positions, 0, self.codes.shape[1] - 1)
+    q = packing.unpack(_rows(self.codes, p), self.bits, self.width).astype(jnp.float32)
+    if self.axis == "token":
+      s, z = _rows(self.scale, p), _rows(self.zero, p)
+      s = jnp.repeat(s.astype(jnp.float32), self.group, axis=-1)
+      z = jnp.repeat(z.astype(jnp.float32), self.group, axis=-1)
+    else:
+      s = _rows(self.scale, p // self.group).astype(jnp.float32)
+      z = _rows(self.zero, p // self.group).astype(jnp.float32)
+    x = q * s + z
+    if self.flush:
+      nq = self.n_quantized()[:, None]
+      tail = _rows(self.tail, jnp.clip(positions - nq, 0, self.flush - 1)).astype(jnp.float32)
+      x = jnp.where((positions >= nq)[..., None], tail, x)
+    return x.astype(dtype)
+
+  def packed(self):
+    """The quantized rows as the dequant-matmul ops take them (PackedRows)."""
+    return PackedRows(codes=self.codes, scale=self.scale, zero=self.zero, bits=self.bits,
+                      axis=self.axis, group=self.group)
 
   def rows(self, dtype=jnp.float32):
     """All rows as the cache reproduces them: [B, capacity, C] (codes, tail overlaid)."""

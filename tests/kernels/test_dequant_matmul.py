@@ -1,5 +1,7 @@
-"""XQuant dequant-matmul kernels: the jnp reference against float64 numpy (CPU), the
-dispatcher's errors and fallback, and the Triton kernels against the reference (GPU)."""
+"""XQuant dequant-matmul kernels: the jnp reference against float64 numpy (CPU), the XLA
+baseline against a bf16 rounding bound (CPU), the dispatcher's errors and fallback, and the
+Triton kernels against the reference (GPU; the CPU interpreter runs them in
+test_triton_interpret.py: `check_xquant`)."""
 
 import jax
 import jax.numpy as jnp
@@ -11,6 +13,7 @@ from kvlowrank.quant import pack, quantize_codes
 from kvlowrank.spec import ModelSpec
 from kvlowrank_kernels import dequant_matmul as dm
 from kvlowrank_kernels.dequant_matmul import reference as ref
+from kvlowrank_kernels.dequant_matmul import xla as xq
 from kvlowrank_kernels.dequant_matmul import triton_backend
 
 needs_gpu = pytest.mark.skipif(not triton_backend.available(),
@@ -124,6 +127,69 @@ def test_remat_decode_reference_matches_numpy(shared):
   assert np.abs(bad[1] - got[1]).max() > 1e-3
 
 
+@pytest.mark.parametrize("bits,axis,group", [(2, "token", 32), (3, "channel", 16)])
+def test_xla_dequant_matmul_within_bf16_bound(bits, axis, group):
+  """implementation="xla" rounds X̂ and W to bf16 (relative error <= 2^-9 each, round to
+  nearest) and accumulates in fp32: |out − exact| <= (2·2^-9 + 2^-18 + C·2^-24)·|X̂|·|W|
+  componentwise (a rigorous bound). Negative control: the bound computed for fp32
+  operands (u = 2^-24) is violated, i.e. the bf16 rounding is really there."""
+  m, c, n = 64, 64, 24
+  rows = make_rows(bits, m, c, bits, axis, group)
+  w = np.random.default_rng(11).normal(size=(c, n)).astype(np.float32)
+  codes, sc, zr = rows.codes[0], rows.scale[0], rows.zero[0]
+  got = np.asarray(dm.dequant_matmul(codes, sc, zr, jnp.asarray(w), bits=bits, axis=axis,
+                                     group=group, implementation="xla"), np.float64)
+  want = np_dequant_matmul(codes, sc, zr, w, bits, axis, group)
+  x_abs = np.abs(np_dequant_matmul(codes, sc, zr, np.eye(c), bits, axis, group))
+  mag = x_abs @ np.abs(w.astype(np.float64))
+  err = np.abs(got - want)
+  assert np.all(err <= (2 * 2.0 ** -9 + 2.0 ** -18 + c * 2.0 ** -24) * mag)
+  assert np.any(err > (2 * 2.0 ** -24 + c * 2.0 ** -24) * mag)
+
+
+@pytest.mark.parametrize("shared", [True, False])
+def test_xla_remat_decode_close_to_reference(shared):
+  """The XLA remat-then-attend baseline (bf16 operands) against the fp32 reference: within
+  bf16 accuracy (2e-2 relative), and attending 5 of the 11 keys is visibly different."""
+  rng = np.random.default_rng(5)
+  b, s, n, kh, h, c = 2, 32, 4, 2 if shared else 1, 16, 64
+  spec = ModelSpec(vocab_size=8, dim=64, n_layers=1, n_heads=n, n_kv_heads=kh, head_dim=h,
+                   ffn_dim=8)
+  def rows(seed, axis, group):
+    r = make_rows(seed, b * s, c, 3, axis, group)
+    return ref.PackedRows(codes=r.codes.reshape(b, s, -1),
+                          scale=r.scale.reshape(b, -1, r.scale.shape[-1]),
+                          zero=r.zero.reshape(b, -1, r.zero.shape[-1]), bits=3, axis=axis,
+                          group=group)
+  kr = rows(1, "token" if shared else "channel", 16)
+  vr = None if shared else rows(2, "token", 32)
+  wk, wv = (jnp.asarray(rng.normal(size=(c, kh * h)) * 0.2, jnp.float32) for _ in range(2))
+  bk, bv = (jnp.asarray(rng.normal(size=(kh * h,)), jnp.float32) for _ in range(2))
+  q = jnp.asarray(rng.normal(size=(b, n, h)), jnp.float32)
+  cos, sin = rope_cos_sin(jnp.arange(s), spec)
+  lens = jnp.array([32, 11])
+  args = (q, kr, vr, wk, wv, bk, bv, cos, sin, lens)
+  want, want_lse = dm.remat_decode_attention(*args, n_kv_heads=kh, implementation="reference",
+                                             return_lse=True)
+  got, lse = dm.remat_decode_attention(*args, n_kv_heads=kh, implementation="xla",
+                                       return_lse=True)
+  rel = lambda a, b_: float(jnp.linalg.norm(a - b_) / jnp.linalg.norm(b_))
+  assert rel(got, want) < 2e-2 and float(jnp.abs(lse - want_lse).max()) < 5e-2
+  bad = dm.remat_decode_attention(*args[:-1], lens.at[1].set(5), n_kv_heads=kh,
+                                  implementation="xla")
+  assert rel(bad[1], want[1]) > 5e-2
+  # Value projection after attention ((sum_t p_t X̂_t) W_v + b_v): the same maths in
+  # another order, so the same bf16 bound against the fp32 reference; an empty row stays 0.
+  vl, vl_lse = xq.remat_decode_attention_vlate(*args, n_kv_heads=kh, return_lse=True)
+  assert rel(vl, want) < 2e-2 and float(jnp.abs(vl_lse - want_lse).max()) < 5e-2
+  # Negative control: forgetting the value bias (sum p = 1 carries it through) is visible.
+  no_bias = xq.remat_decode_attention_vlate(*args[:6], jnp.zeros_like(bv), *args[7:],
+                                            n_kv_heads=kh)
+  assert rel(no_bias, want) > 5e-2
+  empty = xq.remat_decode_attention_vlate(*args[:-1], lens.at[1].set(0), n_kv_heads=kh)
+  assert float(jnp.abs(empty[1]).max()) == 0.0
+
+
 def test_dispatcher_errors_and_cpu_fallback():
   rows = make_rows(0, 16, 32, 2, "token", 32)
   w = jnp.ones((32, 8))
@@ -159,8 +225,13 @@ def test_triton_dequant_matmul_matches_reference(bits, axis, group):
 
 @pytest.mark.gpu
 @needs_gpu
+@pytest.mark.parametrize("kernel,tuning", [("v2", {}), ("v2", dict(block_m=128, num_warps=8)),
+                                           ("v2", dict(block_k=32, num_stages=2)), ("v1", {})])
 @pytest.mark.parametrize("shared,bits", [(True, 2), (True, 3), (False, 2), (False, 4)])
-def test_triton_fused_decode_matches_reference(shared, bits):
+def test_triton_fused_decode_matches_reference(shared, bits, kernel, tuning):
+  """Fused decode kernels vs the fp32 reference (bf16 weights and operands: ~3e-3 relative
+  error expected, bound 2e-2), ragged lengths 640 / 1 / 333, every partial written (NaN
+  poison); negative control: 20 keys instead of 333 for row 2."""
   tb = triton_backend
   rng = np.random.default_rng(bits)
   b, s, n, kh, h, c = 3, 640, 8, 8 if shared else 2, 64, 512 if shared else 128
@@ -181,7 +252,7 @@ def test_triton_fused_decode_matches_reference(shared, bits):
   lens = jnp.array([640, 1, 333], jnp.int32)
   args = (q, kr, vr, wk, wv, bk, bv, cos, sin, lens)
   want = ref.remat_decode_attention(*args, n_kv_heads=kh)
-  got = tb.remat_decode_attention(*args, n_kv_heads=kh)
+  got = tb.remat_decode_attention(*args, n_kv_heads=kh, kernel=kernel, poison=True, **tuning)
   err = float(jnp.linalg.norm(got - want) / jnp.linalg.norm(want))
   assert err < 2e-2 and bool(jnp.all(jnp.isfinite(got)))
   # Negative control: row 2 attending 20 keys instead of 333 is far off.
