@@ -31,12 +31,15 @@ def ptxas_path() -> str:
 
 
 def _config_summary(cfg_text: str) -> str:
+  """Warps, stages and the tiling constexprs from jax-triton's config dump (a pprint of
+  its cache key, where constexprs appear as ('NAME', value) pairs, then CUDAOptions(...))."""
   keep = []
   for key in ("num_warps", "num_stages"):
-    m = re.search(rf"'{key}': (\d+)", cfg_text)
+    m = re.search(rf"{key}=(\d+)", cfg_text)
     if m:
       keep.append(f"{key}={m.group(1)}")
-  for m in re.finditer(r"'(BLOCK_\w+|TRANS|ABSORB|KBITS|VBITS|QP|NQP|G|SKIP)': (\w+)", cfg_text):
+  names = r"BLOCK_\w+|TRANS|ABSORB|KBITS|VBITS|QP|NQP|G|SKIP|HPP"
+  for m in re.finditer(rf"\('({names})', (\w+)\)", cfg_text):
     keep.append(f"{m.group(1)}={m.group(2)}")
   return " ".join(dict.fromkeys(keep))
 

@@ -32,12 +32,20 @@ LN2 = 0.6931471805599453
 
 
 @triton.jit
-def store_partial(o_ptr, lse_ptr, acc, m_i, l_i, row_idx, row_ok, HV: tl.constexpr):
-  """Normalises one split's accumulator and writes o [rows, HV] and lse [rows] (natural log)."""
+def split_lse(m_i, l_i):
+  """(l_safe, lse) of one split's online softmax (running max m_i in log2 units, sum l_i):
+  the divisor with empty rows set to 1, and the natural-log LSE (-inf for empty rows)."""
   has = l_i > 0
   l_safe = tl.where(has, l_i, 1.0)
-  o = acc / l_safe[:, None]
   lse = tl.where(has, (m_i + tl.log2(l_safe)) * 0.6931471805599453, float("-inf"))
+  return l_safe, lse
+
+
+@triton.jit
+def store_partial(o_ptr, lse_ptr, acc, m_i, l_i, row_idx, row_ok, HV: tl.constexpr):
+  """Normalises one split's accumulator and writes o [rows, HV] and lse [rows] (natural log)."""
+  l_safe, lse = split_lse(m_i, l_i)
+  o = acc / l_safe[:, None]
   cols = tl.arange(0, HV)
   tl.store(o_ptr + row_idx[:, None] * HV + cols[None, :], o, mask=row_ok[:, None])
   tl.store(lse_ptr + row_idx, lse, mask=row_ok)

@@ -212,7 +212,7 @@ def remat_kernel_poisoned(q_ptr, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr,
                           BITSV: tl.constexpr, CPBV: tl.constexpr, WPBV: tl.constexpr,
                           TOKV: tl.constexpr, GRPV: tl.constexpr, BLOCK_M: tl.constexpr,
                           BLOCK_K: tl.constexpr, EXACT: tl.constexpr, FASTK: tl.constexpr,
-                 FASTV: tl.constexpr):
+                          FASTV: tl.constexpr):
   _remat_body(q_ptr, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, wk_ptr, wv_ptr, bk_ptr,
               cos_ptr, sin_ptr, len_ptr, S, SV, NSPLIT, o_ptr, lse_ptr, KH, G, GP, H,
               QSCALE, SHARED, CK, NWK, BITSK, CPBK, WPBK, TOKK, GRPK, CV, NWV, BITSV, CPBV, WPBV,

@@ -35,10 +35,11 @@ def dequant_matmul(codes, scale, zero, w, *, bits: int, axis: str = "token", gro
   return out.astype(out_dtype)
 
 
-def decode_attention_bf16(q, k, v, lens, dtype=OPERAND):
-  """Decode attention in XLA: q [B,N,H], k/v [B,S,K,H] (post-RoPE) -> (out fp32, lse).
+def _softmax_bf16(q, k, lens, dtype):
+  """Decode softmax weights over post-RoPE keys k [B,S,K,H] for q [B,N,H].
 
   Operands in `dtype`, fp32 accumulation and softmax; keys at slots >= lens masked.
+  Returns (p [B,K,G,S] fp32 (rows with no valid key: 0), lse [B,K,G], has [B,K,G]).
   """
   b, n, h = q.shape
   kh = k.shape[2]
@@ -52,10 +53,33 @@ def decode_attention_bf16(q, k, v, lens, dtype=OPERAND):
   e = jnp.exp(sc - m[..., None])
   den = jnp.sum(e, axis=-1)
   p = e / jnp.where(has, den, 1.0)[..., None]
+  lse = jnp.where(has, m + jnp.log(jnp.where(has, den, 1.0)), -jnp.inf)
+  return p, lse, has
+
+
+def decode_attention_bf16(q, k, v, lens, dtype=OPERAND):
+  """Decode attention in XLA: q [B,N,H], k/v [B,S,K,H] (post-RoPE) -> (out fp32, lse).
+
+  Operands in `dtype`, fp32 accumulation and softmax; keys at slots >= lens masked.
+  """
+  b, n, h = q.shape
+  p, lse, _ = _softmax_bf16(q, k, lens, dtype)
   out = jnp.einsum("bkgs,bskh->bkgh", p.astype(dtype), v.astype(dtype),
                    preferred_element_type=jnp.float32)
-  lse = jnp.where(has, m + jnp.log(jnp.where(has, den, 1.0)), -jnp.inf)
   return out.reshape(b, n, h), lse.reshape(b, n)
+
+
+def _remat_keys(k_rows, v_rows, wk, wv, bk, cos, sin, n_kv_heads, operand_dtype):
+  """Post-RoPE K [B, s, K, H] (operand_dtype) rematerialised from k_rows, and the dequantized
+  value rows X̂_v [B, s, C_v] (X̂ itself when K and V share rows); s = the smallest slot count."""
+  xk = k_rows.dequantize(wk.shape[0], dtype=operand_dtype)
+  xv = xk if v_rows is None else v_rows.dequantize(wv.shape[0], dtype=operand_dtype)
+  s = min(xk.shape[1], xv.shape[1], cos.shape[0])   # slot counts may differ (whole groups)
+  xk, xv, cos, sin = xk[:, :s], xv[:, :s], cos[:s], sin[:s]
+  k = (jnp.dot(xk, wk.astype(operand_dtype), preferred_element_type=jnp.float32)
+       + bk.astype(jnp.float32)).reshape(xk.shape[0], s, n_kv_heads, -1)
+  k = rope_half(k, cos.astype(jnp.float32), sin.astype(jnp.float32)).astype(operand_dtype)
+  return k, xv
 
 
 def remat_decode_attention(q, k_rows, v_rows, wk, wv, bk, bv, cos, sin, lens, *,
@@ -65,16 +89,9 @@ def remat_decode_attention(q, k_rows, v_rows, wk, wv, bk, bv, cos, sin, lens, *,
   Returns:
     out [B, N, H] fp32 (and lse [B, N] when return_lse).
   """
-  b, n, h = q.shape
-  kh = n_kv_heads
-  xk = k_rows.dequantize(wk.shape[0], dtype=operand_dtype)
-  xv = xk if v_rows is None else v_rows.dequantize(wv.shape[0], dtype=operand_dtype)
-  s = min(xk.shape[1], xv.shape[1], cos.shape[0])   # slot counts may differ (whole groups)
-  xk, xv, cos, sin = xk[:, :s], xv[:, :s], cos[:s], sin[:s]
-  dot = lambda x, w: jnp.dot(x, w.astype(operand_dtype), preferred_element_type=jnp.float32)
-  k = (dot(xk, wk) + bk.astype(jnp.float32)).reshape(b, s, kh, h)
-  v = (dot(xv, wv) + bv.astype(jnp.float32)).astype(operand_dtype).reshape(b, s, kh, h)
-  k = rope_half(k, cos.astype(jnp.float32), sin.astype(jnp.float32)).astype(operand_dtype)
+  k, xv = _remat_keys(k_rows, v_rows, wk, wv, bk, cos, sin, n_kv_heads, operand_dtype)
+  v = (jnp.dot(xv, wv.astype(operand_dtype), preferred_element_type=jnp.float32)
+       + bv.astype(jnp.float32)).astype(operand_dtype).reshape(k.shape)
   out, lse = decode_attention_bf16(q, k, v, lens, operand_dtype)
   return (out, lse) if return_lse else out
 
@@ -96,30 +113,14 @@ def remat_decode_attention_vlate(q, k_rows, v_rows, wk, wv, bk, bv, cos, sin, le
   """
   b, n, h = q.shape
   kh = n_kv_heads
-  g = n // kh
-  xk = k_rows.dequantize(wk.shape[0], dtype=operand_dtype)
-  xv = xk if v_rows is None else v_rows.dequantize(wv.shape[0], dtype=operand_dtype)
-  s = min(xk.shape[1], xv.shape[1], cos.shape[0])
-  xk, xv, cos, sin = xk[:, :s], xv[:, :s], cos[:s], sin[:s]
-  k = (jnp.dot(xk, wk.astype(operand_dtype), preferred_element_type=jnp.float32)
-       + bk.astype(jnp.float32)).reshape(b, s, kh, h)
-  k = rope_half(k, cos.astype(jnp.float32), sin.astype(jnp.float32)).astype(operand_dtype)
-  qg = q.astype(operand_dtype).reshape(b, kh, g, h)
-  sc = jnp.einsum("bkgh,bskh->bkgs", qg, k, preferred_element_type=jnp.float32) / math.sqrt(h)
-  valid = (jnp.arange(s)[None, :] < lens[:, None])[:, None, None]
-  sc = jnp.where(valid, sc, -jnp.inf)
-  has = jnp.any(valid, axis=-1)
-  m = jnp.where(has, jnp.max(sc, axis=-1), 0.0)
-  e = jnp.exp(sc - m[..., None])
-  den = jnp.sum(e, axis=-1)
-  p = e / jnp.where(has, den, 1.0)[..., None]                       # [B, K, G, S]
+  k, xv = _remat_keys(k_rows, v_rows, wk, wv, bk, cos, sin, kh, operand_dtype)
+  p, lse, has = _softmax_bf16(q, k, lens, operand_dtype)      # p: [B, K, G, S]
   mixed = jnp.einsum("bkgs,bsc->bkgc", p.astype(operand_dtype), xv,
                      preferred_element_type=jnp.float32)            # [B, K, G, C_v]
   wv_h = wv.astype(operand_dtype).reshape(wv.shape[0], kh, h)         # [C_v, K, H]
   out = jnp.einsum("bkgc,ckh->bkgh", mixed.astype(operand_dtype), wv_h,
                    preferred_element_type=jnp.float32)
   out = out + jnp.where(has[..., None], bv.astype(jnp.float32).reshape(kh, h)[None, :, None], 0.0)
-  lse = jnp.where(has, m + jnp.log(jnp.where(has, den, 1.0)), -jnp.inf)
   out = out.reshape(b, n, h)
   return (out, lse.reshape(b, n)) if return_lse else out
 

@@ -62,20 +62,10 @@ import triton.language as tl
 
 from ..decode_attention import splitk
 from ..decode_attention import triton_backend
-from ..decode_attention.triton_decode import split_range
+from ..decode_attention.triton_decode import split_lse, split_range, store_partial
 from .packing import VALUE_BLOCK, KiviKeys, KiviValues
 from .triton_dequant import dequant as _dequant
 from .triton_dequant import to_dtype as _to_dt
-
-
-@triton.jit
-def _store(o_ptr, lse_ptr, acc, m_i, l_i, prow, row_ok, H: tl.constexpr):
-  has = l_i > 0
-  l_safe = tl.where(has, l_i, 1.0)
-  cols = tl.arange(0, H)
-  tl.store(o_ptr + prow[:, None] * H + cols[None, :], acc / l_safe[:, None], mask=row_ok[:, None])
-  lse = tl.where(has, (m_i + tl.log2(l_safe)) * 0.6931471805599453, float("-inf"))
-  tl.store(lse_ptr + prow, lse, mask=row_ok)
 
 
 @triton.jit
@@ -108,7 +98,7 @@ def _window_part(q, qk_scale, kw_ptr, vw_ptr, wlen_ptr, W, b64, kh, o_ptr, lse_p
     v = tl.load(vw_ptr + ptr, mask=ok[:, None], other=0.0)
     acc = acc * alpha[:, None] + tl.dot(_to_dt(p, tl.bfloat16, False), v)
     m_i = m_new
-  _store(o_ptr, lse_ptr, acc, m_i, l_i, prow, row_ok, H)
+  store_partial(o_ptr, lse_ptr, acc, m_i, l_i, prow, row_ok, H)
 
 
 @triton.jit
@@ -254,13 +244,11 @@ def _quant_part(q_ptr, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, qlen_ptr,
                              GV, VB, T, VDT, FAST)
     m_i = m_new
   l_i = tl.sum(l_t, 0)
-  has = l_i > 0
-  l_safe = tl.where(has, l_i, 1.0)
+  l_safe, lse = split_lse(m_i, l_i)
   vcw = tl.arange(0, VCW)
   for j in tl.static_range(NPV):
     tl.store(o_ptr + prow[None, :] * H + (j * VCW + vcw)[:, None], accs[j] / l_safe[None, :],
              mask=row_ok[None, :])
-  lse = tl.where(has, (m_i + tl.log2(l_safe)) * 0.6931471805599453, float("-inf"))
   tl.store(lse_ptr + prow, lse, mask=row_ok)
 
 

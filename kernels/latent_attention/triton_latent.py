@@ -64,7 +64,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ..decode_attention.triton_decode import split_range
+from ..decode_attention.triton_decode import split_lse, split_range
 from . import triton_unpack as tu
 
 
@@ -305,15 +305,13 @@ def _latent_body(q_ptr, hk_ptr, hks_ptr, hkz_ptr, hv_ptr, hvs_ptr, hvz_ptr, bk_p
     acc_b = (acc_b - psum[None, :]) * (1 << VBITS) + pz[None, :]
   # Partial rows [B, N, NSPLIT] x RV: piece A at column 0, piece B at column RVA.
   prow = (b64 * N + hbase + rows) * NSPLIT + sid
-  has = l_i > 0
-  l_safe = tl.where(has, l_i, 1.0)
+  l_safe, lse = split_lse(m_i, l_i)
   ca = tl.arange(0, RVA)[:, None]
   tl.store(o_ptr + prow[None, :] * RV + ca, acc_a / l_safe[None, :], mask=row_ok[None, :])
   if RVB > 0:
     cb = tl.arange(0, RVBP)[:, None]
     tl.store(o_ptr + prow[None, :] * RV + RVA + cb, acc_b / l_safe[None, :],
              mask=row_ok[None, :] & (cb < RVB))
-  lse = tl.where(has, (m_i + tl.log2(l_safe)) * 0.6931471805599453, float("-inf"))
   tl.store(lse_ptr + prow, lse, mask=row_ok)
 
 
