@@ -28,13 +28,15 @@ def build(family, model, s, b, opts, v_bits=16):
   m = bk.MODELS[model]
   key = jax.random.key(s * 131 + b)
   if family == "dense":
-    return bk.dense_fns(bk.dense_inputs(m, s, b, key), opts)["dense-triton"]
-  if family == "palu":
+    op, args = bk.dense_fns(bk.dense_inputs(m, s, b, key), opts)["dense-triton"]
+  elif family == "palu":
     inp, _ = bk.palu_inputs(m, s, b, key, v_bits)
-    return bk.palu_fn(inp, opts)
-  if family == "kivi":
-    return bk.kivi_fn(bk.kivi_inputs(m, s, b, key), opts)
-  raise ValueError(f"--family must be dense, palu or kivi, got {family!r}")
+    op, args = bk.palu_fn(inp, opts)
+  elif family == "kivi":
+    op, args = bk.kivi_fn(bk.kivi_inputs(m, s, b, key), opts)
+  else:
+    raise ValueError(f"--family must be dense, palu or kivi, got {family!r}")
+  return lambda: op(*args)
 
 
 def main():

@@ -1,0 +1,101 @@
+"""Instruction mix of the KIVI decode kernel's hot loop, compiled for sm_90a on any machine.
+
+Triton cross-compiles without a GPU (`triton.compile(..., target=GPUTarget("cuda", 90, 32))`)
+and its wheel ships `cuobjdump`, so the SASS of a configuration can be read on the CPU box:
+
+  python experiments/sass_stats.py --qpk 1 --block_s 32 --num_warps 2 --num_stages 3 --fp16
+
+prints registers, shared memory and, for each loop of the kernel (a backward branch), its
+instruction count and opcode histogram. The quantized-prefix loop is the long one: its count
+per warp and 32-token tile, against the HBM bytes that tile carries, says whether the kernel
+can reach the memory roofline at all (the H200 issues ~1.05e12 warp-instructions/s in all).
+Needs `triton` (3.6) installed; run from the repository root.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+import re
+import subprocess
+import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+
+def compile_kivi(qpk, block_s, num_warps, num_stages, fp16, bits=2, head_dim=128, group=32):
+  """cubin bytes of `triton_kivi.kivi_kernel` for sm_90a (planar layout, groups of 32)."""
+  import triton  # pylint: disable=import-outside-toplevel
+  from triton.backends.compiler import GPUTarget  # pylint: disable=import-outside-toplevel
+  from triton.compiler import ASTSource  # pylint: disable=import-outside-toplevel
+  from kernels.kivi_attention import packing, triton_kivi  # pylint: disable=import-outside-toplevel
+  fn = triton_kivi.kivi_kernel
+  sdt = "*fp16" if fp16 else "*bf16"
+  sig = dict(q_ptr="*bf16", kc_ptr="*u8", ks_ptr=sdt, kz_ptr=sdt, vc_ptr="*u8", vs_ptr="*i32",
+             vz_ptr="*i32", kw_ptr="*bf16", vw_ptr="*bf16", qlen_ptr="*i32", wlen_ptr="*i32",
+             S="i32", W="i32", NSPLIT="i32", sm_scale="fp32", o_ptr="*fp32", lse_ptr="*fp32")
+  const = dict(KH=32 // qpk, QPK=qpk, QP=1 << (qpk - 1).bit_length(), H=head_dim, KBITS=bits,
+               VBITS=bits, KCW=packing.plane_width(head_dim, bits),
+               VCW=packing.plane_width(head_dim, bits, group), G=group, GV=group,
+               VB=packing.VALUE_BLOCK, BLOCK_S=block_s, BLOCK_W=32, KF16=int(fp16),
+               VF16=int(fp16), SKIP=0, FAST=True)
+  sig.update({k: "constexpr" for k in const})
+  attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names)
+           if sig[n].startswith("*")}
+  k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=const, attrs=attrs),
+                     target=GPUTarget("cuda", 90, 32),
+                     options=dict(num_warps=num_warps, num_stages=num_stages))
+  return k.asm["cubin"], k.metadata.shared
+
+
+def sass_loops(cubin: bytes):
+  """(registers, [(start, end, n_instructions, Counter of opcodes)] per backward branch)."""
+  import triton  # pylint: disable=import-outside-toplevel
+  tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+  path = "/tmp/kvlowrank_sass.cubin"
+  with open(path, "wb") as f:
+    f.write(cubin)
+  sass = subprocess.run([tool, "-sass", path], capture_output=True, text=True, check=True).stdout
+  res = subprocess.run([tool, "-res-usage", path], capture_output=True, text=True, check=True)
+  regs = int(re.search(r"REG:(\d+)", res.stdout).group(1))
+  ins = [(int(m.group(1), 16), m.group(2)) for m in
+         (re.match(r"\s+/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;", line) for line in sass.splitlines())
+         if m]
+  loops = []
+  for addr, text in ins:
+    m = re.search(r"BRA\s+0x([0-9a-f]+)", text)
+    if m and int(m.group(1), 16) < addr:
+      start = int(m.group(1), 16)
+      body = [t for a, t in ins if start <= a <= addr]
+      ops = collections.Counter(re.sub(r"^@!?U?P\w+\s+", "", t).split()[0] for t in body)
+      loops.append((start, addr, len(body), ops))
+  return regs, loops
+
+
+def main():
+  ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  ap.add_argument("--qpk", type=int, default=1, help="query heads per KV head (1: MHA)")
+  ap.add_argument("--block_s", type=int, default=32)
+  ap.add_argument("--num_warps", type=int, default=2)
+  ap.add_argument("--num_stages", type=int, default=3)
+  ap.add_argument("--fp16", action="store_true", help="fp16 scale/zero (else bf16)")
+  ap.add_argument("--top", type=int, default=16)
+  args = ap.parse_args()
+  cubin, smem = compile_kivi(args.qpk, args.block_s, args.num_warps, args.num_stages, args.fp16)
+  regs, loops = sass_loops(cubin)
+  print(f"kivi qpk={args.qpk} block_s={args.block_s} warps={args.num_warps} "
+        f"stages={args.num_stages} {'fp16' if args.fp16 else 'bf16'} scales: {regs} registers, "
+        f"{smem} B shared memory")
+  longest = max((n for _, _, n, _ in loops), default=0)
+  for start, end, n, ops in loops:
+    # The longest loop is the quantized prefix (block_s tokens per iteration); the other one
+    # is the exact window (32-token tiles).
+    per = n * 32 / args.block_s if n == longest else n
+    print(f"loop {start:#x}-{end:#x}: {n} instructions ({per:.0f} per warp per 32 tokens, "
+          f"{'quantized prefix' if n == longest else 'exact window'})")
+    print("  " + ", ".join(f"{k} {v}" for k, v in ops.most_common(args.top)))
+
+
+if __name__ == "__main__":
+  main()
