@@ -21,6 +21,8 @@ import math
 import jax
 import jax.numpy as jnp
 
+from . import splitk
+
 
 def gpu_available() -> bool:
   """True when JAX's default backend is a GPU."""
@@ -106,3 +108,13 @@ def launch(kernel, poisoned_kernel, *args, out_shapes, grid, num_warps: int, num
                         num_warps=num_warps, num_stages=num_stages,
                         input_output_aliases=aliases, **constexprs)
   return list(outs)
+
+
+def launch_split_k(kernel, poisoned_kernel, *args, out_dtype, return_partials=False, **launch_kw):
+  """`launch` of a split-K decode kernel whose outputs are the (o, lse) partials, then
+  `splitk.combine_partials`. Returns (out, lse), plus the raw (o, lse) if return_partials."""
+  o, lse = launch(kernel, poisoned_kernel, *args, **launch_kw)
+  out, total = splitk.combine_partials(o, lse, out_dtype)
+  if return_partials:
+    return out, total, (o, lse)
+  return out, total

@@ -163,12 +163,9 @@ def decode_attention_triton(q, k, v, lengths, *, scale=None, out_dtype=None, blo
   scale = np.float32(h ** -0.5 if scale is None else scale)
   p = plan(q.shape, k.shape, v.shape, block_s=block_s, num_splits=num_splits,
            target_programs=target_programs)
-  o, lse = triton_backend.launch(
+  return triton_backend.launch_split_k(
       flash_decode_kernel, flash_decode_kernel_poisoned,
       q.astype(k.dtype), k, v, lengths.astype(jnp.int32), int(k.shape[1]), p["num_splits"], scale,
       out_shapes=p["out_shapes"], grid=p["grid"], num_warps=num_warps, num_stages=num_stages,
-      poison=poison, **p["constexprs"])
-  out, total = splitk.combine_partials(o, lse, out_dtype or q.dtype)
-  if return_partials:
-    return out, total, (o, lse)
-  return out, total
+      poison=poison, out_dtype=out_dtype or q.dtype, return_partials=return_partials,
+      **p["constexprs"])

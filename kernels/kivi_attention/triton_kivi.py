@@ -423,7 +423,7 @@ def kivi_attention_triton(q, keys: KiviKeys, values: KiviValues, k_win, v_win, q
   p = plan(q.shape, keys, values, k_win.shape[1], block_s=block_s, block_w=block_w,
            num_splits=num_splits, target_programs=target_programs or 3 * splitk.TARGET_PROGRAMS,
            skip=skip, fast=fast, min_rows=min_rows)
-  o, lse = triton_backend.launch(
+  return triton_backend.launch_split_k(
       kivi_kernel, kivi_kernel_poisoned,
       q, keys.codes, keys.scale, keys.zero, values.codes, _value_words(values.scale),
       _value_words(values.zero),
@@ -431,8 +431,5 @@ def kivi_attention_triton(q, keys: KiviKeys, values: KiviValues, k_win, v_win, q
       w_len.astype(jnp.int32), int(keys.codes.shape[2]), int(k_win.shape[1]), p["num_splits"],
       scale,
       out_shapes=p["out_shapes"], grid=p["grid"], num_warps=num_warps, num_stages=num_stages,
-      poison=poison, **p["constexprs"])
-  out, total = splitk.combine_partials(o, lse, out_dtype or q.dtype)
-  if return_partials:
-    return out, total, (o, lse)
-  return out, total
+      poison=poison, out_dtype=out_dtype or q.dtype, return_partials=return_partials,
+      **p["constexprs"])

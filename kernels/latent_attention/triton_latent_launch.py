@@ -156,13 +156,10 @@ def latent_attention_triton(q, hk, hv, b_k, lengths, inv_freq, *, k_bias=None, s
     pq, pqb = absorbed_queries(q, b_k, k_bias, scale,
                                jnp.bfloat16 if kbits == 16 else jnp.float16)
     pqb = lengths if pqb is None else pqb
-  o, lse = triton_backend.launch(
+  return triton_backend.launch_split_k(
       latent_kernel, latent_kernel_poisoned,
       q.astype(jnp.bfloat16), hk_d, hks, hkz, hv_d, hvs, hvz, b_k.astype(jnp.bfloat16), bias,
       pq, pqb, rope, lengths, int(hk.shape[1]), p["num_splits"], scale,
       out_shapes=p["out_shapes"], grid=p["grid"], num_warps=num_warps, num_stages=num_stages,
-      poison=poison, **p["constexprs"])
-  out, total = splitk.combine_partials(o, lse, out_dtype or q.dtype)
-  if return_partials:
-    return out, total, (o, lse)
-  return out, total
+      poison=poison, out_dtype=out_dtype or q.dtype, return_partials=return_partials,
+      **p["constexprs"])
