@@ -250,12 +250,22 @@ SWEEP = {
               dict(block_s=128, num_warps=8, num_stages=3),
               dict(block_s=64, num_warps=4, num_stages=4),
               dict(block_s=256, num_warps=8, num_stages=2)],
-    "palu": [dict(block_s=32, num_warps=4, num_stages=2),
-             dict(block_s=32, num_warps=4, num_stages=2, heads_per_program=2),
-             dict(block_s=32, num_warps=4, num_stages=2, heads_per_program=1),
-             dict(block_s=32, num_warps=4, num_stages=3, heads_per_program=1),
-             dict(block_s=64, num_warps=4, num_stages=2, heads_per_program=1),
-             dict(block_s=64, num_warps=4, num_stages=2, heads_per_program=2)],
+    # heads_per_program 1/2 with 32-token tiles (2026-11-21/22 sweeps) lost: the value latent
+    # is then read and multiplied once per program. 64/128-token tiles with 8 warps (warpgroup
+    # MMA for the key product; 1 stage, as 2 stages of 64 tokens overflow shared memory unless
+    # a program holds 2 KV heads) added in the fourth session of 2026-11-22.
+    "palu": [dict(block_s=32, num_warps=4, num_stages=2, target_programs=1056),
+             dict(block_s=32, num_warps=4, num_stages=2, target_programs=528),
+             dict(block_s=64, num_warps=4, num_stages=1, target_programs=528),
+             dict(block_s=128, num_warps=8, num_stages=1, target_programs=528),
+             dict(block_s=128, num_warps=8, num_stages=1, target_programs=264),
+             dict(block_s=128, num_warps=8, num_stages=1, target_programs=1056),
+             dict(block_s=128, num_warps=8, num_stages=1, target_programs=528,
+                  heads_per_program=2),
+             dict(block_s=64, num_warps=8, num_stages=2, target_programs=528,
+                  heads_per_program=2),
+             dict(block_s=64, num_warps=4, num_stages=2, target_programs=528,
+                  heads_per_program=2)],
     "kivi": [dict(block_s=32, num_warps=2, num_stages=4, target_programs=1584),
              dict(block_s=32, num_warps=2, num_stages=3, target_programs=2112),
              dict(block_s=32, num_warps=2, num_stages=3, target_programs=1056),
@@ -313,16 +323,17 @@ def sweep(model, s, b, log, families=FAMILIES):
   return best
 
 
-# Winners of the --sweep run on the H200 (16K context, batch 8, `time_op` timing) of 2026-11-22
-# (experiments/results/bench_sweep_2026-11-22.json); Palu from the sweep of the day before.
+# Winners of the --sweep runs on the H200 (16K context, batch 8, `time_op` timing) of 2026-11-22:
+# dense/KIVI experiments/results/bench_sweep_2026-11-22.json, Palu (fourth session, after the
+# interleaved P|Q operand) experiments/results/bench_sweep_palu_2026-11-22.json.
 DEFAULT_OPTIONS = {
     "llama2-7b": dict(dense=dict(block_s=64, num_warps=4, num_stages=4, target_programs=528),
-                      palu=dict(block_s=32, num_warps=4, num_stages=2, trans=False,
-                                target_programs=1056),
+                      palu=dict(block_s=128, num_warps=8, num_stages=1, trans=False,
+                                target_programs=528),
                       kivi=dict(block_s=32, num_warps=2, num_stages=3, target_programs=2112)),
     "llama3-8b": dict(dense=dict(block_s=64, num_warps=4, num_stages=4, target_programs=528),
-                      palu=dict(block_s=32, num_warps=4, num_stages=2, trans=False,
-                                target_programs=528),
+                      palu=dict(block_s=128, num_warps=8, num_stages=1, trans=False,
+                                target_programs=264),
                       kivi=dict(block_s=64, num_warps=2, num_stages=4, target_programs=1584)),
 }
 
@@ -357,6 +368,10 @@ def run_config(model, s, b, best, log, ablate=False, families=FAMILIES):
       for skip, tag in ((1, "no-V"), (2, "no-K")):
         add(f"{name}:{tag}", palu_fn(inp, dict(_opts_for(best, "palu"), skip=skip)), rd, fl,
             ablation=True)
+      # fp16 cos/sin table: half the table bytes per tile (the table is read from L2).
+      add(f"{name}:fp16-rope", palu_fn(inp, dict(_opts_for(best, "palu"),
+                                                 rope_dtype=jnp.float16)), rd, fl,
+          ablation=True)
     del inp
     gc.collect()
   if "kivi" not in families:

@@ -16,8 +16,9 @@ slots in tiles of BLOCK_S tokens, reading the group's key latent [T, rk] and
 value latent [T, rv] once per tile. Per KV head j of the group (two RoPE halves,
 B1 = B_k[gr][:, jH : jH + H/2], B2 = the next H/2 columns):
   ABSORB (one query head per KV head, MHA): the query is folded into B_k once per
-    program, P = q1 B1 + q2 B2, Q = q2 B1 - q1 B2 (per rotation pair i), and
-    score_t = sum_i cos(t w_i) (h_t P)_i + sin(t w_i) (h_t Q)_i
+    call, P = q1 B1 + q2 B2, Q = q2 B1 - q1 B2 (per rotation pair i), interleaved
+    into one [rk, H] operand, and score_t = sum_i cos(t w_i) (h_t P)_i + sin(t w_i) (h_t Q)_i
+    is one product and one row reduction against the interleaved cos/sin table
     (the same FLOPs as reconstructing K, no rotated key ever formed);
   otherwise (GQA): k1, k2 = h B1, h B2 (+ bias), RoPE, fp16 product with the
     QPK query heads of KV head j.
@@ -37,8 +38,8 @@ cross-warp score reductions, softmax) is latency bound: the key path runs at
 attention. A faster design needs warp specialisation (TMA producer, MMA
 consumers) that Triton 3.6 does not give here.
 
-RoPE angles come from an XLA-made [2, S, H/2] float32 cos/sin table of fl(t w)
-(exactly the reference's angles), read per tile at the key positions (L2
+RoPE angles come from an XLA-made [S, H] float32 table of fl(t w), cos and sin
+interleaved (exactly the reference's angles), read per tile at the key positions (L2
 resident, shared by all programs). No sin/cos code sits in the kernel (precise
 sin/cos inline a large range-reduction path that cost the kernel its registers),
 and no loop-invariant tables are held in registers: the first H200 runs showed
@@ -130,6 +131,7 @@ def _latent_body(q_ptr, hk_ptr, hks_ptr, hkz_ptr, hv_ptr, hvs_ptr, hvz_ptr, bk_p
   rows = tl.arange(0, NQP)
   row_ok = rows < NQH
   hh = tl.arange(0, HH)
+  hcol = tl.arange(0, H)
   tcol = tl.arange(0, BLOCK_S)
   qscale = sm_scale * 1.4426950408889634
   if not ABSORB:
@@ -152,16 +154,19 @@ def _latent_body(q_ptr, hk_ptr, hks_ptr, hkz_ptr, hv_ptr, hvs_ptr, hvz_ptr, bk_p
     offs = t0 + tcol
     t_ok = offs < end
     tok = (b64 * S + offs) * GR + gr
-    # cos/sin of fl(t w) at this tile's key positions, from the [2, S, HH] table
-    # (L2-resident, shared by every program): no loop-invariant tables held in registers.
+    # cos/sin of fl(t w) at this tile's key positions, from the interleaved [S, H] table
+    # (cs[t, 2i] = cos(t w_i), cs[t, 2i + 1] = sin(t w_i); L2-resident, shared by every
+    # program): no loop-invariant tables held in registers.
     if TRANS:
-      tt = offs[None, :] * HH + hh[:, None]
-      rmask = t_ok[None, :]
+      cs = tl.load(rope_ptr + offs[None, :] * H + hcol[:, None], mask=t_ok[None, :], other=0.0)
     else:
-      tt = offs[:, None] * HH + hh[None, :]
-      rmask = t_ok[:, None]
-    cos_t = tl.load(rope_ptr + tt, mask=rmask, other=0.0)
-    sin_t = tl.load(rope_ptr + S * HH + tt, mask=rmask, other=0.0)
+      cs = tl.load(rope_ptr + offs[:, None] * H + hcol[None, :], mask=t_ok[:, None], other=0.0)
+    cs = cs.to(tl.float32)  # the table may be fp16 (`rope_dtype`)
+    if not ABSORB:
+      if TRANS:
+        cos_t, sin_t = tl.split(tl.permute(tl.reshape(cs, [HH, 2, BLOCK_S]), [0, 2, 1]))
+      else:
+        cos_t, sin_t = tl.split(tl.reshape(cs, [BLOCK_S, HH, 2]))
     if SKIP == 2:
       # Ablation (timing only): no key latent load or reconstruction.
       if TRANS:
@@ -184,49 +189,36 @@ def _latent_body(q_ptr, hk_ptr, hks_ptr, hkz_ptr, hv_ptr, hvs_ptr, hvz_ptr, bk_p
         if ABSORB:
           # One query head per KV head, folded into B_k outside the kernel (`absorbed_queries`):
           #   q . RoPE_t(k) = sum_i cos_i (h P)_i + sin_i (h Q)_i,
-          #   P = q1 B1 + q2 B2, Q = q2 B1 - q1 B2 (per rotation pair i).
-          # P, Q arrive as MMA-ready operands [2, RK, HH] per head: no per-tile elementwise work.
-          pq_base = pq_ptr + (b64 * N + gr * NQG + j) * (2 * RK * HH)
+          #   P = q1 B1 + q2 B2, Q = q2 B1 - q1 B2 (per rotation pair i),
+          # as one MMA-ready operand [RK, H] per head with P_i in column 2i and Q_i in 2i + 1,
+          # so a single product gives x [T, H] and the score is sum_c x[:, c] * cs[:, c].
+          pq_base = pq_ptr + (b64 * N + gr * NQG + j) * (RK * H)
           if TRANS:
-            pa = rka[None, :] * HH + hh[:, None]
-            pm = tl.load(pq_base + pa)
-            qm = tl.load(pq_base + RK * HH + pa)
-            x1 = tl.dot(pm, hka)
-            x2 = tl.dot(qm, hka)
+            pqm = tl.load(pq_base + rka[None, :] * H + hcol[:, None])
+            x = tl.dot(pqm, hka)
             if RKB > 0:
-              pb_ = rkb[None, :] * HH + hh[:, None]
-              pmb = tl.load(pq_base + pb_, mask=rkb_ok[None, :], other=0.0)
-              qmb = tl.load(pq_base + RK * HH + pb_, mask=rkb_ok[None, :], other=0.0)
-              x1 = tl.dot(pmb, hkb, x1)
-              x2 = tl.dot(qmb, hkb, x2)
+              pqb_ = tl.load(pq_base + rkb[None, :] * H + hcol[:, None], mask=rkb_ok[None, :],
+                             other=0.0)
+              x = tl.dot(pqb_, hkb, x)
           else:
-            pa = rka[:, None] * HH + hh[None, :]
-            pm = tl.load(pq_base + pa)
-            qm = tl.load(pq_base + RK * HH + pa)
-            x1 = tl.dot(hka, pm)
-            x2 = tl.dot(hka, qm)
+            pqm = tl.load(pq_base + rka[:, None] * H + hcol[None, :])
+            x = tl.dot(hka, pqm)
             if RKB > 0:
-              pb_ = rkb[:, None] * HH + hh[None, :]
-              pmb = tl.load(pq_base + pb_, mask=rkb_ok[:, None], other=0.0)
-              qmb = tl.load(pq_base + RK * HH + pb_, mask=rkb_ok[:, None], other=0.0)
-              x1 = tl.dot(hkb, pmb, x1)
-              x2 = tl.dot(hkb, qmb, x2)
+              pqb_ = tl.load(pq_base + rkb[:, None] * H + hcol[None, :], mask=rkb_ok[:, None],
+                             other=0.0)
+              x = tl.dot(hkb, pqb_, x)
           if HAS_BIAS:
-            # (q1 b1 + q2 b2, q2 b1 - q1 b2) of the key bias, also folded outside.
-            qb = pqb_ptr + (b64 * N + gr * NQG + j) * (2 * HH)
-            qb1 = tl.load(qb + hh)
-            qb2 = tl.load(qb + HH + hh)
+            # (q1 b1 + q2 b2, q2 b1 - q1 b2) of the key bias, also folded outside (interleaved).
+            qb = tl.load(pqb_ptr + (b64 * N + gr * NQG + j) * H + hcol)
             if TRANS:
-              x1 += qb1[:, None]
-              x2 += qb2[:, None]
+              x += qb[:, None]
             else:
-              x1 += qb1[None, :]
-              x2 += qb2[None, :]
+              x += qb[None, :]
           if TRANS:
-            sj = tl.sum(cos_t * x1 + sin_t * x2, 0)
+            sj = tl.sum(x * cs, 0)
             scores = tl.where((rows == jj)[:, None], sj[None, :], scores)
           else:
-            sj = tl.sum(cos_t * x1 + sin_t * x2, 1)
+            sj = tl.sum(x * cs, 1)
             scores = tl.where((rows == jj)[None, :], sj[:, None], scores)
         else:
           # Reconstruct the KV head's keys (two halves: B_k[gr][:, jH : jH + H] as

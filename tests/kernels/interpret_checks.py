@@ -99,12 +99,17 @@ def check_latent():
     inv = rope_inv_freq(shape.head_dim, 10000.0)
     ref, ref_lse = latent_attention_reference(q, hk, hv, b_k, lens, inv_freq=inv, k_bias=bias,
                                               out_dtype=F32)
-    for hpp in (None, 1) if shape.kv_per_group > 1 else (None,):
+    variants = [dict(), dict(block_s=32, num_warps=4, num_stages=2)]
+    if shape.kv_per_group > 1:
+      variants.append(dict(block_s=32, heads_per_program=1))
+    if i < 3:  # token tiles along the MMA N dimension (MHA absorbed, MHA with bias, GQA)
+      variants.append(dict(block_s=32, trans=True))
+    for o in variants:
       with interpreted_launch():
         out, lse = latent_attention_triton(q, hk, hv, b_k, lens, inv, k_bias=bias,
-                                           out_dtype=F32, poison=True, heads_per_program=hpp)
-      assert_close(out, ref, 2e-2, 2e-2, f"latent[{i}] hpp={hpp} out")
-      assert_close(lse, ref_lse, 2e-2, 1e-3, f"latent[{i}] hpp={hpp} lse")
+                                           out_dtype=F32, poison=True, **o)
+      assert_close(out, ref, 2e-2, 2e-2, f"latent[{i}] {o} out")
+      assert_close(lse, ref_lse, 2e-2, 1e-3, f"latent[{i}] {o} lse")
 
 
 def _xq_rows(seed, b, s, c, bits, axis, group):

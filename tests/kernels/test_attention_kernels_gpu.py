@@ -102,7 +102,8 @@ def _latent_case(idx, seed):
 
 @pytest.mark.parametrize("idx", range(len(lshapes.TEST_SHAPES)))
 @pytest.mark.parametrize("opts", [dict(), dict(block_s=16, num_splits=5),
-                                  dict(block_s=64, num_splits=1, num_stages=1)])
+                                  dict(block_s=64, num_splits=1, num_stages=1),
+                                  dict(block_s=32, num_warps=4, num_stages=2)])
 def test_latent_triton(idx, opts):
   from kvlowrank_kernels.latent_attention.triton_latent_launch import latent_attention_triton
   shape, (q, hk, hv, b_k, k_bias, lens) = _latent_case(idx, 300 + idx)
@@ -114,7 +115,7 @@ def test_latent_triton(idx, opts):
   variants = [dict(opts)]
   if shape.n_heads == shape.n_kv_heads:  # also check the reconstruction path on MHA
     variants.append(dict(opts, absorb=False))
-  variants += [dict(v, trans=True) for v in variants if v.get("block_s", 32) <= 32]
+  variants += [dict(v, trans=True) for v in variants if v.get("block_s", 128) <= 32]
   if shape.kv_per_group > 1:  # one KV head per program (group latent read per head)
     variants.append(dict(opts, heads_per_program=1))
   ref, ref_lse = latent_attention_reference(q, hk, hv, b_k, lens, k_bias=k_bias, out_dtype=F32)
