@@ -1,9 +1,10 @@
-"""Instruction mix of the KIVI decode kernel's hot loop, compiled for sm_90a on any machine.
+"""Instruction mix of the KIVI / Palu decode kernels' hot loops, compiled for sm_90a anywhere.
 
 Triton cross-compiles without a GPU (`triton.compile(..., target=GPUTarget("cuda", 90, 32))`)
 and its wheel ships `cuobjdump`, so the SASS of a configuration can be read on the CPU box:
 
   python experiments/sass_stats.py --qpk 1 --block_s 32 --num_warps 2 --num_stages 3 --fp16
+  python experiments/sass_stats.py --kernel palu --qpk 4 --block_s 128 --num_warps 8 --num_stages 1
 
 prints registers, shared memory and, for each loop of the kernel (a backward branch), its
 instruction count and opcode histogram. The quantized-prefix loop is the long one: its count
@@ -49,6 +50,37 @@ def compile_kivi(qpk, block_s, num_warps, num_stages, fp16, bits=2, head_dim=128
   return k.asm["cubin"], k.metadata.shared
 
 
+def compile_palu(qpk, block_s, num_warps, num_stages, hpp=None, v_bits=16):
+  """(cubin, shared bytes) of `triton_latent.latent_kernel` for sm_90a at Palu's benchmark shape.
+
+  32 query heads of 128, 32 // qpk KV heads in groups of 4, rk = 128, rv = 384 (the 50%
+  G-LRD setting of `bench_kernels.py`), bf16 key latents, bf16 or packed value latents.
+  """
+  import triton  # pylint: disable=import-outside-toplevel
+  from triton.backends.compiler import GPUTarget  # pylint: disable=import-outside-toplevel
+  from triton.compiler import ASTSource  # pylint: disable=import-outside-toplevel
+  from kernels.latent_attention import triton_latent  # pylint: disable=import-outside-toplevel
+  from kernels.latent_attention import triton_latent_launch as launch  # pylint: disable=import-outside-toplevel
+  fn = triton_latent.latent_kernel
+  gr, rk, rv = 32 // qpk // 4, 128, 384
+  const = launch.plan((8, 32, 128), (8, 16384, gr, rk), (8, 16384, gr, rv), (gr, rk, 512),
+                      vbits=v_bits, block_s=block_s, heads_per_program=hpp)["constexprs"]
+  packed = v_bits != 16
+  sig = dict(q_ptr="*bf16", hk_ptr="*bf16", hks_ptr="*i32", hkz_ptr="*i32",
+             hv_ptr="*u8" if packed else "*bf16", hvs_ptr="*bf16" if packed else "*i32",
+             hvz_ptr="*bf16" if packed else "*i32", bk_ptr="*bf16", bias_ptr="*i32",
+             pq_ptr="*bf16" if const["ABSORB"] else "*i32", pqb_ptr="*i32", rope_ptr="*fp32",
+             len_ptr="*i32", S="i32", NSPLIT="i32", sm_scale="fp32", o_ptr="*fp32",
+             lse_ptr="*fp32")
+  sig.update({k: "constexpr" for k in const})
+  attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names)
+           if sig[n].startswith("*")}
+  k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=const, attrs=attrs),
+                     target=GPUTarget("cuda", 90, 32),
+                     options=dict(num_warps=num_warps, num_stages=num_stages))
+  return k.asm["cubin"], k.metadata.shared
+
+
 def sass_loops(cubin: bytes):
   """(registers, [(start, end, n_instructions, Counter of opcodes)] per backward branch)."""
   import triton  # pylint: disable=import-outside-toplevel
@@ -75,25 +107,36 @@ def sass_loops(cubin: bytes):
 
 def main():
   ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  ap.add_argument("--kernel", choices=("kivi", "palu"), default="kivi")
   ap.add_argument("--qpk", type=int, default=1, help="query heads per KV head (1: MHA)")
+  ap.add_argument("--heads_per_program", type=int, default=None, help="Palu only")
   ap.add_argument("--block_s", type=int, default=32)
   ap.add_argument("--num_warps", type=int, default=2)
   ap.add_argument("--num_stages", type=int, default=3)
   ap.add_argument("--fp16", action="store_true", help="fp16 scale/zero (else bf16)")
   ap.add_argument("--top", type=int, default=16)
   args = ap.parse_args()
-  cubin, smem = compile_kivi(args.qpk, args.block_s, args.num_warps, args.num_stages, args.fp16)
+  if args.kernel == "palu":
+    cubin, smem = compile_palu(args.qpk, args.block_s, args.num_warps, args.num_stages,
+                               args.heads_per_program)
+  else:
+    cubin, smem = compile_kivi(args.qpk, args.block_s, args.num_warps, args.num_stages,
+                               args.fp16)
   regs, loops = sass_loops(cubin)
-  print(f"kivi qpk={args.qpk} block_s={args.block_s} warps={args.num_warps} "
-        f"stages={args.num_stages} {'fp16' if args.fp16 else 'bf16'} scales: {regs} registers, "
-        f"{smem} B shared memory")
+  scales = "" if args.kernel == "palu" else f" {'fp16' if args.fp16 else 'bf16'} scales"
+  print(f"{args.kernel} qpk={args.qpk} block_s={args.block_s} warps={args.num_warps} "
+        f"stages={args.num_stages}{scales}: {regs} registers, {smem} B shared memory")
   longest = max((n for _, _, n, _ in loops), default=0)
   for start, end, n, ops in loops:
-    # The longest loop is the quantized prefix (block_s tokens per iteration); the other one
-    # is the exact window (32-token tiles).
-    per = n * 32 / args.block_s if n == longest else n
-    print(f"loop {start:#x}-{end:#x}: {n} instructions ({per:.0f} per warp per 32 tokens, "
-          f"{'quantized prefix' if n == longest else 'exact window'})")
+    if args.kernel == "palu":
+      what = f"per warp per {args.block_s}-token tile"
+    else:
+      # The longest loop is the quantized prefix (block_s tokens per iteration); the other
+      # one is the exact window (32-token tiles).
+      per = n * 32 / args.block_s if n == longest else n
+      what = (f"{per:.0f} per warp per 32 tokens, "
+              f"{'quantized prefix' if n == longest else 'exact window'}")
+    print(f"loop {start:#x}-{end:#x}: {n} instructions ({what})")
     print("  " + ", ".join(f"{k} {v}" for k, v in ops.most_common(args.top)))
 
 

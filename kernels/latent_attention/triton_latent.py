@@ -30,13 +30,14 @@ B operand, kept in shared memory); TRANS along N ([H/2, T]; they become the A
 operand, which Triton holds in registers: more spills, and on GQA shapes more
 shared memory than an H200 block may use at block_s = 32, 2 stages).
 
-Measured limits (H200, BENCHMARKS.md): the reconstruction matrices of a group
+Measured limits (H200, BENCHMARKS.md): the reconstruction operands of a group
 (rk x g*H bf16 = 128 KiB at Palu's 50% setting) live in shared memory, so one
-CTA of 4 warps runs per SM and the per-tile chain (8 small MMAs with waits,
-cross-warp score reductions, softmax) is latency bound: the key path runs at
-~17% of the measured bf16 matmul rate and the kernel is slower than dense
-attention. A faster design needs warp specialisation (TMA producer, MMA
-consumers) that Triton 3.6 does not give here.
+CTA runs per SM. With 128-token tiles on 8 warps (the default) the key product
+is a warpgroup MMA, but two stages of latent tiles no longer fit beside the
+operands, so the key and value stages of a tile run back to back instead of
+overlapping and the kernel stays slower than dense attention. Overlapping them
+needs warp specialisation, TMA multicast over a CTA cluster or register-direct
+latent loads, none of which Triton 3.6 generates here.
 
 RoPE angles come from an XLA-made [S, H] float32 table of fl(t w), cos and sin
 interleaved (exactly the reference's angles), read per tile at the key positions (L2
