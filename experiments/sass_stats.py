@@ -25,11 +25,23 @@ import sys
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 
-def compile_kivi(qpk, block_s, num_warps, num_stages, fp16, bits=2, head_dim=128, group=32):
-  """cubin bytes of `triton_kivi.kivi_kernel` for sm_90a (planar layout, groups of 32)."""
+def _compile_sm90(fn, sig, const, num_warps, num_stages):
+  """(cubin, shared bytes) of Triton kernel `fn` for sm_90a: `sig` types its runtime
+  arguments, `const` its constexprs; every pointer is declared 16-byte aligned."""
   import triton  # pylint: disable=import-outside-toplevel
   from triton.backends.compiler import GPUTarget  # pylint: disable=import-outside-toplevel
   from triton.compiler import ASTSource  # pylint: disable=import-outside-toplevel
+  sig = dict(sig, **{k: "constexpr" for k in const})
+  attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names)
+           if sig[n].startswith("*")}
+  k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=const, attrs=attrs),
+                     target=GPUTarget("cuda", 90, 32),
+                     options=dict(num_warps=num_warps, num_stages=num_stages))
+  return k.asm["cubin"], k.metadata.shared
+
+
+def compile_kivi(qpk, block_s, num_warps, num_stages, fp16, bits=2, head_dim=128, group=32):
+  """(cubin, shared bytes) of `triton_kivi.kivi_kernel` for sm_90a (planar layout, groups of 32)."""
   from kernels.kivi_attention import packing, triton_kivi  # pylint: disable=import-outside-toplevel
   fn = triton_kivi.kivi_kernel
   sdt = "*fp16" if fp16 else "*bf16"
@@ -41,13 +53,7 @@ def compile_kivi(qpk, block_s, num_warps, num_stages, fp16, bits=2, head_dim=128
                VCW=packing.plane_width(head_dim, bits, group), G=group, GV=group,
                VB=packing.VALUE_BLOCK, BLOCK_S=block_s, BLOCK_W=32, KF16=int(fp16),
                VF16=int(fp16), SKIP=0, FAST=True)
-  sig.update({k: "constexpr" for k in const})
-  attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names)
-           if sig[n].startswith("*")}
-  k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=const, attrs=attrs),
-                     target=GPUTarget("cuda", 90, 32),
-                     options=dict(num_warps=num_warps, num_stages=num_stages))
-  return k.asm["cubin"], k.metadata.shared
+  return _compile_sm90(fn, sig, const, num_warps, num_stages)
 
 
 def compile_palu(qpk, block_s, num_warps, num_stages, hpp=None, v_bits=16):
@@ -56,9 +62,6 @@ def compile_palu(qpk, block_s, num_warps, num_stages, hpp=None, v_bits=16):
   32 query heads of 128, 32 // qpk KV heads in groups of 4, rk = 128, rv = 384 (the 50%
   G-LRD setting of `bench_kernels.py`), bf16 key latents, bf16 or packed value latents.
   """
-  import triton  # pylint: disable=import-outside-toplevel
-  from triton.backends.compiler import GPUTarget  # pylint: disable=import-outside-toplevel
-  from triton.compiler import ASTSource  # pylint: disable=import-outside-toplevel
   from kernels.latent_attention import triton_latent  # pylint: disable=import-outside-toplevel
   from kernels.latent_attention import triton_latent_launch as launch  # pylint: disable=import-outside-toplevel
   fn = triton_latent.latent_kernel
@@ -72,13 +75,7 @@ def compile_palu(qpk, block_s, num_warps, num_stages, hpp=None, v_bits=16):
              pq_ptr="*bf16" if const["ABSORB"] else "*i32", pqb_ptr="*i32", rope_ptr="*fp32",
              len_ptr="*i32", S="i32", NSPLIT="i32", sm_scale="fp32", o_ptr="*fp32",
              lse_ptr="*fp32")
-  sig.update({k: "constexpr" for k in const})
-  attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names)
-           if sig[n].startswith("*")}
-  k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=const, attrs=attrs),
-                     target=GPUTarget("cuda", 90, 32),
-                     options=dict(num_warps=num_warps, num_stages=num_stages))
-  return k.asm["cubin"], k.metadata.shared
+  return _compile_sm90(fn, sig, const, num_warps, num_stages)
 
 
 def sass_loops(cubin: bytes):
