@@ -234,6 +234,12 @@ def palu_fn(inp, opts):
   return f, (inp["q"], inp["hk"], inp["hv"], inp["b_k"], inp["lengths"])
 
 
+def palu_mosaic_fn(inp, opts):
+  f = jax.jit(lambda q, hk, hv, bk, l: latent_attention(q, hk, hv, bk, l,
+                                                       implementation="mosaic", **opts))
+  return f, (inp["q"], inp["hk"], inp["hv"], inp["b_k"], inp["lengths"])
+
+
 def kivi_fn(inp, opts):
   f = jax.jit(lambda *a: kivi_attention(*a, implementation="triton", **opts))
   args = (inp["q"], inp["keys"], inp["values"], inp["k_win"], inp["v_win"], inp["q_len"],
@@ -338,6 +344,12 @@ DEFAULT_OPTIONS = {
 }
 
 
+# Launch variants of the Mosaic GPU Palu kernel timed with --ablate (16K, B=8).
+MOSAIC_ABLATIONS = [dict(skip=1), dict(skip=2), dict(heads_per_program=1, stages=2),
+                    dict(heads_per_program=1, stages=1), dict(heads_per_program=2, stages=1),
+                    dict(heads_per_program=2, stages=2, target_programs=528)]
+
+
 def _opts_for(best, fam):
   return dict(best.get(fam, {}))
 
@@ -364,6 +376,12 @@ def run_config(model, s, b, best, log, ablate=False, families=FAMILIES):
     rd, fl = palu_cost(m, s, b, inp, sh)
     name = "palu-bf16" if v_bits == 16 else "palu-v4"
     add(name, palu_fn(inp, _opts_for(best, "palu")), rd, fl)
+    if v_bits == 16:  # the Mosaic GPU kernel takes bf16 latents
+      add("palu-mosaic", palu_mosaic_fn(inp, _opts_for(best, "palu_mosaic")), rd, fl)
+      if ablate:
+        for o in MOSAIC_ABLATIONS:
+          add("palu-mosaic:" + ",".join(f"{k}={v}" for k, v in o.items()),
+              palu_mosaic_fn(inp, o), rd, fl, ablation=True)
     if ablate:
       for skip, tag in ((1, "no-V"), (2, "no-K")):
         add(f"{name}:{tag}", palu_fn(inp, dict(_opts_for(best, "palu"), skip=skip)), rd, fl,

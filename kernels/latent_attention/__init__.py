@@ -7,7 +7,9 @@ Implementations:
   "reference"  plain jnp float32 (runs anywhere; also what prefill uses: it
                reconstructs K for all tokens and runs dense attention);
   "xla"        the same reconstruction path on the input dtypes (bf16 einsums);
-  "triton"     the fused kernel in `triton_latent`.
+  "triton"     the fused kernel in `triton_latent` (all latent formats);
+  "mosaic"     the warp-specialised Pallas Mosaic GPU kernel in `mosaic_latent`
+               (Hopper; bf16 latents, ranks multiple of 64, no key bias).
 None picks "triton" on a GPU with jax-triton, else "reference".
 """
 
@@ -22,13 +24,13 @@ from ..decode_attention.xla import decode_attention_xla, matmul_dtype
 from .packing import PackedLatent, dequantize_latent, quantize_latent  # noqa: F401
 from .reference import check_shapes, latent_attention_reference, rope_inv_freq
 
-IMPLEMENTATIONS = ("reference", "xla", "triton")
+IMPLEMENTATIONS = ("reference", "xla", "triton", "mosaic")
 
 
 def resolve_implementation(implementation=None) -> str:
   """The implementation that `latent_attention` will run for this request."""
   return triton_backend.resolve(implementation, known=IMPLEMENTATIONS, default_gpu="triton",
-                                needs_gpu=("triton",), needs_triton=("triton",),
+                                needs_gpu=("triton", "mosaic"), needs_triton=("triton",),
                                 op="latent_attention")
 
 
@@ -58,8 +60,9 @@ def latent_attention(q, hk, hv, b_k, lengths, *, rope_theta=10000.0, inv_freq=No
   """Palu decode attention; see `reference.latent_attention_reference` for Args/Returns.
 
   Args:
-    implementation: None | "reference" | "xla" | "triton".
-    **options: triton knobs (block_s, num_splits, absorb, num_warps, num_stages, poison).
+    implementation: None | "reference" | "xla" | "triton" | "mosaic".
+    **options: kernel knobs (triton: block_s, num_splits, absorb, num_warps, num_stages,
+      poison; mosaic: heads_per_program, stages, num_splits).
   """
   impl = resolve_implementation(implementation)
   if implementation not in (None, impl):
@@ -72,6 +75,10 @@ def latent_attention(q, hk, hv, b_k, lengths, *, rope_theta=10000.0, inv_freq=No
   if impl == "xla":
     return _latent_attention_xla(q, hk, hv, b_k, lengths, inv, k_bias, scale, out_dtype)
   check_shapes(q, hk, hv, b_k, lengths, k_bias)
+  if impl == "mosaic":
+    from .mosaic_latent import latent_attention_mosaic  # pylint: disable=import-outside-toplevel
+    return latent_attention_mosaic(q, hk, hv, b_k, lengths, inv, k_bias=k_bias, scale=scale,
+                                   out_dtype=out_dtype, **options)
   from .triton_latent_launch import latent_attention_triton  # pylint: disable=import-outside-toplevel
   return latent_attention_triton(q, hk, hv, b_k, lengths, inv, k_bias=k_bias, scale=scale,
                                  out_dtype=out_dtype, **options)

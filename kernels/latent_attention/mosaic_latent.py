@@ -1,0 +1,357 @@
+"""Palu fused latent decode attention in Pallas Mosaic GPU (Hopper: TMA, wgmma, warp roles).
+
+Why a second backend next to `triton_latent`: the Triton kernel keeps a group's
+reconstruction operands (128 KiB at Palu's 50% setting) in shared memory, so two
+stages of latent tiles no longer fit beside them and each tile's loads and MMAs run
+back to back (BENCHMARKS.md). Here a producer warpgroup streams the tiles with TMA
+into a multi-stage ring while the compute warpgroups work, so the latent stream
+overlaps the reconstruction.
+
+Grid (B * Gr * g / HPP, num_splits); a CTA holds HPP KV heads of one group (their B_k
+column slices resident in shared memory) and runs HPP + 1 warpgroups:
+  * warpgroup HPP (producer): TMA copies of the key latent tile [T, rk] and the
+    cos/sin tiles [T, H/2] into a NS-slot ring, and of the value latent tile
+    [T, rv] into one slot, each reloaded as soon as both consumers released it;
+  * warpgroup w < HPP (KV head j = part * HPP + w), per 64-token tile:
+      k1, k2 = L @ B_k[:, jH : jH + H/2], L @ B_k[:, jH + H/2 : (j+1)H]  (wgmma, bf16)
+      r1, r2 = k1 cos - k2 sin, k2 cos + k1 sin                          (f32, RoPE)
+      s [T, NP] = r1 @ q1^T + r2 @ q2^T                (wgmma, A in registers, f16)
+      online softmax over tokens (the tile's axis 0), p [T, NP] -> shared memory
+      o^T [rv, NP] += V^T [rv, T] @ p                  (wgmma, bf16, f32 accumulator)
+    tokens are the MMA M of the key products and the K of the value product, so no
+    operand is padded to 64 rows: the NP = 16 query columns of a KV head (its QPK
+    heads, zero-padded; 16 rather than 8 because a 16-bit B operand of 8 columns
+    would need the unsupported 16-byte swizzle) are the N of the two small products.
+Split-K partials o^T [rv, NP] and lse [NP] per (KV head, split) go to global memory;
+the wrapper drops the padding and merges them with `splitk.combine_partials`.
+
+Choices (written down, as they differ from the Triton kernel where noted):
+  * queries are pre-scaled by sm_scale * log2(e) and rounded to fp16, rotated keys
+    rounded to fp16 (the Triton GQA path does the same); p is rounded to bf16 for
+    the value product (as in Triton); everything else accumulates in f32;
+  * RoPE angles come from [S, H/2] f32 cos and sin tables of fl(t w) (the reference's
+    angles), TMA-loaded per tile (L2 resident, shared by every CTA);
+  * slots in [length, capacity) are read by the tile loads and masked to -inf before
+    the softmax, so they must hold finite values (caches are zero-initialised);
+  * bf16 latents only (packed latents stay on the Triton kernel), rk and rv multiples
+    of 64, H in {64, 128}, QPK <= 16, no key bias, cache capacity a multiple of 8.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from ..decode_attention import splitk
+
+T = 64          # tokens per tile (M of the key products)
+NP = 16         # score columns per KV head (query heads, zero-padded)
+RED_ELEMS = 512  # f32 cross-warp reduction scratch per compute warpgroup
+SMEM_LIMIT = 227 * 1024
+
+
+def _smem_bytes(hpp, rk, rv, hh, stages, table_bytes):
+  return (hpp * 2 * rk * hh * 2            # B_k column slices
+          + hpp * 2 * NP * hh * 2          # queries (fp16)
+          + stages * T * rk * 2            # key latent ring
+          + stages * 2 * T * hh * table_bytes  # cos / sin ring
+          + T * rv * 2                     # value latent slot
+          + hpp * T * NP * 2               # probabilities
+          + hpp * RED_ELEMS * 4            # reduction scratch
+          + 2048)                          # barriers
+
+
+def plan(q_shape, hk_shape, hv_shape, bk_shape, *, heads_per_program=2, stages=2,
+         num_splits=None, target_programs=None, skip=0):
+  """Validates the shapes and returns the launch geometry (dict).
+
+  skip: 0, or an ablation for timing only (1: no value path, 2: no key path; wrong output).
+  """
+  b, n, h = q_shape
+  _, s, gr, rk = hk_shape
+  rv = hv_shape[3]
+  g = bk_shape[2] // h
+  qpk = n // (gr * g)
+  hh = h // 2
+  if h not in (64, 128):
+    raise ValueError(f"mosaic latent attention: head dim must be 64 or 128, got {h}")
+  for name, val in (("rk", rk), ("rv", rv)):
+    if val % 64:
+      raise ValueError(f"mosaic latent attention: {name} must be a multiple of 64, got {val}")
+  if s % 8:
+    raise ValueError(f"mosaic latent attention: the cache capacity (hk.shape[1] = {s}) must be "
+                     "a multiple of 8 (TMA tiles of the latent rows)")
+  if qpk > NP:
+    raise ValueError(f"mosaic latent attention: at most {NP} query heads per KV head, got {qpk}")
+  hpp = int(heads_per_program)
+  if hpp < 1 or g % hpp:
+    raise ValueError(f"mosaic latent attention: heads_per_program ({hpp}) must divide the "
+                     f"group's KV heads ({g})")
+  if skip not in (0, 1, 2):
+    raise ValueError(f"mosaic latent attention: skip must be 0, 1 or 2, got {skip}")
+  if stages < 1:
+    raise ValueError(f"mosaic latent attention: stages must be >= 1, got {stages}")
+  need = _smem_bytes(hpp, rk, rv, hh, stages, 4)
+  if need > SMEM_LIMIT:
+    raise ValueError(f"mosaic latent attention: heads_per_program={hpp}, stages={stages} need "
+                     f"{need} B of shared memory (rk={rk}, rv={rv}, H={h}); a block may use "
+                     f"{SMEM_LIMIT}. Lower stages or heads_per_program.")
+  parallel = b * gr * (g // hpp)
+  ns = splitk.choose_num_splits(parallel, s, T, requested=num_splits,
+                                target=target_programs or 2 * 132)
+  return dict(b=b, n=n, h=h, hh=hh, s=s, gr=gr, g=g, qpk=qpk, rk=rk, rv=rv, hpp=hpp,
+              stages=stages, skip=int(skip), num_splits=ns, grid=(parallel, ns))
+
+
+def rope_tables(inv_freq, capacity: int):
+  """cos, sin [S, H/2] float32 of fl(t * w) (the reference's angles)."""
+  inv = jnp.asarray(inv_freq, jnp.float32)
+  ang = jnp.arange(capacity, dtype=jnp.int32).astype(jnp.float32)[:, None] * inv[None, :]
+  return jnp.cos(ang), jnp.sin(ang)
+
+
+def _kernel(p, q_ref, hk_ref, hv_ref, bk_ref, cos_ref, sin_ref, len_ref, o_ref, lse_ref,
+            smem, bars):
+  import jax.experimental.pallas as pl  # pylint: disable=import-outside-toplevel
+  import jax.experimental.pallas.mosaic_gpu as plgpu  # pylint: disable=import-outside-toplevel
+  hpp, hh, rv, gr, g, ns = p["hpp"], p["hh"], p["rv"], p["gr"], p["g"], p["num_splits"]
+  stages, skip = p["stages"], p["skip"]
+  npart = g // hpp
+  bk_s, q_s, l_s, cos_s, sin_s, v_s, p_s, red_s = smem
+  (bk_bar, q_bar, l_bar, cos_bar, sin_bar, v_bar, k_free, v_free) = bars
+  pid = lax.axis_index("p")
+  sid = lax.axis_index("s")
+  wg = lax.axis_index("wg")
+  b = pid // (gr * npart)
+  grp = (pid // npart) % gr
+  part = pid % npart
+  length = len_ref[b]
+  chunk = ((length + ns - 1) // ns + T - 1) // T * T
+  start = sid * chunk
+  end = jnp.minimum(start + chunk, length)
+  n_tiles = jnp.maximum(end - start + T - 1, 0) // T
+
+  def col_reduce(op, x, scratch):
+    """Column reduction of a WGMMA-layout [rows, NP] array across the warpgroup's warps, with
+    this warpgroup's own scratch (Pallas's built-in cross-warp reduction shares one scratch
+    buffer between warpgroups, which races when two compute warpgroups reduce at once)."""
+    @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA, plgpu.RefType()),
+                       return_type=plgpu.ShapeDtypeStruct(
+                           (x.shape[1],), x.dtype, layout=plgpu.Layout.WGMMA.reduce(0)))
+    def f(_, xv, sc_ref):
+      return xv.reduce(op, 0, scratch=sc_ref)
+    return f(x, scratch)
+
+  def compute(w):
+    plgpu.set_max_registers(232, action="increase")
+    j = part * hpp + w                   # KV head within the group
+    kv = (b * gr + grp) * g + j          # global KV head (q / output row)
+    for half in range(2):
+      plgpu.copy_gmem_to_smem(bk_ref.at[grp, :, pl.ds(j * 2 * hh + half * hh, hh)],
+                              bk_s.at[w, half], bk_bar.at[w * 2 + half])
+    plgpu.copy_gmem_to_smem(q_ref.at[kv], q_s.at[w], q_bar.at[w])
+    plgpu.barrier_wait(bk_bar.at[w * 2])
+    plgpu.barrier_wait(bk_bar.at[w * 2 + 1])
+    plgpu.barrier_wait(q_bar.at[w])
+    col_layout = plgpu.Layout.WGMMA.reduce(0)
+    m_i = plgpu.layout_cast(jnp.full((NP,), -jnp.inf, jnp.float32), col_layout)
+    l_t = plgpu.layout_cast(jnp.zeros((T, NP), jnp.float32), plgpu.Layout.WGMMA)
+    acc = plgpu.layout_cast(jnp.zeros((rv, NP), jnp.float32), plgpu.Layout.WGMMA)
+    rows = plgpu.broadcasted_iota(jnp.int32, (T, NP), 0, layout=plgpu.Layout.WGMMA)
+
+    def step(i, carry):
+      acc, m_i, l_t = carry
+      slot = lax.rem(i, stages)
+      t0 = start + i * T
+      if skip == 2:  # ablation (timing only): no key path
+        sc = plgpu.layout_cast(jnp.zeros((T, NP), jnp.float32), plgpu.Layout.WGMMA)
+      else:
+        plgpu.barrier_wait(l_bar.at[slot])
+
+        def keys(k1_ref, k2_ref):
+          plgpu.wgmma(k1_ref, l_s.at[slot], bk_s.at[w, 0])
+          plgpu.wgmma(k2_ref, l_s.at[slot], bk_s.at[w, 1])
+          return k1_ref[...], k2_ref[...]
+        k1, k2 = pl.run_scoped(keys, plgpu.ACC((T, hh), jnp.float32),
+                               plgpu.ACC((T, hh), jnp.float32))
+        plgpu.barrier_wait(cos_bar.at[slot])
+        plgpu.barrier_wait(sin_bar.at[slot])
+        c = plgpu.load(cos_s.at[slot], (), layout=plgpu.Layout.WGMMA, optimized=False)
+        sn = plgpu.load(sin_s.at[slot], (), layout=plgpu.Layout.WGMMA, optimized=False)
+        plgpu.barrier_arrive(k_free.at[slot])
+        r1 = (k1 * c - k2 * sn).astype(jnp.float16)
+        r2 = (k2 * c + k1 * sn).astype(jnp.float16)
+
+        def scores(s_ref):
+          plgpu.wgmma(s_ref, r1, plgpu.transpose_ref(q_s.at[w, 0], (1, 0)))
+          plgpu.wgmma(s_ref, r2, plgpu.transpose_ref(q_s.at[w, 1], (1, 0)))
+          return s_ref[...]
+        sc = pl.run_scoped(scores, plgpu.ACC((T, NP), jnp.float32))
+      sc = jnp.where(rows + t0 < end, sc, -jnp.inf)
+      m_new = jnp.maximum(m_i, col_reduce("max", sc, red_s.at[w]))
+      alpha = jnp.exp2(m_i - m_new)
+      pr = jnp.exp2(sc - lax.broadcast_in_dim(m_new, (T, NP), [1]))
+      l_t = l_t * lax.broadcast_in_dim(alpha, (T, NP), [1]) + pr
+      acc = acc * lax.broadcast_in_dim(alpha, (rv, NP), [1])
+      if skip != 1:  # skip == 1: ablation (timing only), no value path
+        p_s.at[w][...] = pr.astype(jnp.bfloat16)
+        plgpu.commit_smem()
+        plgpu.barrier_wait(v_bar.at[0])
+
+        def values(acc_ref):
+          plgpu.wgmma(acc_ref, plgpu.transpose_ref(v_s, (1, 0)), p_s.at[w])
+        acc = pl.run_state(values)(plgpu.ACC.init(acc))
+        plgpu.barrier_arrive(v_free.at[0])
+      return acc, m_new, l_t
+
+    acc, m_i, l_t = lax.fori_loop(0, n_tiles, step, (acc, m_i, l_t))
+    l_i = col_reduce("add", l_t, red_s.at[w])
+    has = l_i > 0
+    l_safe = jnp.where(has, l_i, 1.0)
+    lse = jnp.where(has, (m_i + jnp.log2(l_safe)) * math.log(2.0), -jnp.inf)
+    o_ref.at[kv, sid][...] = acc / lax.broadcast_in_dim(l_safe, (rv, NP), [1])
+    lse_ref.at[kv, sid][...] = lse
+
+  for w in range(hpp):
+    pl.when(wg == w)(functools.partial(compute, w))
+
+  @pl.when(wg == hpp)
+  def _producer():
+    plgpu.set_max_registers(40, action="decrease")
+
+    def load_keys(i, slot):
+      t0 = start + i * T
+      plgpu.copy_gmem_to_smem(hk_ref.at[b, pl.ds(t0, T), grp], l_s.at[slot], l_bar.at[slot])
+      plgpu.copy_gmem_to_smem(cos_ref.at[pl.ds(t0, T)], cos_s.at[slot], cos_bar.at[slot])
+      plgpu.copy_gmem_to_smem(sin_ref.at[pl.ds(t0, T)], sin_s.at[slot], sin_bar.at[slot])
+
+    def load_values(i):
+      plgpu.copy_gmem_to_smem(hv_ref.at[b, pl.ds(start + i * T, T), grp], v_s, v_bar.at[0])
+
+    for i in range(stages):
+      if skip != 2:
+        pl.when(i < n_tiles)(functools.partial(load_keys, i, i))
+    if skip != 1:
+      pl.when(n_tiles > 0)(lambda: load_values(0))
+
+    @pl.loop(0, n_tiles)
+    def _(i):
+      slot = lax.rem(i, stages)
+
+      if skip != 2:
+        @pl.when(i + stages < n_tiles)
+        def _():
+          plgpu.barrier_wait(k_free.at[slot])
+          load_keys(i + stages, slot)
+
+      if skip != 1:
+        @pl.when(i + 1 < n_tiles)
+        def _():
+          plgpu.barrier_wait(v_free.at[0])
+          load_values(i + 1)
+
+
+def _call(p, qt, hk, hv, bk, cos, sin, lengths):
+  import jax.experimental.pallas as pl  # pylint: disable=import-outside-toplevel
+  import jax.experimental.pallas.mosaic_gpu as plgpu  # pylint: disable=import-outside-toplevel
+  hpp, hh, rk, rv, stages = p["hpp"], p["hh"], p["rk"], p["rv"], p["stages"]
+  kvh = p["b"] * p["gr"] * p["g"]
+  ns = p["num_splits"]
+
+  def sw(dt_bytes, minor_elems):
+    swz = minor_elems * dt_bytes
+    return (plgpu.TilingTransform((8, minor_elems)), plgpu.SwizzleTransform(swz))
+
+  k_tf = sw(2, min(hh, 64))            # B_k slices / key latent tiles: (8, H/2), swizzle H
+  q_tf = sw(2, min(hh, 64))
+  pv_tf = sw(2, NP)                    # value tile and p share the 32-byte swizzle of p
+
+  def entry(q_ref, hk_ref, hv_ref, bk_ref, cos_ref, sin_ref, len_ref, o_ref, lse_ref):
+    scratch = [
+        plgpu.SMEM((hpp, 2, rk, hh), jnp.bfloat16, transforms=k_tf),
+        plgpu.SMEM((hpp, 2, NP, hh), jnp.float16, transforms=q_tf),
+        plgpu.SMEM((stages, T, rk), jnp.bfloat16, transforms=k_tf),
+        plgpu.SMEM((stages, T, hh), jnp.float32),
+        plgpu.SMEM((stages, T, hh), jnp.float32),
+        plgpu.SMEM((T, rv), jnp.bfloat16, transforms=pv_tf),
+        plgpu.SMEM((hpp, T, NP), jnp.bfloat16, transforms=pv_tf),
+        plgpu.SMEM((hpp, RED_ELEMS), jnp.float32),
+    ]
+    bars = (
+        plgpu.Barrier(num_barriers=2 * hpp),
+        plgpu.Barrier(num_barriers=hpp),
+        plgpu.Barrier(num_barriers=stages),
+        plgpu.Barrier(num_barriers=stages),
+        plgpu.Barrier(num_barriers=stages),
+        plgpu.Barrier(num_barriers=1),
+        plgpu.Barrier(num_arrivals=hpp, num_barriers=stages),
+        plgpu.Barrier(num_arrivals=hpp, num_barriers=1),
+    )
+    pl.run_scoped(
+        lambda *refs: _kernel(p, q_ref, hk_ref, hv_ref, bk_ref, cos_ref, sin_ref, len_ref,
+                              o_ref, lse_ref, refs[:8], refs[8:]),
+        *scratch, *bars, collective_axes="wg")
+
+  out_types = (jax.ShapeDtypeStruct((kvh, ns, rv, NP), jnp.float32),
+               jax.ShapeDtypeStruct((kvh, ns, NP), jnp.float32))
+  return plgpu.kernel(
+      entry, out_type=out_types, grid=p["grid"], grid_names=("p", "s"),
+      num_threads=hpp + 1, thread_name="wg",
+      compiler_params=plgpu.CompilerParams(approx_math=True),
+  )(qt, hk, hv, bk, cos, sin, lengths)
+
+
+def query_operand(q, p, scale):
+  """[B * Gr * g, 2, NP, H/2] fp16: each KV head's queries (scaled by scale * log2 e, RoPE
+  halves split, zero rows past QPK)."""
+  b, n, h = q.shape
+  kvh, qpk, hh = p["gr"] * p["g"], p["qpk"], p["hh"]
+  qf = q.astype(jnp.float32) * (scale * 1.4426950408889634)
+  qf = qf.reshape(b * kvh, qpk, 2, hh).transpose(0, 2, 1, 3)
+  qf = jnp.pad(qf, ((0, 0), (0, 0), (0, NP - qpk), (0, 0)))
+  return qf.astype(jnp.float16)
+
+
+def unpad_partials(o_t, lse_t, p):
+  """Kernel partials [KVH, P, rv, NP], [KVH, P, NP] -> [B, N, P, rv], [B, N, P]."""
+  b, n, qpk, rv, ns = p["b"], p["n"], p["qpk"], p["rv"], p["num_splits"]
+  kvh = p["gr"] * p["g"]
+  o = o_t[..., :qpk].reshape(b, kvh, ns, rv, qpk).transpose(0, 1, 4, 2, 3)
+  lse = lse_t[..., :qpk].reshape(b, kvh, ns, qpk).transpose(0, 1, 3, 2)
+  return o.reshape(b, n, ns, rv), lse.reshape(b, n, ns)
+
+
+def latent_attention_mosaic(q, hk, hv, b_k, lengths, inv_freq, *, k_bias=None, scale=None,
+                            out_dtype=None, heads_per_program=2, stages=2, num_splits=None,
+                            target_programs=None, return_partials=False, rope=None, skip=0):
+  """Fused Palu decode attention (Mosaic GPU); same contract as the reference.
+
+  Args (beyond the reference's): inv_freq [H/2] float32; heads_per_program (KV heads per
+    CTA, one compute warpgroup each), stages (key-latent ring depth), num_splits,
+    target_programs: launch knobs; rope: optional precomputed `rope_tables(inv_freq, S)`;
+    skip: timing ablation (1: no value path, 2: no key path); the output is then wrong.
+  """
+  if k_bias is not None:
+    raise ValueError("mosaic latent attention: k_bias is not supported; use the triton "
+                     "implementation")
+  for name, x in (("hk", hk), ("hv", hv)):
+    if not isinstance(x, jax.Array) and not hasattr(x, "dtype"):
+      raise ValueError(f"mosaic latent attention: {name} must be a bf16 array (packed latents "
+                       "run on the triton implementation)")
+  h = q.shape[-1]
+  scale = h ** -0.5 if scale is None else float(scale)
+  p = plan(q.shape, hk.shape, hv.shape, b_k.shape, heads_per_program=heads_per_program,
+           stages=stages, num_splits=num_splits, target_programs=target_programs, skip=skip)
+  cos, sin = rope_tables(inv_freq, p["s"]) if rope is None else rope
+  o_t, lse_t = _call(p, query_operand(q, p, scale), hk.astype(jnp.bfloat16),
+                     hv.astype(jnp.bfloat16), b_k.astype(jnp.bfloat16), cos, sin,
+                     lengths.astype(jnp.int32))
+  o, lse = unpad_partials(o_t, lse_t, p)
+  out, total = splitk.combine_partials(o, lse, out_dtype or q.dtype)
+  if return_partials:
+    return out, total, (o, lse)
+  return out, total

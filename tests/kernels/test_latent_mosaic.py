@@ -1,0 +1,171 @@
+"""Palu Mosaic GPU kernel (`mosaic_latent`): lowering on CPU, numerics on the GPU.
+
+CPU (CI): the kernel is traced and lowered for CUDA (Pallas -> Mosaic GPU, which
+checks layouts, wgmma operand shapes and swizzles) for GQA, MHA and H = 64 shapes,
+and `plan` rejects unsupported shapes with errors naming the field. GPU (`-m gpu`):
+seeded random inputs with ragged lengths (1, full, non-multiples of the 64-token
+tile) against the float32 reference, bitwise determinism across two runs, every
+split partial finite, and a negative control.
+"""
+
+import numpy as np
+import pytest
+
+jax = pytest.importorskip("jax")
+import jax.numpy as jnp  # noqa: E402
+
+from kvlowrank_kernels.decode_attention import shapes as dshapes  # noqa: E402
+from kvlowrank_kernels.decode_attention import triton_backend  # noqa: E402
+from kvlowrank_kernels.latent_attention import mosaic_latent as ml  # noqa: E402
+from kvlowrank_kernels.latent_attention import shapes as lshapes  # noqa: E402
+from kvlowrank_kernels.latent_attention.reference import (  # noqa: E402
+    latent_attention_reference, rope_inv_freq)
+
+F32 = jnp.float32
+LS = lshapes.LatentShape
+
+# GQA 4 (Llama-3-like), MHA with Palu's 50% ranks, H = 64 with GQA 8, GQA 16 with one split
+# worth of tiles per sequence; capacities that are not multiples of the tile.
+SHAPES = (
+    LS(batch=3, capacity=296, n_heads=16, n_groups=2, kv_per_group=2, head_dim=128, rk=64,
+       rv=192),
+    LS(batch=2, capacity=200, n_heads=8, n_groups=2, kv_per_group=4, head_dim=128, rk=128,
+       rv=384),
+    LS(batch=2, capacity=136, n_heads=16, n_groups=1, kv_per_group=2, head_dim=64, rk=64,
+       rv=128),
+    LS(batch=2, capacity=104, n_heads=32, n_groups=1, kv_per_group=2, head_dim=128, rk=128,
+       rv=64),
+)
+
+
+def _zeros(shape: lshapes.LatentShape):
+  b, s = shape.batch, shape.capacity
+  return (jnp.zeros((b, shape.n_heads, shape.head_dim), jnp.bfloat16),
+          jnp.zeros((b, s, shape.n_groups, shape.rk), jnp.bfloat16),
+          jnp.zeros((b, s, shape.n_groups, shape.rv), jnp.bfloat16),
+          jnp.zeros((shape.n_groups, shape.rk, shape.kv_per_group * shape.head_dim),
+                    jnp.bfloat16),
+          jnp.full((b,), s, jnp.int32))
+
+
+def _fits(shape, opts):
+  """False (after checking the error) where the options overflow shared memory."""
+  q, hk, hv, bk, _ = _zeros(shape)
+  try:
+    ml.plan(q.shape, hk.shape, hv.shape, bk.shape, **opts)
+  except ValueError as e:
+    assert "shared memory" in str(e)
+    return False
+  return True
+
+
+@pytest.mark.parametrize("idx", range(len(SHAPES)))
+@pytest.mark.parametrize("opts", [dict(), dict(heads_per_program=1, stages=1),
+                                  dict(stages=3, num_splits=1)])
+def test_mosaic_lowers_for_cuda(idx, opts):
+  shape = SHAPES[idx]
+  q, hk, hv, bk, lens = _zeros(shape)
+  inv = rope_inv_freq(shape.head_dim)
+  if not _fits(shape, opts):
+    return
+  f = jax.jit(lambda *a: ml.latent_attention_mosaic(*a, inv, **opts))
+  text = f.trace(q, hk, hv, bk, lens).lower(lowering_platforms=("cuda",)).as_text()
+  assert "mosaic_gpu" in text
+
+
+@pytest.mark.parametrize("change, match", [
+    (dict(rk=48), "rk must be a multiple of 64"),
+    (dict(rv=96), "rv must be a multiple of 64"),
+    (dict(head_dim=32), "head dim must be 64 or 128"),
+    (dict(capacity=300), "multiple of 8"),
+    (dict(n_heads=128, n_groups=1, kv_per_group=2), "at most 16 query heads"),
+])
+def test_mosaic_plan_rejects(change, match):
+  import dataclasses  # pylint: disable=import-outside-toplevel
+  shape = dataclasses.replace(SHAPES[0], **change)
+  q, hk, hv, bk, _ = _zeros(shape)
+  with pytest.raises(ValueError, match=match):
+    ml.plan(q.shape, hk.shape, hv.shape, bk.shape)
+
+
+def test_mosaic_plan_rejects_smem_overflow_and_heads():
+  shape = SHAPES[1]
+  q, hk, hv, bk, _ = _zeros(shape)
+  with pytest.raises(ValueError, match="shared memory"):
+    ml.plan(q.shape, hk.shape, hv.shape, bk.shape, heads_per_program=4, stages=2)
+  with pytest.raises(ValueError, match="heads_per_program"):
+    ml.plan(q.shape, hk.shape, hv.shape, bk.shape, heads_per_program=3)
+
+
+def test_mosaic_partial_layout_roundtrip():
+  """unpad_partials puts KV head k's column c at query head k * QPK + c (the reference's map)."""
+  shape = SHAPES[0]
+  q, hk, hv, bk, _ = _zeros(shape)
+  p = ml.plan(q.shape, hk.shape, hv.shape, bk.shape, num_splits=2)
+  kvh = shape.batch * shape.n_kv_heads
+  o_t = jnp.arange(kvh * 2 * shape.rv * ml.NP, dtype=F32).reshape(kvh, 2, shape.rv, ml.NP)
+  lse_t = jnp.arange(kvh * 2 * ml.NP, dtype=F32).reshape(kvh, 2, ml.NP)
+  o, lse = ml.unpad_partials(o_t, lse_t, p)
+  qpk = shape.n_heads // shape.n_kv_heads
+  b, n, sp = 2, 13, 1
+  k, c = n // qpk, n % qpk
+  assert float(o[b, n, sp, 5]) == float(o_t[b * shape.n_kv_heads + k, sp, 5, c])
+  assert float(lse[b, n, sp]) == float(lse_t[b * shape.n_kv_heads + k, sp, c])
+  qt = ml.query_operand(jnp.ones(q.shape, F32), p, 1.0)
+  assert qt.shape == (kvh, 2, ml.NP, shape.head_dim // 2)
+  assert float(qt[0, 0, qpk - 1, 0]) > 0 and float(qt[0, 0, qpk, 0]) == 0.0
+
+
+# ----------------------------------------------------------------------------- GPU
+
+def _case(idx, seed):
+  shape = SHAPES[idx]
+  rng = np.random.default_rng(seed)
+  lens = dshapes.ragged_lengths(shape.batch, shape.capacity, rng)
+  return shape, lshapes.make_inputs(shape, jax.random.key(seed), lengths=lens)
+
+
+def _close(out, ref, atol, rtol, what):
+  out, ref = np.asarray(out, np.float64), np.asarray(ref, np.float64)
+  assert not np.isnan(out).any(), f"{what}: NaN"
+  both_inf = np.isinf(out) & np.isinf(ref) & (np.sign(out) == np.sign(ref))
+  err = np.where(both_inf, 0.0, np.abs(out - ref))
+  bad = err > atol + rtol * np.abs(np.where(both_inf, 0.0, ref))
+  assert not bad.any(), f"{what}: {bad.sum()} of {bad.size} off, max err {err.max():.3g}"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("idx", range(len(SHAPES)))
+@pytest.mark.parametrize("opts", [dict(), dict(heads_per_program=1, stages=1),
+                                  dict(stages=3, num_splits=1), dict(num_splits=3)])
+def test_mosaic_matches_reference(idx, opts):
+  if not triton_backend.gpu_available():
+    pytest.skip("needs a GPU")
+  shape, (q, hk, hv, b_k, _, lens) = _case(idx, 700 + idx)
+  if not _fits(shape, opts):
+    return
+  inv = rope_inv_freq(shape.head_dim)
+  ref, ref_lse = latent_attention_reference(q, hk, hv, b_k, lens, out_dtype=F32)
+  run = jax.jit(lambda *a: ml.latent_attention_mosaic(*a, inv, out_dtype=F32,
+                                                      return_partials=True, **opts))
+  out, lse, (o_p, lse_p) = run(q, hk, hv, b_k, lens)
+  assert np.isfinite(np.asarray(o_p)).all(), "non-finite partial outputs"
+  assert not np.isnan(np.asarray(lse_p)).any(), "NaN partial lse"
+  _close(out, ref, 2e-2, 2e-2, f"out {opts}")
+  _close(lse, ref_lse, 2e-2, 2e-3, f"lse {opts}")
+  again = run(q, hk, hv, b_k, lens)
+  assert np.array_equal(np.asarray(out), np.asarray(again[0])), "not bitwise deterministic"
+
+
+@pytest.mark.gpu
+def test_mosaic_negative_control():
+  if not triton_backend.gpu_available():
+    pytest.skip("needs a GPU")
+  shape, (q, hk, hv, b_k, _, lens) = _case(0, 799)
+  inv = rope_inv_freq(shape.head_dim)
+  ref, _ = latent_attention_reference(q, hk, hv, b_k, lens, out_dtype=F32)
+  long_row = int(np.argmax(np.asarray(lens)))
+  bad_hk = hk.at[long_row, 0].set(hk[long_row, 0] * 40.0)
+  out, _ = ml.latent_attention_mosaic(q, bad_hk, hv, b_k, lens, inv, out_dtype=F32)
+  with pytest.raises(AssertionError):
+    _close(out, ref, 2e-2, 2e-2, "corrupted latent")
