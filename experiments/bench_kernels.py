@@ -345,8 +345,9 @@ DEFAULT_OPTIONS = {
 
 
 # Launch variants of the Mosaic GPU Palu kernel timed with --ablate (16K, B=8).
-MOSAIC_ABLATIONS = [dict(skip=1), dict(skip=2), dict(heads_per_program=1, stages=2),
-                    dict(heads_per_program=1, stages=1), dict(heads_per_program=2, stages=1),
+MOSAIC_ABLATIONS = [dict(skip=1), dict(skip=2), dict(heads_per_program=1, v_stages=2),
+                    dict(heads_per_program=1, stages=1, v_stages=2),
+                    dict(heads_per_program=2, stages=1),
                     dict(heads_per_program=2, stages=2, target_programs=528)]
 
 

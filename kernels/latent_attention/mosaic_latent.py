@@ -25,12 +25,17 @@ column slices resident in shared memory) and runs HPP + 1 warpgroups:
 Split-K partials o^T [rv, NP] and lse [NP] per (KV head, split) go to global memory;
 the wrapper drops the padding and merges them with `splitk.combine_partials`.
 
+Measured (H200, 16K context, batch 8; BENCHMARKS.md): Llama-3 263-300 µs against Triton's
+292 µs, Llama-2 804-980 µs against 787 µs; both paths overlap but each is slow alone (the
+value ring is one stage deep: two stages fit only with one head per CTA). Not the default.
+
 Choices (written down, as they differ from the Triton kernel where noted):
   * queries are pre-scaled by sm_scale * log2(e) and rounded to fp16, rotated keys
     rounded to fp16 (the Triton GQA path does the same); p is rounded to bf16 for
     the value product (as in Triton); everything else accumulates in f32;
-  * RoPE angles come from [S, H/2] f32 cos and sin tables of fl(t w) (the reference's
-    angles), TMA-loaded per tile (L2 resident, shared by every CTA);
+  * RoPE angles come from [S, H/2] fp16 cos and sin tables of fl(t w) (the reference's
+    angles, rounded to fp16: <= 2**-12 absolute error, like the Triton kernel's
+    `rope_dtype=float16`), TMA-loaded per tile (L2 resident, shared by every CTA);
   * slots in [length, capacity) are read by the tile loads and masked to -inf before
     the softmax, so they must hold finite values (caches are zero-initialised);
   * bf16 latents only (packed latents stay on the Triton kernel), rk and rv multiples
@@ -54,18 +59,18 @@ RED_ELEMS = 512  # f32 cross-warp reduction scratch per compute warpgroup
 SMEM_LIMIT = 227 * 1024
 
 
-def _smem_bytes(hpp, rk, rv, hh, stages, table_bytes):
+def _smem_bytes(hpp, rk, rv, hh, stages, v_stages, table_bytes=2):
   return (hpp * 2 * rk * hh * 2            # B_k column slices
           + hpp * 2 * NP * hh * 2          # queries (fp16)
           + stages * T * rk * 2            # key latent ring
           + stages * 2 * T * hh * table_bytes  # cos / sin ring
-          + T * rv * 2                     # value latent slot
-          + hpp * T * NP * 2               # probabilities
+          + v_stages * T * rv * 2          # value latent ring
+          + hpp * T * NP * 2               # probabilities (transposed)
           + hpp * RED_ELEMS * 4            # reduction scratch
           + 2048)                          # barriers
 
 
-def plan(q_shape, hk_shape, hv_shape, bk_shape, *, heads_per_program=2, stages=2,
+def plan(q_shape, hk_shape, hv_shape, bk_shape, *, heads_per_program=2, stages=2, v_stages=1,
          num_splits=None, target_programs=None, skip=0):
   """Validates the shapes and returns the launch geometry (dict).
 
@@ -95,23 +100,55 @@ def plan(q_shape, hk_shape, hv_shape, bk_shape, *, heads_per_program=2, stages=2
     raise ValueError(f"mosaic latent attention: skip must be 0, 1 or 2, got {skip}")
   if stages < 1:
     raise ValueError(f"mosaic latent attention: stages must be >= 1, got {stages}")
-  need = _smem_bytes(hpp, rk, rv, hh, stages, 4)
+  if v_stages < 1:
+    raise ValueError(f"mosaic latent attention: v_stages must be >= 1, got {v_stages}")
+  need = _smem_bytes(hpp, rk, rv, hh, stages, v_stages)
   if need > SMEM_LIMIT:
-    raise ValueError(f"mosaic latent attention: heads_per_program={hpp}, stages={stages} need "
+    raise ValueError(f"mosaic latent attention: heads_per_program={hpp}, stages={stages}, "
+                     f"v_stages={v_stages} need "
                      f"{need} B of shared memory (rk={rk}, rv={rv}, H={h}); a block may use "
                      f"{SMEM_LIMIT}. Lower stages or heads_per_program.")
   parallel = b * gr * (g // hpp)
   ns = splitk.choose_num_splits(parallel, s, T, requested=num_splits,
                                 target=target_programs or 2 * 132)
   return dict(b=b, n=n, h=h, hh=hh, s=s, gr=gr, g=g, qpk=qpk, rk=rk, rv=rv, hpp=hpp,
-              stages=stages, skip=int(skip), num_splits=ns, grid=(parallel, ns))
+              stages=stages, v_stages=v_stages, skip=int(skip), num_splits=ns,
+              grid=(parallel, ns))
 
 
 def rope_tables(inv_freq, capacity: int):
-  """cos, sin [S, H/2] float32 of fl(t * w) (the reference's angles)."""
+  """cos, sin [S, H/2] float16 of fl(t * w) (the reference's angles; <= 2**-12 absolute
+  rounding error, below the bf16 rounding of the latents)."""
   inv = jnp.asarray(inv_freq, jnp.float32)
   ang = jnp.arange(capacity, dtype=jnp.int32).astype(jnp.float32)[:, None] * inv[None, :]
-  return jnp.cos(ang), jnp.sin(ang)
+  return jnp.cos(ang).astype(jnp.float16), jnp.sin(ang).astype(jnp.float16)
+
+
+def _store_transposed_swizzled(x, ref):
+  """Mosaic-level body of `store_transposed` (x: FragmentedArray [T, NP], WGMMA layout)."""
+  from jax._src.lib.mlir import ir  # pylint: disable=import-outside-toplevel
+  from jax._src.lib.mlir.dialects import arith, memref, vector  # pylint: disable=import-outside-toplevel
+  i32 = ir.IntegerType.get_signless(32)
+  index = ir.IndexType.get()
+  c = lambda v: arith.constant(i32, v)
+  shape = ir.MemRefType(ref.type).shape
+  for reg, (r, col) in zip(x.registers.flat, x.layout.thread_idxs(x.shape)):
+    t = arith.index_cast(i32, r)
+    col = arith.index_cast(i32, col)
+    [vec_len] = ir.VectorType(reg.type).shape
+    for k in range(vec_len):
+      val = vector.extract(reg, dynamic_position=[],
+                           static_position=ir.DenseI64ArrayAttr.get([k]))
+      h = arith.addi(col, c(k))
+      rr = arith.remui(h, c(8))
+      # 128-byte swizzle: the 16-byte chunk (8 bf16) index of a row is XORed with row % 8.
+      tc = arith.addi(arith.muli(arith.xori(arith.divui(t, c(8)), rr), c(8)),
+                      arith.remui(t, c(8)))
+      if len(shape) == 4:   # tiled memref [NP / 8, T / 64, 8, 64]
+        ids = [arith.divui(h, c(8)), c(0), rr, tc]
+      else:                 # untiled [NP, T]
+        ids = [h, tc]
+      memref.store(val, ref, [arith.index_cast(index, v) for v in ids])
 
 
 def _kernel(p, q_ref, hk_ref, hv_ref, bk_ref, cos_ref, sin_ref, len_ref, o_ref, lse_ref,
@@ -119,7 +156,7 @@ def _kernel(p, q_ref, hk_ref, hv_ref, bk_ref, cos_ref, sin_ref, len_ref, o_ref, 
   import jax.experimental.pallas as pl  # pylint: disable=import-outside-toplevel
   import jax.experimental.pallas.mosaic_gpu as plgpu  # pylint: disable=import-outside-toplevel
   hpp, hh, rv, gr, g, ns = p["hpp"], p["hh"], p["rv"], p["gr"], p["g"], p["num_splits"]
-  stages, skip = p["stages"], p["skip"]
+  stages, v_stages, skip = p["stages"], p["v_stages"], p["skip"]
   npart = g // hpp
   bk_s, q_s, l_s, cos_s, sin_s, v_s, p_s, red_s = smem
   (bk_bar, q_bar, l_bar, cos_bar, sin_bar, v_bar, k_free, v_free) = bars
@@ -145,6 +182,18 @@ def _kernel(p, q_ref, hk_ref, hv_ref, bk_ref, cos_ref, sin_ref, len_ref, o_ref, 
     def f(_, xv, sc_ref):
       return xv.reduce(op, 0, scratch=sc_ref)
     return f(x, scratch)
+
+  def store_transposed(x, dst):
+    """dst[h, t] = x[t, h] for a WGMMA-layout x [T, NP] (bf16) and dst [NP, T] in shared
+    memory tiled (8, 64) with the 128-byte swizzle: the K-major B operand of the value
+    product. Pallas has no transposing store for WGMMA-layout arrays, and the untransposed
+    [T, NP] layout would need a 32-byte swizzle, whose value tile then travels as 24
+    TMA boxes of 32-byte rows (measured: the value stage alone ran at 0.7 TB/s)."""
+    @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA, plgpu.RefType(
+        (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128)))))
+    def f(_, xv, ref):
+      _store_transposed_swizzled(xv, ref)
+    f(x, dst)
 
   def compute(w):
     plgpu.set_max_registers(232, action="increase")
@@ -180,8 +229,8 @@ def _kernel(p, q_ref, hk_ref, hv_ref, bk_ref, cos_ref, sin_ref, len_ref, o_ref, 
                                plgpu.ACC((T, hh), jnp.float32))
         plgpu.barrier_wait(cos_bar.at[slot])
         plgpu.barrier_wait(sin_bar.at[slot])
-        c = plgpu.load(cos_s.at[slot], (), layout=plgpu.Layout.WGMMA, optimized=False)
-        sn = plgpu.load(sin_s.at[slot], (), layout=plgpu.Layout.WGMMA, optimized=False)
+        c = cos_s.at[slot][...].astype(jnp.float32)
+        sn = sin_s.at[slot][...].astype(jnp.float32)
         plgpu.barrier_arrive(k_free.at[slot])
         r1 = (k1 * c - k2 * sn).astype(jnp.float16)
         r2 = (k2 * c + k1 * sn).astype(jnp.float16)
@@ -198,14 +247,16 @@ def _kernel(p, q_ref, hk_ref, hv_ref, bk_ref, cos_ref, sin_ref, len_ref, o_ref, 
       l_t = l_t * lax.broadcast_in_dim(alpha, (T, NP), [1]) + pr
       acc = acc * lax.broadcast_in_dim(alpha, (rv, NP), [1])
       if skip != 1:  # skip == 1: ablation (timing only), no value path
-        p_s.at[w][...] = pr.astype(jnp.bfloat16)
+        store_transposed(pr.astype(jnp.bfloat16), p_s.at[w])
         plgpu.commit_smem()
-        plgpu.barrier_wait(v_bar.at[0])
+        vslot = lax.rem(i, v_stages)
+        plgpu.barrier_wait(v_bar.at[vslot])
 
         def values(acc_ref):
-          plgpu.wgmma(acc_ref, plgpu.transpose_ref(v_s, (1, 0)), p_s.at[w])
+          plgpu.wgmma(acc_ref, plgpu.transpose_ref(v_s.at[vslot], (1, 0)),
+                      plgpu.transpose_ref(p_s.at[w], (1, 0)))
         acc = pl.run_state(values)(plgpu.ACC.init(acc))
-        plgpu.barrier_arrive(v_free.at[0])
+        plgpu.barrier_arrive(v_free.at[vslot])
       return acc, m_new, l_t
 
     acc, m_i, l_t = lax.fori_loop(0, n_tiles, step, (acc, m_i, l_t))
@@ -229,14 +280,16 @@ def _kernel(p, q_ref, hk_ref, hv_ref, bk_ref, cos_ref, sin_ref, len_ref, o_ref, 
       plgpu.copy_gmem_to_smem(cos_ref.at[pl.ds(t0, T)], cos_s.at[slot], cos_bar.at[slot])
       plgpu.copy_gmem_to_smem(sin_ref.at[pl.ds(t0, T)], sin_s.at[slot], sin_bar.at[slot])
 
-    def load_values(i):
-      plgpu.copy_gmem_to_smem(hv_ref.at[b, pl.ds(start + i * T, T), grp], v_s, v_bar.at[0])
+    def load_values(i, slot):
+      plgpu.copy_gmem_to_smem(hv_ref.at[b, pl.ds(start + i * T, T), grp], v_s.at[slot],
+                              v_bar.at[slot])
 
     for i in range(stages):
       if skip != 2:
         pl.when(i < n_tiles)(functools.partial(load_keys, i, i))
-    if skip != 1:
-      pl.when(n_tiles > 0)(lambda: load_values(0))
+    for i in range(v_stages):
+      if skip != 1:
+        pl.when(i < n_tiles)(functools.partial(load_values, i, i))
 
     @pl.loop(0, n_tiles)
     def _(i):
@@ -249,16 +302,19 @@ def _kernel(p, q_ref, hk_ref, hv_ref, bk_ref, cos_ref, sin_ref, len_ref, o_ref, 
           load_keys(i + stages, slot)
 
       if skip != 1:
-        @pl.when(i + 1 < n_tiles)
+        vslot = lax.rem(i, v_stages)
+
+        @pl.when(i + v_stages < n_tiles)
         def _():
-          plgpu.barrier_wait(v_free.at[0])
-          load_values(i + 1)
+          plgpu.barrier_wait(v_free.at[vslot])
+          load_values(i + v_stages, vslot)
 
 
 def _call(p, qt, hk, hv, bk, cos, sin, lengths):
   import jax.experimental.pallas as pl  # pylint: disable=import-outside-toplevel
   import jax.experimental.pallas.mosaic_gpu as plgpu  # pylint: disable=import-outside-toplevel
   hpp, hh, rk, rv, stages = p["hpp"], p["hh"], p["rk"], p["rv"], p["stages"]
+  v_stages = p["v_stages"]
   kvh = p["b"] * p["gr"] * p["g"]
   ns = p["num_splits"]
 
@@ -268,17 +324,17 @@ def _call(p, qt, hk, hv, bk, cos, sin, lengths):
 
   k_tf = sw(2, min(hh, 64))            # B_k slices / key latent tiles: (8, H/2), swizzle H
   q_tf = sw(2, min(hh, 64))
-  pv_tf = sw(2, NP)                    # value tile and p share the 32-byte swizzle of p
+  pv_tf = sw(2, 64)                    # value tile and p^T: (8, 64), 128-byte swizzle
 
   def entry(q_ref, hk_ref, hv_ref, bk_ref, cos_ref, sin_ref, len_ref, o_ref, lse_ref):
     scratch = [
         plgpu.SMEM((hpp, 2, rk, hh), jnp.bfloat16, transforms=k_tf),
         plgpu.SMEM((hpp, 2, NP, hh), jnp.float16, transforms=q_tf),
         plgpu.SMEM((stages, T, rk), jnp.bfloat16, transforms=k_tf),
-        plgpu.SMEM((stages, T, hh), jnp.float32),
-        plgpu.SMEM((stages, T, hh), jnp.float32),
-        plgpu.SMEM((T, rv), jnp.bfloat16, transforms=pv_tf),
-        plgpu.SMEM((hpp, T, NP), jnp.bfloat16, transforms=pv_tf),
+        plgpu.SMEM((stages, T, hh), jnp.float16, transforms=k_tf),
+        plgpu.SMEM((stages, T, hh), jnp.float16, transforms=k_tf),
+        plgpu.SMEM((v_stages, T, rv), jnp.bfloat16, transforms=pv_tf),
+        plgpu.SMEM((hpp, NP, T), jnp.bfloat16, transforms=pv_tf),
         plgpu.SMEM((hpp, RED_ELEMS), jnp.float32),
     ]
     bars = (
@@ -287,9 +343,9 @@ def _call(p, qt, hk, hv, bk, cos, sin, lengths):
         plgpu.Barrier(num_barriers=stages),
         plgpu.Barrier(num_barriers=stages),
         plgpu.Barrier(num_barriers=stages),
-        plgpu.Barrier(num_barriers=1),
+        plgpu.Barrier(num_barriers=v_stages),
         plgpu.Barrier(num_arrivals=hpp, num_barriers=stages),
-        plgpu.Barrier(num_arrivals=hpp, num_barriers=1),
+        plgpu.Barrier(num_arrivals=hpp, num_barriers=v_stages),
     )
     pl.run_scoped(
         lambda *refs: _kernel(p, q_ref, hk_ref, hv_ref, bk_ref, cos_ref, sin_ref, len_ref,
@@ -326,12 +382,14 @@ def unpad_partials(o_t, lse_t, p):
 
 
 def latent_attention_mosaic(q, hk, hv, b_k, lengths, inv_freq, *, k_bias=None, scale=None,
-                            out_dtype=None, heads_per_program=2, stages=2, num_splits=None,
+                            out_dtype=None, heads_per_program=2, stages=2, v_stages=1,
+                            num_splits=None,
                             target_programs=None, return_partials=False, rope=None, skip=0):
   """Fused Palu decode attention (Mosaic GPU); same contract as the reference.
 
   Args (beyond the reference's): inv_freq [H/2] float32; heads_per_program (KV heads per
-    CTA, one compute warpgroup each), stages (key-latent ring depth), num_splits,
+    CTA, one compute warpgroup each), stages (key-latent ring depth), v_stages (value
+    ring depth), num_splits,
     target_programs: launch knobs; rope: optional precomputed `rope_tables(inv_freq, S)`;
     skip: timing ablation (1: no value path, 2: no key path); the output is then wrong.
   """
@@ -345,7 +403,8 @@ def latent_attention_mosaic(q, hk, hv, b_k, lengths, inv_freq, *, k_bias=None, s
   h = q.shape[-1]
   scale = h ** -0.5 if scale is None else float(scale)
   p = plan(q.shape, hk.shape, hv.shape, b_k.shape, heads_per_program=heads_per_program,
-           stages=stages, num_splits=num_splits, target_programs=target_programs, skip=skip)
+           stages=stages, v_stages=v_stages, num_splits=num_splits,
+           target_programs=target_programs, skip=skip)
   cos, sin = rope_tables(inv_freq, p["s"]) if rope is None else rope
   o_t, lse_t = _call(p, query_operand(q, p, scale), hk.astype(jnp.bfloat16),
                      hv.astype(jnp.bfloat16), b_k.astype(jnp.bfloat16), cos, sin,
