@@ -348,7 +348,9 @@ DEFAULT_OPTIONS = {
 MOSAIC_ABLATIONS = [dict(skip=1), dict(skip=2), dict(heads_per_program=1, v_stages=2),
                     dict(heads_per_program=1, stages=1, v_stages=2),
                     dict(heads_per_program=2, stages=1),
-                    dict(heads_per_program=2, stages=2, target_programs=528)]
+                    dict(heads_per_program=2, stages=2, target_programs=528),
+                    dict(heads_per_program=2, stages=1, v_stages=2),
+                    dict(heads_per_program=2, stages=1, v_stages=2, target_programs=528)]
 
 
 def _opts_for(best, fam):

@@ -139,6 +139,7 @@ def _close(out, ref, atol, rtol, what):
 @pytest.mark.parametrize("idx", range(len(SHAPES)))
 @pytest.mark.parametrize("opts", [dict(), dict(heads_per_program=1, stages=1),
                                   dict(heads_per_program=1, v_stages=2),
+                                  dict(stages=1, v_stages=2, target_programs=528),
                                   dict(stages=3, num_splits=1), dict(num_splits=3)])
 def test_mosaic_matches_reference(idx, opts):
   if not triton_backend.gpu_available():
