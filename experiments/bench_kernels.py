@@ -228,15 +228,9 @@ def dense_fns(inp, triton_opts):
   return fns
 
 
-def palu_fn(inp, opts):
+def palu_fn(inp, opts, implementation="triton"):
   f = jax.jit(lambda q, hk, hv, bk, l: latent_attention(q, hk, hv, bk, l,
-                                                       implementation="triton", **opts))
-  return f, (inp["q"], inp["hk"], inp["hv"], inp["b_k"], inp["lengths"])
-
-
-def palu_mosaic_fn(inp, opts):
-  f = jax.jit(lambda q, hk, hv, bk, l: latent_attention(q, hk, hv, bk, l,
-                                                       implementation="mosaic", **opts))
+                                                       implementation=implementation, **opts))
   return f, (inp["q"], inp["hk"], inp["hv"], inp["b_k"], inp["lengths"])
 
 
@@ -380,11 +374,11 @@ def run_config(model, s, b, best, log, ablate=False, families=FAMILIES):
     name = "palu-bf16" if v_bits == 16 else "palu-v4"
     add(name, palu_fn(inp, _opts_for(best, "palu")), rd, fl)
     if v_bits == 16:  # the Mosaic GPU kernel takes bf16 latents
-      add("palu-mosaic", palu_mosaic_fn(inp, _opts_for(best, "palu_mosaic")), rd, fl)
+      add("palu-mosaic", palu_fn(inp, _opts_for(best, "palu_mosaic"), "mosaic"), rd, fl)
       if ablate:
         for o in MOSAIC_ABLATIONS:
           add("palu-mosaic:" + ",".join(f"{k}={v}" for k, v in o.items()),
-              palu_mosaic_fn(inp, o), rd, fl, ablation=True)
+              palu_fn(inp, o, "mosaic"), rd, fl, ablation=True)
     if ablate:
       for skip, tag in ((1, "no-V"), (2, "no-K")):
         add(f"{name}:{tag}", palu_fn(inp, dict(_opts_for(best, "palu"), skip=skip)), rd, fl,

@@ -10,24 +10,25 @@ overlaps the reconstruction.
 Grid (B * Gr * g / HPP, num_splits); a CTA holds HPP KV heads of one group (their B_k
 column slices resident in shared memory) and runs HPP + 1 warpgroups:
   * warpgroup HPP (producer): TMA copies of the key latent tile [T, rk] and the
-    cos/sin tiles [T, H/2] into a NS-slot ring, and of the value latent tile
-    [T, rv] into one slot, each reloaded as soon as both consumers released it;
+    cos/sin tiles [T, H/2] into a `stages`-slot ring, and of the value latent tile
+    [T, rv] into a `v_stages`-slot ring, each slot reloaded as soon as every compute
+    warpgroup released it;
   * warpgroup w < HPP (KV head j = part * HPP + w), per 64-token tile:
       k1, k2 = L @ B_k[:, jH : jH + H/2], L @ B_k[:, jH + H/2 : (j+1)H]  (wgmma, bf16)
       r1, r2 = k1 cos - k2 sin, k2 cos + k1 sin                          (f32, RoPE)
       s [T, NP] = r1 @ q1^T + r2 @ q2^T                (wgmma, A in registers, f16)
-      online softmax over tokens (the tile's axis 0), p [T, NP] -> shared memory
+      online softmax over tokens (the tile's axis 0), p^T [NP, T] -> shared memory
       o^T [rv, NP] += V^T [rv, T] @ p                  (wgmma, bf16, f32 accumulator)
     tokens are the MMA M of the key products and the K of the value product, so no
-    operand is padded to 64 rows: the NP = 16 query columns of a KV head (its QPK
-    heads, zero-padded; 16 rather than 8 because a 16-bit B operand of 8 columns
-    would need the unsupported 16-byte swizzle) are the N of the two small products.
+    operand is padded to 64 rows: the NP = 16 query columns of a KV head (its QPK <= 16
+    heads, zero-padded) are the N of the two small products.
 Split-K partials o^T [rv, NP] and lse [NP] per (KV head, split) go to global memory;
 the wrapper drops the padding and merges them with `splitk.combine_partials`.
 
-Measured (H200, 16K context, batch 8; BENCHMARKS.md): Llama-3 263-300 µs against Triton's
-292 µs, Llama-2 804-980 µs against 787 µs; both paths overlap but each is slow alone (the
-value ring is one stage deep: two stages fit only with one head per CTA). Not the default.
+Measured (H200, 16K context, batch 8, two calls; BENCHMARKS.md): Llama-3 230-327 µs
+against Triton's 292-313 µs, Llama-2 777-1037 µs against 787-951 µs; the key and value
+paths overlap but each is slow alone (two value stages next to two heads' operands fit
+only with one key stage). Not the default.
 
 Choices (written down, as they differ from the Triton kernel where noted):
   * queries are pre-scaled by sm_scale * log2(e) and rounded to fp16, rotated keys
@@ -52,6 +53,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from ..decode_attention import splitk
+from .packing import PackedLatent
 
 T = 64          # tokens per tile (M of the key products)
 NP = 16         # score columns per KV head (query heads, zero-padded)
@@ -59,11 +61,11 @@ RED_ELEMS = 512  # f32 cross-warp reduction scratch per compute warpgroup
 SMEM_LIMIT = 227 * 1024
 
 
-def _smem_bytes(hpp, rk, rv, hh, stages, v_stages, table_bytes=2):
+def _smem_bytes(hpp, rk, rv, hh, stages, v_stages):
   return (hpp * 2 * rk * hh * 2            # B_k column slices
           + hpp * 2 * NP * hh * 2          # queries (fp16)
           + stages * T * rk * 2            # key latent ring
-          + stages * 2 * T * hh * table_bytes  # cos / sin ring
+          + stages * 2 * T * hh * 2        # cos / sin ring (fp16)
           + v_stages * T * rv * 2          # value latent ring
           + hpp * T * NP * 2               # probabilities (transposed)
           + hpp * RED_ELEMS * 4            # reduction scratch
@@ -131,7 +133,8 @@ def _store_transposed_swizzled(x, ref):
   i32 = ir.IntegerType.get_signless(32)
   index = ir.IndexType.get()
   c = lambda v: arith.constant(i32, v)
-  shape = ir.MemRefType(ref.type).shape
+  # The tiled memref [NP / 8, T / 64, 8, 64] (RefType with the tiling/swizzle transforms).
+  assert ir.MemRefType(ref.type).shape == [NP // 8, 1, 8, 64], ref.type
   for reg, (r, col) in zip(x.registers.flat, x.layout.thread_idxs(x.shape)):
     t = arith.index_cast(i32, r)
     col = arith.index_cast(i32, col)
@@ -144,10 +147,7 @@ def _store_transposed_swizzled(x, ref):
       # 128-byte swizzle: the 16-byte chunk (8 bf16) index of a row is XORed with row % 8.
       tc = arith.addi(arith.muli(arith.xori(arith.divui(t, c(8)), rr), c(8)),
                       arith.remui(t, c(8)))
-      if len(shape) == 4:   # tiled memref [NP / 8, T / 64, 8, 64]
-        ids = [arith.divui(h, c(8)), c(0), rr, tc]
-      else:                 # untiled [NP, T]
-        ids = [h, tc]
+      ids = [arith.divui(h, c(8)), c(0), rr, tc]
       memref.store(val, ref, [arith.index_cast(index, v) for v in ids])
 
 
@@ -322,14 +322,13 @@ def _call(p, qt, hk, hv, bk, cos, sin, lengths):
     swz = minor_elems * dt_bytes
     return (plgpu.TilingTransform((8, minor_elems)), plgpu.SwizzleTransform(swz))
 
-  k_tf = sw(2, min(hh, 64))            # B_k slices / key latent tiles: (8, H/2), swizzle H
-  q_tf = sw(2, min(hh, 64))
+  k_tf = sw(2, hh)   # B_k slices, queries, key latent and cos/sin tiles: (8, H/2), swizzle H
   pv_tf = sw(2, 64)                    # value tile and p^T: (8, 64), 128-byte swizzle
 
   def entry(q_ref, hk_ref, hv_ref, bk_ref, cos_ref, sin_ref, len_ref, o_ref, lse_ref):
     scratch = [
         plgpu.SMEM((hpp, 2, rk, hh), jnp.bfloat16, transforms=k_tf),
-        plgpu.SMEM((hpp, 2, NP, hh), jnp.float16, transforms=q_tf),
+        plgpu.SMEM((hpp, 2, NP, hh), jnp.float16, transforms=k_tf),
         plgpu.SMEM((stages, T, rk), jnp.bfloat16, transforms=k_tf),
         plgpu.SMEM((stages, T, hh), jnp.float16, transforms=k_tf),
         plgpu.SMEM((stages, T, hh), jnp.float16, transforms=k_tf),
@@ -383,21 +382,19 @@ def unpad_partials(o_t, lse_t, p):
 
 def latent_attention_mosaic(q, hk, hv, b_k, lengths, inv_freq, *, k_bias=None, scale=None,
                             out_dtype=None, heads_per_program=2, stages=2, v_stages=1,
-                            num_splits=None,
-                            target_programs=None, return_partials=False, rope=None, skip=0):
+                            num_splits=None, target_programs=None, return_partials=False, rope=None, skip=0):
   """Fused Palu decode attention (Mosaic GPU); same contract as the reference.
 
   Args (beyond the reference's): inv_freq [H/2] float32; heads_per_program (KV heads per
     CTA, one compute warpgroup each), stages (key-latent ring depth), v_stages (value
-    ring depth), num_splits,
-    target_programs: launch knobs; rope: optional precomputed `rope_tables(inv_freq, S)`;
+    ring depth), num_splits, target_programs: launch knobs; rope: optional precomputed `rope_tables(inv_freq, S)`;
     skip: timing ablation (1: no value path, 2: no key path); the output is then wrong.
   """
   if k_bias is not None:
     raise ValueError("mosaic latent attention: k_bias is not supported; use the triton "
                      "implementation")
   for name, x in (("hk", hk), ("hv", hv)):
-    if not isinstance(x, jax.Array) and not hasattr(x, "dtype"):
+    if isinstance(x, PackedLatent):
       raise ValueError(f"mosaic latent attention: {name} must be a bf16 array (packed latents "
                        "run on the triton implementation)")
   h = q.shape[-1]
