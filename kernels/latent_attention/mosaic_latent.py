@@ -25,7 +25,7 @@ column slices resident in shared memory) and runs HPP + 1 warpgroups:
 Split-K partials o^T [rv, NP] and lse [NP] per (KV head, split) go to global memory;
 the wrapper drops the padding and merges them with `splitk.combine_partials`.
 
-Measured (H200, 16K context, batch 8, two calls; BENCHMARKS.md): Llama-3 230-327 µs
+Measured (H200, 16K context, batch 8, two calls; BENCHMARKS.md): Llama-3 230-350 µs
 against Triton's 292-313 µs, Llama-2 777-1037 µs against 787-951 µs; the key and value
 paths overlap but each is slow alone (two value stages next to two heads' operands fit
 only with one key stage). Not the default.
