@@ -1,7 +1,7 @@
 """Palu Mosaic GPU kernel (`mosaic_latent`): lowering on CPU, numerics on the GPU.
 
 CPU (CI): the kernel is traced and lowered for CUDA (Pallas -> Mosaic GPU, which
-checks layouts, wgmma operand shapes and swizzles) for GQA, MHA and H = 64 shapes,
+checks layouts, wgmma operand shapes and swizzles) for GQA 4/8/16 and MHA shapes,
 and `plan` rejects unsupported shapes with errors naming the field. GPU (`-m gpu`):
 seeded random inputs with ragged lengths (1, full, non-multiples of the 64-token
 tile) against the float32 reference, bitwise determinism across two runs, every
@@ -24,14 +24,15 @@ from kvlowrank_kernels.latent_attention.reference import (  # noqa: E402
 F32 = jnp.float32
 LS = lshapes.LatentShape
 
-# GQA 4 (Llama-3-like), MHA with Palu's 50% ranks, H = 64 with GQA 8, GQA 16 with one split
-# worth of tiles per sequence; capacities that are not multiples of the tile.
+# GQA 4 (Llama-3-like), MHA with Palu's 50% ranks, GQA 8 (the largest QPK with 8 score
+# columns), GQA 16 with one split worth of tiles per sequence; capacities that are not
+# multiples of the tile.
 SHAPES = (
     LS(batch=3, capacity=296, n_heads=16, n_groups=2, kv_per_group=2, head_dim=128, rk=64,
        rv=192),
     LS(batch=2, capacity=200, n_heads=8, n_groups=2, kv_per_group=4, head_dim=128, rk=128,
        rv=384),
-    LS(batch=2, capacity=136, n_heads=16, n_groups=1, kv_per_group=2, head_dim=64, rk=64,
+    LS(batch=2, capacity=136, n_heads=16, n_groups=1, kv_per_group=2, head_dim=128, rk=64,
        rv=128),
     LS(batch=2, capacity=104, n_heads=32, n_groups=1, kv_per_group=2, head_dim=128, rk=128,
        rv=64),
@@ -77,7 +78,7 @@ def test_mosaic_lowers_for_cuda(idx, opts):
 @pytest.mark.parametrize("change, match", [
     (dict(rk=48), "rk must be a multiple of 64"),
     (dict(rv=96), "rv must be a multiple of 64"),
-    (dict(head_dim=32), "head dim must be 64 or 128"),
+    (dict(head_dim=64), "head dim must be 128"),
     (dict(capacity=300), "multiple of 8"),
     (dict(n_heads=128, n_groups=1, kv_per_group=2), "at most 16 query heads"),
 ])
@@ -104,8 +105,10 @@ def test_mosaic_partial_layout_roundtrip():
   q, hk, hv, bk, _ = _zeros(shape)
   p = ml.plan(q.shape, hk.shape, hv.shape, bk.shape, num_splits=2)
   kvh = shape.batch * shape.n_kv_heads
-  o_t = jnp.arange(kvh * 2 * shape.rv * ml.NP, dtype=F32).reshape(kvh, 2, shape.rv, ml.NP)
-  lse_t = jnp.arange(kvh * 2 * ml.NP, dtype=F32).reshape(kvh, 2, ml.NP)
+  np_ = p["np"]
+  assert np_ == 8
+  o_t = jnp.arange(kvh * 2 * shape.rv * np_, dtype=F32).reshape(kvh, 2, shape.rv, np_)
+  lse_t = jnp.arange(kvh * 2 * np_, dtype=F32).reshape(kvh, 2, np_)
   o, lse = ml.unpad_partials(o_t, lse_t, p)
   qpk = shape.n_heads // shape.n_kv_heads
   b, n, sp = 2, 13, 1
@@ -113,8 +116,38 @@ def test_mosaic_partial_layout_roundtrip():
   assert float(o[b, n, sp, 5]) == float(o_t[b * shape.n_kv_heads + k, sp, 5, c])
   assert float(lse[b, n, sp]) == float(lse_t[b * shape.n_kv_heads + k, sp, c])
   qt = ml.query_operand(jnp.ones(q.shape, F32), p, 1.0)
-  assert qt.shape == (kvh, 2, ml.NP, shape.head_dim // 2)
-  assert float(qt[0, 0, qpk - 1, 0]) > 0 and float(qt[0, 0, qpk, 0]) == 0.0
+  assert qt.shape == (kvh, 2, shape.head_dim // 2, np_)
+  assert float(qt[0, 0, 0, qpk - 1]) > 0 and float(qt[0, 0, 0, qpk]) == 0.0
+
+
+def test_rope_tables_factor_the_rotation():
+  """The kernel scores q . R(t) k as (R(t0)^T q) . (R(t - t0) k) with t0 the tile start: the
+  tables must give the reference's rotation (float64 check at positions up to 4K)."""
+  h, cap = 128, 4096
+  inv = rope_inv_freq(h)
+  cos_i, sin_i, base = (np.asarray(x, np.float64) for x in ml.rope_tables(inv, cap))
+  assert cos_i.shape == (ml.T, h // 2) and base.shape == (cap // ml.T, 2, h // 2)
+  rng = np.random.default_rng(5)
+  q, k = rng.standard_normal((2, 40, h))
+  t = rng.integers(0, cap, 40)
+  ang = t[:, None].astype(np.float64) * np.asarray(inv, np.float64)[None, :]
+
+  def rot(x, c, s):
+    x1, x2 = x[..., :h // 2], x[..., h // 2:]
+    return np.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], -1)
+  want = np.sum(q * rot(k, np.cos(ang), np.sin(ang)), -1)
+  t0, i = t // ml.T, t % ml.T
+  q_t = rot(q, base[t0, 0], -base[t0, 1])          # R(t0)^T q
+  got = np.sum(q_t * rot(k, cos_i[i], sin_i[i]), -1)
+  # fp16 cos/sin of the in-tile offsets: <= 2**-12 each, so |err| <= 2**-11 sum |q||k|.
+  bound = 2.0 ** -11 * np.sum(np.abs(q) * (np.abs(k) + np.abs(np.roll(k, h // 2, -1))), -1)
+  assert np.all(np.abs(got - want) <= bound), np.abs(got - want).max()
+  wrong = np.sum(q * rot(k, cos_i[i], sin_i[i]), -1)  # negative control: no query rotation
+  assert np.abs(wrong - want).max() > 1.0
+
+
+def test_query_columns():
+  assert [ml.query_columns(q) for q in (1, 4, 8, 9, 16)] == [8, 8, 8, 16, 16]
 
 
 # ----------------------------------------------------------------------------- GPU
@@ -140,7 +173,9 @@ def _close(out, ref, atol, rtol, what):
 @pytest.mark.parametrize("opts", [dict(), dict(heads_per_program=1, stages=1),
                                   dict(heads_per_program=1, v_stages=2),
                                   dict(stages=1, v_stages=2, target_programs=528),
-                                  dict(stages=3, num_splits=1), dict(num_splits=3)])
+                                  dict(stages=3, num_splits=1), dict(num_splits=3),
+                                  dict(stages=2, v_stages=2, rope_math="f32-regs"),
+                                  dict(stages=1, v_stages=2, rope_math="f16")])
 def test_mosaic_matches_reference(idx, opts):
   if not triton_backend.gpu_available():
     pytest.skip("needs a GPU")
