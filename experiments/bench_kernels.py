@@ -338,13 +338,13 @@ DEFAULT_OPTIONS = {
 }
 
 
-# Launch variants of the Mosaic GPU Palu kernel timed with --ablate (16K, B=8).
-MOSAIC_ABLATIONS = [dict(skip=1), dict(skip=2), dict(heads_per_program=1, v_stages=2),
-                    dict(heads_per_program=1, stages=1, v_stages=2),
-                    dict(heads_per_program=2, stages=1),
-                    dict(heads_per_program=2, stages=2, target_programs=528),
-                    dict(heads_per_program=2, stages=1, v_stages=2),
-                    dict(heads_per_program=2, stages=1, v_stages=2, target_programs=528)]
+# Variants of the Mosaic GPU Palu kernel timed with --ablate (16K, B=8): the default is
+# layout="pairs", rope_math="f32-regs" and the deepest rings that fit (2 key / 2 value stages).
+MOSAIC_ABLATIONS = [dict(skip=1), dict(skip=2), dict(stages=1, v_stages=2),
+                    dict(rope_math="f32"), dict(layout="halves", rope_math="f32"),
+                    dict(layout="halves", rope_math="f16"),
+                    dict(layout="halves", rope_math="f16", stages=1, v_stages=2),
+                    dict(heads_per_program=1), dict(target_programs=264)]
 
 
 def _opts_for(best, fam):

@@ -63,7 +63,10 @@ def _fits(shape, opts):
 @pytest.mark.parametrize("idx", range(len(SHAPES)))
 @pytest.mark.parametrize("opts", [dict(), dict(heads_per_program=1, stages=1),
                                   dict(heads_per_program=1, v_stages=2),
-                                  dict(stages=3, num_splits=1)])
+                                  dict(stages=3, num_splits=1),
+                                  dict(layout="halves", stages=2, v_stages=2, rope_math="f16"),
+                                  dict(layout="halves", rope_math="f32"),
+                                  dict(layout="pairs", stages=1, v_stages=2, rope_math="f32")])
 def test_mosaic_lowers_for_cuda(idx, opts):
   shape = SHAPES[idx]
   q, hk, hv, bk, lens = _zeros(shape)
@@ -88,6 +91,29 @@ def test_mosaic_plan_rejects(change, match):
   q, hk, hv, bk, _ = _zeros(shape)
   with pytest.raises(ValueError, match=match):
     ml.plan(q.shape, hk.shape, hv.shape, bk.shape)
+
+
+def test_mosaic_plan_rejects_bad_knobs():
+  q, hk, hv, bk, _ = _zeros(SHAPES[1])
+  for kw, match in ((dict(rope_math="bf16"), "rope_math"), (dict(layout="rows"), "layout"),
+                    (dict(rope_math="f16"), "needs layout='halves'"),
+                    (dict(stages=0), "stages"), (dict(skip=3), "skip")):
+    with pytest.raises(ValueError, match=match):
+      ml.plan(q.shape, hk.shape, hv.shape, bk.shape, **kw)
+
+
+def test_mosaic_plan_picks_the_deepest_rings_that_fit():
+  q, hk, hv, bk, _ = _zeros(SHAPES[1])  # Palu's 50% setting: rk 128, rv 384, 2 heads per CTA
+  p = ml.plan(q.shape, hk.shape, hv.shape, bk.shape)
+  assert (p["stages"], p["v_stages"], p["layout"], p["rope_math"]) == (2, 2, "pairs", "f32-regs")
+  p = ml.plan(q.shape, hk.shape, hv.shape, bk.shape, v_stages=1)
+  assert (p["stages"], p["v_stages"]) == (2, 1)
+  import dataclasses  # pylint: disable=import-outside-toplevel
+  q, hk, hv, bk, _ = _zeros(dataclasses.replace(SHAPES[1], rv=448))  # 2 x 56 KiB value tiles
+  p = ml.plan(q.shape, hk.shape, hv.shape, bk.shape)
+  assert (p["stages"], p["v_stages"]) == (1, 2)
+  with pytest.raises(ValueError, match="shared memory"):  # four B_k slices: nothing fits
+    ml.plan(q.shape, hk.shape, hv.shape, bk.shape, heads_per_program=4)
 
 
 def test_mosaic_plan_rejects_smem_overflow_and_heads():
@@ -174,8 +200,12 @@ def _close(out, ref, atol, rtol, what):
                                   dict(heads_per_program=1, v_stages=2),
                                   dict(stages=1, v_stages=2, target_programs=528),
                                   dict(stages=3, num_splits=1), dict(num_splits=3),
-                                  dict(stages=2, v_stages=2, rope_math="f32-regs"),
-                                  dict(stages=1, v_stages=2, rope_math="f16")])
+                                  dict(layout="halves", stages=2, v_stages=2,
+                                       rope_math="f32-regs"),
+                                  dict(layout="halves", stages=1, v_stages=2, rope_math="f16"),
+                                  dict(layout="halves", rope_math="f32"),
+                                  dict(stages=2, v_stages=2, rope_math="f32"),
+                                  dict(stages=1, v_stages=2)])
 def test_mosaic_matches_reference(idx, opts):
   if not triton_backend.gpu_available():
     pytest.skip("needs a GPU")
