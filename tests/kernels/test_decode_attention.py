@@ -95,6 +95,26 @@ def test_choose_num_splits():
     splitk.choose_num_splits(8, 1000, 64, requested=0)
 
 
+def test_wave_balanced_splits():
+  """One program per SM: the split count minimises waves x (tiles per chunk + overhead), and
+  is never worse than the old programs-target rule on that cost (brute force check)."""
+  def cost(par, tiles, n, slots=132):
+    return -(-par * n // slots) * (-(-tiles // n) + 2)
+  assert splitk.wave_balanced_splits(32, 16384, 64, 132) == 4   # 128 CTAs: one wave
+  assert splitk.wave_balanced_splits(128, 16384, 64, 132) == 1
+  assert splitk.wave_balanced_splits(4, 16384, 64, 132) == 32   # 128 CTAs of 8 tiles
+  assert splitk.wave_balanced_splits(8, 100, 64, 132) == 1      # fewer tiles than min_tiles
+  for par in (1, 4, 16, 32, 96, 128, 256, 512):
+    for cap in (4096, 16384, 65536):
+      tiles = cap // 64
+      n = splitk.wave_balanced_splits(par, cap, 64, 132)
+      assert cost(par, tiles, n) == min(cost(par, tiles, m) for m in range(1, tiles // 4 + 1))
+      old = splitk.choose_num_splits(par, cap, 64, target=264)
+      assert cost(par, tiles, n) <= cost(par, tiles, old)
+  # negative control: the old rule's 288 programs (three waves) cost more than 128 (one)
+  assert cost(32, 256, splitk.choose_num_splits(32, 16384, 64, target=264)) > cost(32, 256, 4)
+
+
 def test_dispatcher_falls_back_on_cpu():
   if jax.default_backend() != "cpu":
     pytest.skip("CPU-only behaviour")
