@@ -67,6 +67,15 @@ def wave_balanced_splits(parallel: int, capacity: int, block: int, slots: int, *
   return best[1]
 
 
+def combine_result(o, lse, out_dtype, return_partials=False):
+  """`combine_partials`, returned as the split-K kernels return: (out, lse), plus the raw
+  (o, lse) partials if return_partials."""
+  out, total = combine_partials(o, lse, out_dtype)
+  if return_partials:
+    return out, total, (o, lse)
+  return out, total
+
+
 def combine_partials(o, lse, out_dtype=jnp.float32):
   """Merges per-split partials.
 

@@ -114,7 +114,4 @@ def launch_split_k(kernel, poisoned_kernel, *args, out_dtype, return_partials=Fa
   """`launch` of a split-K decode kernel whose outputs are the (o, lse) partials, then
   `splitk.combine_partials`. Returns (out, lse), plus the raw (o, lse) if return_partials."""
   o, lse = launch(kernel, poisoned_kernel, *args, **launch_kw)
-  out, total = splitk.combine_partials(o, lse, out_dtype)
-  if return_partials:
-    return out, total, (o, lse)
-  return out, total
+  return splitk.combine_result(o, lse, out_dtype, return_partials)

@@ -23,7 +23,7 @@ import jax.numpy as jnp
 from ..decode_attention import triton_backend
 from ..decode_attention.xla import decode_attention_xla, matmul_dtype
 from .packing import PackedLatent, dequantize_latent, quantize_latent  # noqa: F401
-from .reference import check_shapes, latent_attention_reference, rope_inv_freq
+from .reference import check_shapes, latent_attention_reference, rope_angles, rope_inv_freq
 
 IMPLEMENTATIONS = ("reference", "xla", "triton", "mosaic")
 
@@ -48,7 +48,7 @@ def _latent_attention_xla(q, hk, hv, b_k, lengths, inv, k_bias, scale, out_dtype
     keys = keys + k_bias.astype(jnp.float32)
   bsz, s = keys.shape[:2]
   keys = keys.reshape(bsz, s, gr * g, h)
-  ang = jnp.arange(s, dtype=jnp.int32).astype(jnp.float32)[:, None] * inv[None, :]
+  ang = rope_angles(inv, jnp.arange(s))
   cos, sin = jnp.cos(ang)[None, :, None, :], jnp.sin(ang)[None, :, None, :]
   k1, k2 = keys[..., :h // 2], keys[..., h // 2:]
   keys = jnp.concatenate([k1 * cos - k2 * sin, k2 * cos + k1 * sin], -1).astype(jnp.bfloat16)

@@ -380,7 +380,4 @@ def latent_attention_mosaic(q, hk, hv, b_k, lengths, inv_freq, *, k_bias=None, s
   o_t, lse_t = _call(p, query_operand(q, p, scale), hk.astype(jnp.bfloat16),
                      hv.astype(jnp.bfloat16), b_k, cos, sin, base, lengths.astype(jnp.int32))
   o, lse = unpad_partials(o_t, lse_t, p)
-  out, total = splitk.combine_partials(o, lse, out_dtype or q.dtype)
-  if return_partials:
-    return out, total, (o, lse)
-  return out, total
+  return splitk.combine_result(o, lse, out_dtype or q.dtype, return_partials)

@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 
 from ..decode_attention import splitk
+from .reference import rope_angles
 
 
 T = 64          # tokens per tile (M of the key products)
@@ -113,8 +114,8 @@ def plan(q_shape, hk_shape, hv_shape, bk_shape, *, heads_per_program=2, stages=N
 def _num_sms() -> int:
   """SMs of the first GPU (132 on H100/H200; also the value used where there is none, e.g.
   when lowering on a CPU machine)."""
-  gpus = [d for d in jax.devices() if d.platform == "gpu"] if jax.default_backend() == "gpu" else []
-  return int(getattr(gpus[0], "core_count", 132)) if gpus else 132
+  dev = jax.devices()[0]
+  return int(getattr(dev, "core_count", 132)) if dev.platform == "gpu" else 132
 
 
 def rope_tables(inv_freq, capacity: int):
@@ -123,10 +124,8 @@ def rope_tables(inv_freq, capacity: int):
   in every CTA) and base [ceil(S / T), 2, H/2] float32: cos and sin of fl(t0 * w) per
   tile start (the reference's angle formula; fp16 cos/sin err <= 2**-12 absolute, below the
   bf16 rounding of the latents)."""
-  inv = jnp.asarray(inv_freq, jnp.float32)
-  ang = jnp.arange(T, dtype=jnp.int32).astype(jnp.float32)[:, None] * inv[None, :]
-  starts = jnp.arange(0, capacity, T, dtype=jnp.int32).astype(jnp.float32)
-  base = starts[:, None] * inv[None, :]
+  ang = rope_angles(inv_freq, jnp.arange(T))
+  base = rope_angles(inv_freq, jnp.arange(0, capacity, T))
   return (jnp.cos(ang).astype(jnp.float16), jnp.sin(ang).astype(jnp.float16),
           jnp.stack([jnp.cos(base), jnp.sin(base)], 1))
 

@@ -32,6 +32,13 @@ def rope_inv_freq(head_dim: int, rope_theta: float = 10000.0, inv_freq=None):
   return jnp.asarray(inv, jnp.float32)
 
 
+def rope_angles(inv_freq, positions):
+  """[P, H/2] float32 angles fl(t * w) of integer positions t (the one formula every
+  implementation's cos/sin tables use)."""
+  t = jnp.asarray(positions, jnp.int32).astype(jnp.float32)
+  return t[:, None] * jnp.asarray(inv_freq, jnp.float32)[None, :]
+
+
 def check_shapes(q, hk, hv, b_k, lengths, k_bias):
   """Validates the latent-attention arguments; returns (Gr, g, QPK, rk, rv)."""
   if q.ndim != 3:
@@ -70,7 +77,7 @@ def reconstruct_keys(hk, b_k, k_bias, head_dim: int, rope_theta=10000.0, inv_fre
   bsz, s, gr, gh = keys.shape
   keys = keys.reshape(bsz, s, gr * (gh // head_dim), head_dim)
   inv = rope_inv_freq(head_dim, rope_theta, inv_freq)
-  ang = jnp.arange(s, dtype=jnp.int32).astype(jnp.float32)[:, None] * inv[None, :]
+  ang = rope_angles(inv, jnp.arange(s))
   cos, sin = jnp.cos(ang)[None, :, None, :], jnp.sin(ang)[None, :, None, :]
   k1, k2 = keys[..., :head_dim // 2], keys[..., head_dim // 2:]
   return jnp.concatenate([k1 * cos - k2 * sin, k2 * cos + k1 * sin], axis=-1)

@@ -14,6 +14,7 @@ import numpy as np
 from ..decode_attention import splitk
 from ..decode_attention import triton_backend
 from .packing import PackedLatent
+from .reference import rope_angles
 from .triton_latent import latent_kernel, latent_kernel_poisoned
 
 
@@ -89,9 +90,8 @@ def rope_table(inv_freq, capacity: int, dtype=jnp.float32):
   sum_c x[:, c] * table[t, c] against the interleaved absorbed operand, and the GQA path
   splits one [T, H] tile into its cos and sin halves in registers.)
   """
-  inv = jnp.asarray(inv_freq, jnp.float32)
-  ang = jnp.arange(capacity, dtype=jnp.int32).astype(jnp.float32)[:, None] * inv[None, :]
-  table = jnp.stack([jnp.cos(ang), jnp.sin(ang)], axis=-1).reshape(capacity, 2 * inv.shape[0])
+  ang = rope_angles(inv_freq, jnp.arange(capacity))
+  table = jnp.stack([jnp.cos(ang), jnp.sin(ang)], axis=-1).reshape(capacity, 2 * ang.shape[1])
   return table.astype(dtype)
 
 
