@@ -341,10 +341,10 @@ DEFAULT_OPTIONS = {
 # Variants of the Mosaic GPU Palu kernel timed with --ablate (16K, B=8): the default is
 # layout="pairs", rope_math="f32-regs" and the deepest rings that fit (2 key / 2 value stages).
 MOSAIC_ABLATIONS = [dict(skip=1), dict(skip=2), dict(stages=1, v_stages=2),
-                    dict(rope_math="f32"), dict(layout="halves", rope_math="f32"),
-                    dict(layout="halves", rope_math="f16"),
-                    dict(layout="halves", rope_math="f16", stages=1, v_stages=2),
-                    dict(heads_per_program=1), dict(target_programs=264)]
+                    dict(layout="halves", rope_math="f16"), dict(heads_per_program=1),
+                    dict(schedule="pingpong"), dict(values="shared"),
+                    dict(values="shared", stages=1, v_stages=2),
+                    dict(values="per-head")]
 
 
 def _opts_for(best, fam):

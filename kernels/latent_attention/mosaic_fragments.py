@@ -64,3 +64,17 @@ def rotate_pairs(k, cs):
     out[idx] = vector.from_elements(ir.VectorType.get([2], f16),
                                     [arith.truncf(f16, r0), arith.truncf(f16, r1)])
   return mgpu.FragmentedArray(_registers=out, _layout=k.layout, _is_signed=None)
+
+
+def store_vector(x, ref, *, offset=0):
+  """ref[offset + c] = x[c] for a 1-D array x in a (possibly replicated) register layout, e.g.
+  the column vectors of a WGMMA-layout array; replicated threads store the same value."""
+  from jax._src.lib.mlir import ir  # pylint: disable=import-outside-toplevel
+  from jax._src.lib.mlir.dialects import arith, memref, vector  # pylint: disable=import-outside-toplevel
+  index = ir.IndexType.get()
+  assert len(x.shape) == 1, x.shape
+  for reg, (c,) in zip(x.registers.flat, x.layout.thread_idxs(x.shape)):
+    [vec_len] = ir.VectorType(reg.type).shape
+    for e in range(vec_len):
+      val = vector.extract(reg, dynamic_position=[], static_position=ir.DenseI64ArrayAttr.get([e]))
+      memref.store(val, ref, [arith.addi(c, arith.constant(index, offset + e))])

@@ -75,9 +75,15 @@ def _kernel(p, q_ref, hk_ref, hv_ref, bk_ref, cos_ref, sin_ref, base_ref, len_re
   hpp, hh, rv, gr, g, ns = p["hpp"], p["hh"], p["rv"], p["gr"], p["g"], p["num_splits"]
   stages, v_stages, skip, np_ = p["stages"], p["v_stages"], p["skip"], p["np"]
   rope_math, pairs = p["rope_math"], p["layout"] == "pairs"
+  pingpong = p["schedule"] == "pingpong"
+  shared = p["values"] == "shared"
+  rvw = rv // hpp if shared else rv    # value-latent rows of this warpgroup's accumulator
+  ncol = hpp * np_ if shared else np_  # its columns (shared: every head of the CTA)
   npart = g // hpp
   bk_s, q0_s, q_s, cos_s, sin_s, l_s, base_s, v_s, p_s, red_s = smem
-  (bk_bar, q_bar, rope_bar, l_bar, base_bar, v_bar, k_free, v_free) = bars
+  x_s = sin_s  # values="shared" (layout "pairs", no sin table): the column exchange
+  (bk_bar, q_bar, rope_bar, l_bar, base_bar, v_bar, k_free, v_free, sched_bar, x_bar,
+   p_free) = bars
   wgmma_layout = plgpu.Layout.WGMMA
   pid = lax.axis_index("p")
   sid = lax.axis_index("s")
@@ -115,6 +121,13 @@ def _kernel(p, q_ref, hk_ref, hv_ref, bk_ref, cos_ref, sin_ref, base_ref, len_re
       frag.store_transposed_swizzled(xv, ref, row_stride=row_stride, row_offset=row_offset)
     f(x, dst)
 
+  def store_vector(x, dst, offset):
+    """dst[offset + c] = x[c] for a [NP] column vector (WGMMA reduce(0) layout)."""
+    @plgpu.inline_mgpu(arg_types=(wgmma_layout.reduce(0), plgpu.RefType()))
+    def f(_, xv, ref):
+      frag.store_vector(xv, ref, offset=offset)
+    f(x, dst)
+
   def rotate(k, cs):
     """RoPE of interleaved key columns (layout='pairs'): `frag.rotate_pairs`."""
     @plgpu.inline_mgpu(arg_types=(wgmma_layout, wgmma_layout),
@@ -123,6 +136,13 @@ def _kernel(p, q_ref, hk_ref, hv_ref, bk_ref, cos_ref, sin_ref, base_ref, len_re
     def f(_, kv, csv):
       return frag.rotate_pairs(kv, csv)
     return f(k, cs)
+
+  def sched():
+    """FA3-style ping-pong (schedule="pingpong", two compute warpgroups): a two-arrival
+    barrier that keeps one warpgroup's tensor-core phase beside the other's ALU phase."""
+    if pingpong and hpp == 2:
+      plgpu.barrier_arrive(sched_bar)
+      plgpu.barrier_wait(sched_bar)
 
   def compute(w):
     plgpu.set_max_registers(232, action="increase")
@@ -145,7 +165,7 @@ def _kernel(p, q_ref, hk_ref, hv_ref, bk_ref, cos_ref, sin_ref, base_ref, len_re
     col_layout = wgmma_layout.reduce(0)
     m_i = plgpu.layout_cast(jnp.full((np_,), -jnp.inf, jnp.float32), col_layout)
     l_t = plgpu.layout_cast(jnp.zeros((T, np_), jnp.float32), wgmma_layout)
-    acc = plgpu.layout_cast(jnp.zeros((rv, np_), jnp.float32), wgmma_layout)
+    acc = plgpu.layout_cast(jnp.zeros((rvw, ncol), jnp.float32), wgmma_layout)
     rows = plgpu.broadcasted_iota(jnp.int32, (T, np_), 0, layout=wgmma_layout)
     rope_regs = None
     if rope_math == "f32-regs" and pairs:
@@ -154,43 +174,102 @@ def _kernel(p, q_ref, hk_ref, hv_ref, bk_ref, cos_ref, sin_ref, base_ref, len_re
       rope_regs = (plgpu.load(cos_s, (), layout=wgmma_layout).astype(jnp.float32),
                    plgpu.load(sin_s, (), layout=wgmma_layout).astype(jnp.float32))
 
+    def rotate_queries(slot):
+      """q . R(t0 + i) k = (R(t0)^T q) . (R(i) k): the queries take the tile start's
+      rotation (a row of the key ring's slot), the keys the in-tile offset's."""
+      plgpu.barrier_wait(base_bar.at[slot])
+      row = wgmma_layout.reduce(1)
+      cb = lax.broadcast_in_dim(plgpu.load(base_s.at[slot, 0], (), layout=row), (hh, np_), [0])
+      sb = lax.broadcast_in_dim(plgpu.load(base_s.at[slot, 1], (), layout=row), (hh, np_), [0])
+      qr1 = (q1 * cb + q2 * sb).astype(jnp.float16)
+      qr2 = (q2 * cb - q1 * sb).astype(jnp.float16)
+      if pairs:  # query column d of each half -> K index 2d (first half), 2d + 1 (second)
+        store_transposed(qr1, q_s.at[w], 2, 0)
+        store_transposed(qr2, q_s.at[w], 2, 1)
+      else:
+        store_transposed(qr1, q_s.at[w, 0])
+        store_transposed(qr2, q_s.at[w, 1])
+      plgpu.commit_smem()
+
+    def scores_pairs(kf):
+      r = rotate(kf, rope_regs if rope_math == "f32-regs" else cos_s[...])
+
+      def scores_p(s_ref):
+        plgpu.wgmma(s_ref, r, plgpu.transpose_ref(q_s.at[w], (1, 0)))
+        return s_ref[...]
+      return pl.run_scoped(scores_p, plgpu.ACC((T, np_), jnp.float32))
+
+    def softmax(sc, t0, acc, m_i, l_t):
+      sc = jnp.where(rows + t0 < end, sc, -jnp.inf)
+      m_new = jnp.maximum(m_i, col_reduce("max", sc, red_s.at[w]))
+      alpha = jnp.exp2(m_i - m_new)
+      pr = jnp.exp2(sc - lax.broadcast_in_dim(m_new, (T, np_), [1]))
+      l_t = l_t * lax.broadcast_in_dim(alpha, (T, np_), [1]) + pr
+      if shared:  # values="shared": exchanged with the other warpgroups in `shared_values`
+        return acc, m_new, l_t, pr, alpha
+      acc = acc * lax.broadcast_in_dim(alpha, (rv, np_), [1])
+      if skip != 1:  # skip == 1: ablation (timing only), no value path
+        store_transposed(pr.astype(jnp.bfloat16), p_s.at[w])
+        plgpu.commit_smem()
+      return acc, m_new, l_t, None, None
+
+    def exchange(vec, k):
+      """Every warpgroup's [NP] column vector -> all heads' [hpp * NP] (shared values), the
+      k-th exchange: x_s has two slots, so slot k % 2 is rewritten only after every warpgroup
+      passed exchange k + 1, i.e. read exchange k."""
+      slot = x_s.at[lax.rem(k, 2)]
+      store_vector(vec, slot, w * np_)
+      plgpu.commit_smem()
+      plgpu.barrier_arrive(x_bar)
+      plgpu.barrier_wait(x_bar)
+      return plgpu.load(slot, (), layout=col_layout)
+
+    def shared_values(i, acc, pr, alpha):
+      """values="shared": the CTA's KV heads share the value latent, so their probabilities
+      form one [T, hpp * NP] operand and warpgroup w computes rows [w rv / hpp, (w + 1) rv /
+      hpp) of o^T for all of them: hpp times fewer N = NP wgmmas per warpgroup (an N = 16
+      product costs about what an N = 8 one does, `bench_wgmma_shapes.py`)."""
+      @pl.when(i > 0)
+      def _():
+        plgpu.barrier_wait(p_free)  # every warpgroup's value product of tile i - 1 is done
+      store_transposed(pr.astype(jnp.bfloat16), p_s.at[pl.ds(w * np_, np_)])
+      alphas = exchange(alpha, i)  # also publishes the p^T rows (commit + barrier)
+      acc = acc * lax.broadcast_in_dim(alphas, (rvw, ncol), [1])
+      vslot = lax.rem(i, v_stages)
+      plgpu.barrier_wait(v_bar.at[vslot])
+
+      def values(acc_ref):
+        plgpu.wgmma(acc_ref, plgpu.transpose_ref(v_s.at[vslot, :, pl.ds(w * rvw, rvw)], (1, 0)),
+                    plgpu.transpose_ref(p_s, (1, 0)))
+      acc = pl.run_state(values)(plgpu.ACC.init(acc))
+      plgpu.barrier_arrive(v_free.at[vslot])
+      plgpu.barrier_arrive(p_free)
+      return acc
+
+    def value_mma(acc_ref, vslot):
+      plgpu.wgmma(acc_ref, plgpu.transpose_ref(v_s.at[vslot], (1, 0)),
+                  plgpu.transpose_ref(p_s.at[w], (1, 0)))
+
     def step(i, carry):
       acc, m_i, l_t = carry
       slot = lax.rem(i, stages)
       t0 = start + i * T
       if skip == 2:  # ablation (timing only): no key path
         sc = plgpu.layout_cast(jnp.zeros((T, np_), jnp.float32), wgmma_layout)
-      else:
-        # q . R(t0 + i) k = (R(t0)^T q) . (R(i) k): the queries take the tile start's
-        # rotation, the keys the in-tile offset's (a resident table).
-        plgpu.barrier_wait(base_bar.at[slot])
-        row = wgmma_layout.reduce(1)
-        cb = lax.broadcast_in_dim(plgpu.load(base_s.at[slot, 0], (), layout=row), (hh, np_), [0])
-        sb = lax.broadcast_in_dim(plgpu.load(base_s.at[slot, 1], (), layout=row), (hh, np_), [0])
-        qr1 = (q1 * cb + q2 * sb).astype(jnp.float16)
-        qr2 = (q2 * cb - q1 * sb).astype(jnp.float16)
-        if pairs:  # query column d of each half -> K index 2d (first half), 2d + 1 (second)
-          store_transposed(qr1, q_s.at[w], 2, 0)
-          store_transposed(qr2, q_s.at[w], 2, 1)
-        else:
-          store_transposed(qr1, q_s.at[w, 0])
-          store_transposed(qr2, q_s.at[w, 1])
-        plgpu.commit_smem()
+      elif pairs:
+        rotate_queries(slot)
         plgpu.barrier_wait(l_bar.at[slot])
 
-      if skip != 2 and pairs:
         def keys_p(k_ref):
           plgpu.wgmma(k_ref, l_s.at[slot], bk_s.at[w])
           return k_ref[...]
         kf = pl.run_scoped(keys_p, plgpu.ACC((T, 2 * hh), jnp.float32))
         plgpu.barrier_arrive(k_free.at[slot])
-        r = rotate(kf, rope_regs if rope_math == "f32-regs" else cos_s[...])
+        sc = scores_pairs(kf)
+      else:
+        rotate_queries(slot)
+        plgpu.barrier_wait(l_bar.at[slot])
 
-        def scores_p(s_ref):
-          plgpu.wgmma(s_ref, r, plgpu.transpose_ref(q_s.at[w], (1, 0)))
-          return s_ref[...]
-        sc = pl.run_scoped(scores_p, plgpu.ACC((T, np_), jnp.float32))
-      elif skip != 2:
         def keys(k1_ref, k2_ref):
           plgpu.wgmma(k1_ref, l_s.at[slot], bk_s.at[w, 0])
           plgpu.wgmma(k2_ref, l_s.at[slot], bk_s.at[w, 1])
@@ -213,32 +292,126 @@ def _kernel(p, q_ref, hk_ref, hv_ref, bk_ref, cos_ref, sin_ref, base_ref, len_re
           plgpu.wgmma(s_ref, r2, plgpu.transpose_ref(q_s.at[w, 1], (1, 0)))
           return s_ref[...]
         sc = pl.run_scoped(scores, plgpu.ACC((T, np_), jnp.float32))
-      sc = jnp.where(rows + t0 < end, sc, -jnp.inf)
-      m_new = jnp.maximum(m_i, col_reduce("max", sc, red_s.at[w]))
-      alpha = jnp.exp2(m_i - m_new)
-      pr = jnp.exp2(sc - lax.broadcast_in_dim(m_new, (T, np_), [1]))
-      l_t = l_t * lax.broadcast_in_dim(alpha, (T, np_), [1]) + pr
-      acc = acc * lax.broadcast_in_dim(alpha, (rv, np_), [1])
-      if skip != 1:  # skip == 1: ablation (timing only), no value path
-        store_transposed(pr.astype(jnp.bfloat16), p_s.at[w])
-        plgpu.commit_smem()
+      acc, m_new, l_t, pr, alpha = softmax(sc, t0, acc, m_i, l_t)
+      if shared:
+        acc = shared_values(i, acc, pr, alpha)
+      elif skip != 1:
         vslot = lax.rem(i, v_stages)
         plgpu.barrier_wait(v_bar.at[vslot])
-
-        def values(acc_ref):
-          plgpu.wgmma(acc_ref, plgpu.transpose_ref(v_s.at[vslot], (1, 0)),
-                      plgpu.transpose_ref(p_s.at[w], (1, 0)))
-        acc = pl.run_state(values)(plgpu.ACC.init(acc))
+        acc = pl.run_state(lambda a: value_mma(a, vslot))(plgpu.ACC.init(acc))
         plgpu.barrier_arrive(v_free.at[vslot])
       return acc, m_new, l_t
 
-    acc, m_i, l_t = lax.fori_loop(0, n_tiles, step, (acc, m_i, l_t))
+    zero_k = plgpu.layout_cast(jnp.zeros((T, 2 * hh), jnp.float32), wgmma_layout)
+
+    def tensor_phase(i_next, acc, vslot):
+      """Issues tile i_next's key reconstruction and (vslot not None) the current tile's
+      value product back to back, passes the ping-pong barrier, then waits for both. The
+      reconstruction is issued even for i_next == n_tiles (its slot holds a consumed tile,
+      no copy is in flight; the result is dropped) so that no wgmma sits under a branch."""
+      def body(refs):
+        k_ref, a_ref = refs
+        if skip != 2:
+          plgpu.wgmma(k_ref, l_s.at[lax.rem(i_next, stages)], bk_s.at[w])
+        if vslot is not None:
+          value_mma(a_ref, vslot)
+        sched()
+      return pl.run_state(body)((plgpu.ACC.init(zero_k), plgpu.ACC.init(acc)))
+
+    def step_pingpong(i, carry):
+      """Tile i's ALU phase (RoPE, scores, softmax) on the keys reconstructed in the
+      previous tensor phase, then the tensor phase of tile i's values and tile i + 1's keys."""
+      acc, m_i, l_t, kf = carry
+      slot = lax.rem(i, stages)
+      if skip == 2:
+        sc = plgpu.layout_cast(jnp.zeros((T, np_), jnp.float32), wgmma_layout)
+      else:
+        rotate_queries(slot)
+        plgpu.barrier_arrive(k_free.at[slot])  # tile i's latent and rotation row consumed
+        sc = scores_pairs(kf)
+      acc, m_new, l_t, _, _ = softmax(sc, start + i * T, acc, m_i, l_t)
+      if pingpong and hpp == 2:
+        plgpu.barrier_arrive(sched_bar)      # ALU phase done
+      vslot = lax.rem(i, v_stages)
+      if skip != 1:
+        plgpu.barrier_wait(v_bar.at[vslot])
+      if skip != 2:
+        @pl.when(i + 1 < n_tiles)
+        def _():
+          plgpu.barrier_wait(l_bar.at[lax.rem(i + 1, stages)])
+      if pingpong and hpp == 2:
+        plgpu.barrier_wait(sched_bar)        # the other warpgroup's tensor phase is issued
+      kf, acc = tensor_phase(i + 1, acc, None if skip == 1 else vslot)
+      if skip != 1:
+        plgpu.barrier_arrive(v_free.at[vslot])
+      return acc, m_new, l_t, kf
+
+    def step_overlap(i, carry):
+      """schedule="overlap": tile i's scores and tile i + 1's key reconstruction are issued back
+      to back; the softmax waits for the scores only (wgmma groups retire in order), so it and
+      the probabilities' store run while the reconstruction is in the tensor pipe."""
+      acc, m_i, l_t, kf = carry
+      slot, nxt = lax.rem(i, stages), lax.rem(i + 1, stages)
+      rotate_queries(slot)
+      plgpu.barrier_arrive(k_free.at[slot])  # tile i's latent (reconstructed) and rotation row
+      r = rotate(kf, rope_regs if rope_math == "f32-regs" else cos_s[...])
+
+      @pl.when(i + 1 < n_tiles)
+      def _():
+        plgpu.barrier_wait(l_bar.at[nxt])
+
+      def body(s_ref, k_ref):
+        plgpu.wgmma(s_ref, r, plgpu.transpose_ref(q_s.at[w], (1, 0)))
+        # Issued even for i + 1 == n_tiles (no copy in flight there; the result is dropped).
+        plgpu.wgmma(k_ref, l_s.at[nxt], bk_s.at[w])
+        sc = plgpu.wgmma_accumulator_load(s_ref, wait_n=1)
+        acc2, m_new, l_t2, pr, alpha = softmax(sc, start + i * T, acc, m_i, l_t)
+        if shared:
+          acc2 = shared_values(i, acc2, pr, alpha)
+        else:
+          vslot = lax.rem(i, v_stages)
+          plgpu.barrier_wait(v_bar.at[vslot])
+          acc2 = pl.run_state(lambda a: value_mma(a, vslot))(plgpu.ACC.init(acc2))
+          plgpu.barrier_arrive(v_free.at[vslot])
+        return acc2, m_new, l_t2, k_ref[...]
+      return pl.run_scoped(body, plgpu.ACC((T, np_), jnp.float32),
+                           plgpu.ACC((T, 2 * hh), jnp.float32))
+
+    if p["schedule"] == "overlap":
+      @pl.when(n_tiles > 0)
+      def _():
+        plgpu.barrier_wait(l_bar.at[0])
+
+      def first_keys(k_ref):
+        plgpu.wgmma(k_ref, l_s.at[0], bk_s.at[w])
+        return k_ref[...]
+      kf = pl.run_scoped(first_keys, plgpu.ACC((T, 2 * hh), jnp.float32))
+      acc, m_i, l_t, _ = lax.fori_loop(0, n_tiles, step_overlap, (acc, m_i, l_t, kf))
+    elif pingpong:
+      if w == 1:
+        sched()
+      if skip != 2:
+        @pl.when(n_tiles > 0)
+        def _():
+          plgpu.barrier_wait(l_bar.at[0])
+      kf, acc = tensor_phase(0, acc, None)
+      acc, m_i, l_t, _ = lax.fori_loop(0, n_tiles, step_pingpong, (acc, m_i, l_t, kf))
+      if w == 0:
+        sched()
+    else:
+      acc, m_i, l_t = lax.fori_loop(0, n_tiles, step, (acc, m_i, l_t))
     l_i = col_reduce("add", l_t, red_s.at[w])
     has = l_i > 0
     l_safe = jnp.where(has, l_i, 1.0)
     lse = jnp.where(has, (m_i + jnp.log2(l_safe)) * math.log(2.0), -jnp.inf)
-    o_ref.at[kv, sid][...] = acc / lax.broadcast_in_dim(l_safe, (rv, np_), [1])
-    lse_ref.at[kv, sid][...] = lse
+    if shared:  # o [P, splits, rv, hpp * NP]: this warpgroup's rows, every head's columns
+      l_all = exchange(l_safe, n_tiles)
+      o_ref.at[pid, sid, pl.ds(w * rvw, rvw)][...] = acc / lax.broadcast_in_dim(
+          l_all, (rvw, ncol), [1])
+      lse_ref.at[pid, sid, pl.ds(w * np_, np_)][...] = lse
+    else:
+      o_ref.at[kv, sid][...] = acc / lax.broadcast_in_dim(l_safe, (rv, np_), [1])
+      lse_ref.at[kv, sid][...] = lse
 
   for w in range(hpp):
     pl.when(wg == w)(functools.partial(compute, w))
@@ -291,6 +464,7 @@ def _call(p, qt, hk, hv, bk, cos, sin, base, lengths):
   hpp, hh, rk, rv, stages = p["hpp"], p["hh"], p["rk"], p["rv"], p["stages"]
   v_stages, np_ = p["v_stages"], p["np"]
   kvh = p["b"] * p["gr"] * p["g"]
+  shared = p["values"] == "shared"
   ns = p["num_splits"]
 
   def sw(dt_bytes, minor_elems):
@@ -313,12 +487,15 @@ def _call(p, qt, hk, hv, bk, cos, sin, base, lengths):
                    transforms=pv_tf),
         plgpu.SMEM((T, 2 * hh) if pairs else (T, hh), jnp.float16,
                    transforms=pv_tf if pairs else k_tf),
-        plgpu.SMEM((1,) if pairs else (T, hh), jnp.float16,
-                   transforms=() if pairs else k_tf),
+        # the sin table (halves), the values="shared" column exchange (pairs), else unused
+        (plgpu.SMEM((T, hh), jnp.float16, transforms=k_tf) if not pairs
+         else plgpu.SMEM((2, hpp * np_), jnp.float32) if shared
+         else plgpu.SMEM((1,), jnp.float16)),
         plgpu.SMEM((stages, T, rk), jnp.bfloat16, transforms=k_tf),
         plgpu.SMEM((stages, 2, hh), jnp.float32),
         plgpu.SMEM((v_stages, T, rv), jnp.bfloat16, transforms=pv_tf),
-        plgpu.SMEM((hpp, np_, T), jnp.bfloat16, transforms=pv_tf),
+        plgpu.SMEM((hpp * np_, T) if shared else (hpp, np_, T), jnp.bfloat16,
+                   transforms=pv_tf),
         # FragmentedArray.reduce stores 128 threads x vec_len (2) f32 per 8 columns.
         plgpu.SMEM((hpp, RED_PER_COL * np_), jnp.float32),
     ]
@@ -331,14 +508,22 @@ def _call(p, qt, hk, hv, bk, cos, sin, base, lengths):
         plgpu.Barrier(num_barriers=v_stages),
         plgpu.Barrier(num_arrivals=hpp, num_barriers=stages),
         plgpu.Barrier(num_arrivals=hpp, num_barriers=v_stages),
+        # ping-pong schedule with two compute warpgroups
+        plgpu.Barrier(num_arrivals=2) if p["schedule"] == "pingpong" and hpp == 2 else None,
+        plgpu.Barrier(num_arrivals=hpp) if shared else None,  # column exchange
+        plgpu.Barrier(num_arrivals=hpp) if shared else None,  # p^T consumed
     )
     pl.run_scoped(
         lambda *refs: _kernel(p, q_ref, hk_ref, hv_ref, bk_ref, cos_ref, sin_ref, base_ref,
                               len_ref, o_ref, lse_ref, refs[:10], refs[10:]),
         *scratch, *bars, collective_axes="wg")
 
-  out_types = (jax.ShapeDtypeStruct((kvh, ns, rv, np_), jnp.float32),
-               jax.ShapeDtypeStruct((kvh, ns, np_), jnp.float32))
+  if shared:  # per CTA: [splits, rv, heads x NP]
+    out_types = (jax.ShapeDtypeStruct((kvh // hpp, ns, rv, hpp * np_), jnp.float32),
+                 jax.ShapeDtypeStruct((kvh // hpp, ns, hpp * np_), jnp.float32))
+  else:
+    out_types = (jax.ShapeDtypeStruct((kvh, ns, rv, np_), jnp.float32),
+                 jax.ShapeDtypeStruct((kvh, ns, np_), jnp.float32))
   return plgpu.kernel(
       entry, out_type=out_types, grid=p["grid"], grid_names=("p", "s"),
       num_threads=hpp + 1, thread_name="wg",
@@ -349,14 +534,16 @@ def _call(p, qt, hk, hv, bk, cos, sin, base, lengths):
 def latent_attention_mosaic(q, hk, hv, b_k, lengths, inv_freq, *, k_bias=None, scale=None,
                             out_dtype=None, heads_per_program=2, stages=None, v_stages=None,
                             num_splits=None, target_programs=None, return_partials=False,
-                            rope=None, rope_math="f32-regs", layout="pairs", skip=0):
+                            rope=None, rope_math="f32-regs", layout="pairs", schedule="serial",
+                            values="per-head", skip=0):
   """Fused Palu decode attention (Mosaic GPU); same contract as the reference.
 
   Args (beyond the reference's): inv_freq [H/2] float32; heads_per_program (KV heads per
     CTA, one compute warpgroup each), stages (key-latent ring depth), v_stages (value
     ring depth; both None: the deepest that fit), num_splits, target_programs: launch
     knobs; rope: optional precomputed `rope_tables(inv_freq, S)`; rope_math, layout: see
-    `plan`; skip: timing ablation (1: no value path, 2: no key path; wrong output).
+    `plan`; schedule: "serial", "overlap" or "pingpong", values: "per-head" or "shared" (see `plan`);
+    skip: timing ablation (1: no value path, 2: no key path; wrong output).
   """
   if k_bias is not None:
     raise ValueError("mosaic latent attention: k_bias is not supported; use the triton "
@@ -370,7 +557,7 @@ def latent_attention_mosaic(q, hk, hv, b_k, lengths, inv_freq, *, k_bias=None, s
   p = plan(q.shape, hk.shape, hv.shape, b_k.shape, heads_per_program=heads_per_program,
            stages=stages, v_stages=v_stages, num_splits=num_splits,
            target_programs=target_programs, rope_math=rope_math, layout=layout,
-           skip=skip)
+           schedule=schedule, values=values, skip=skip)
   cos, sin, base = rope_tables(inv_freq, p["s"]) if rope is None else rope
   b_k = b_k.astype(jnp.bfloat16)
   if layout == "pairs":  # column d of each RoPE half -> 2d (first half), 2d + 1 (second)
@@ -379,5 +566,11 @@ def latent_attention_mosaic(q, hk, hv, b_k, lengths, inv_freq, *, k_bias=None, s
     cos, sin = jnp.stack([cos, sin], -1).reshape(T, h), jnp.zeros((1,), jnp.float16)
   o_t, lse_t = _call(p, query_operand(q, p, scale), hk.astype(jnp.bfloat16),
                      hv.astype(jnp.bfloat16), b_k, cos, sin, base, lengths.astype(jnp.int32))
+  if values == "shared":  # [KVH / hpp, P, rv, hpp, NP] -> [KVH, P, rv, NP]
+    kvh, hpp, np_ = o_t.shape[0] * p["hpp"], p["hpp"], p["np"]
+    o_t = o_t.reshape(kvh // hpp, p["num_splits"], p["rv"], hpp, np_).transpose(0, 3, 1, 2, 4)
+    o_t = o_t.reshape(kvh, p["num_splits"], p["rv"], np_)
+    lse_t = lse_t.reshape(kvh // hpp, p["num_splits"], hpp, np_).transpose(0, 2, 1, 3)
+    lse_t = lse_t.reshape(kvh, p["num_splits"], np_)
   o, lse = unpad_partials(o_t, lse_t, p)
   return splitk.combine_result(o, lse, out_dtype or q.dtype, return_partials)

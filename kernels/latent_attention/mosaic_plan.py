@@ -21,16 +21,22 @@ def query_columns(qpk: int) -> int:
   return 8 if qpk <= 8 else 16
 
 
-def _smem_bytes(hpp, rk, rv, hh, np_, stages, v_stages):
-  return (hpp * 2 * rk * hh * 2            # B_k column slices
-          + hpp * 2 * hh * np_ * 4         # queries^T (f32, as loaded)
-          + hpp * 2 * np_ * hh * 2         # rotated queries (fp16, rewritten per tile)
-          + 2 * T * hh * 2                 # in-tile cos / sin (fp16, resident)
-          + stages * (T * rk * 2 + 2 * hh * 4)  # key latent ring + tile rotation rows
-          + v_stages * T * rv * 2          # value latent ring
-          + hpp * np_ * T * 2              # probabilities (transposed)
-          + hpp * RED_PER_COL * np_ * 4    # reduction scratch
-          + 1024)                          # barriers
+def _smem_bytes(hpp, rk, rv, hh, np_, stages, v_stages, pairs=True):
+  """Shared memory of the kernel's scratch buffers, each rounded up to 1 KiB as Pallas
+  Mosaic GPU allocates them (plus the barriers)."""
+  kib = lambda n: -(-n // 1024) * 1024
+  return (kib(hpp * 2 * rk * hh * 2)      # B_k column slices
+          + kib(hpp * 2 * hh * np_ * 4)   # queries^T (f32, as loaded)
+          + kib(hpp * 2 * np_ * hh * 2)   # rotated queries (fp16, rewritten per tile)
+          # in-tile cos/sin: one interleaved table (pairs; its sin slot is 1 KiB, the
+          # values="shared" column exchange) or two tables (halves)
+          + ((kib(T * 2 * hh * 2) + 1024) if pairs else 2 * kib(T * hh * 2))
+          + kib(stages * T * rk * 2)      # key latent ring
+          + kib(stages * 2 * hh * 4)      # tile rotation rows
+          + kib(v_stages * T * rv * 2)    # value latent ring
+          + kib(hpp * np_ * T * 2)        # probabilities (transposed)
+          + kib(hpp * RED_PER_COL * np_ * 4)  # reduction scratch
+          + 256)                          # barriers (8 B each)
 
 
 # Ring depths tried, deepest first, when `stages` / `v_stages` are not given.
@@ -39,7 +45,7 @@ AUTO_STAGES = ((2, 2), (1, 2), (2, 1), (1, 1))
 
 def plan(q_shape, hk_shape, hv_shape, bk_shape, *, heads_per_program=2, stages=None,
          v_stages=None, num_splits=None, target_programs=None, rope_math="f32-regs",
-         layout="pairs", skip=0):
+         layout="pairs", schedule="serial", values="per-head", skip=0):
   """Validates the shapes and returns the launch geometry (dict).
 
   rope_math: "f32" (the in-tile key rotation in f32, cos/sin read from shared memory each
@@ -49,6 +55,21 @@ def plan(q_shape, hk_shape, hv_shape, bk_shape, *, heads_per_program=2, stages=N
   layout: "halves" (keys reconstructed as two [T, H/2] products, the RoPE halves) or "pairs"
     (B_k's columns interleaved so each RoPE pair is one register: one [T, H] product and
     one K = H score product; rope_math "f32" or "f32-regs").
+  schedule: "serial" (each compute warpgroup runs a tile's key product, RoPE, scores,
+    softmax and value product in order, waiting on each wgmma) or "pingpong" (layout
+    "pairs" only): the loop is software-pipelined so that tile i's value product and tile
+    i + 1's key product are issued together and awaited once, and with two compute
+    warpgroups a two-arrival barrier alternates them FA3-style (one warpgroup's tensor-core
+    phase beside the other's RoPE / softmax phase), or "overlap" (layout "pairs", skip = 0):
+    tile i + 1's key product is issued right after tile i's scores and runs while the
+    warpgroup does tile i's softmax (the scores are awaited alone: wgmma groups retire in
+    order).
+  values: "per-head" (each compute warpgroup multiplies its KV head's probabilities [T, NP]
+    by the whole value-latent tile) or "shared" (the heads_per_program KV heads of a CTA
+    share the value latent: warpgroup w multiplies all their probabilities [T, hpp * NP]
+    by its rv / hpp rows of the tile; softmax rescales are exchanged through shared memory.
+    Needs hpp >= 2, rv a multiple of 64 * hpp, schedule "serial" or "overlap", layout
+    "pairs" and skip = 0).
   skip: 0, or an ablation for timing only (1: no value path, 2: no key path; wrong output).
   """
   b, n, h = q_shape
@@ -81,18 +102,36 @@ def plan(q_shape, hk_shape, hv_shape, bk_shape, *, heads_per_program=2, stages=N
     raise ValueError(f"mosaic latent attention: layout must be 'halves' or 'pairs', got {layout!r}")
   if layout == "pairs" and rope_math == "f16":
     raise ValueError("mosaic latent attention: rope_math='f16' needs layout='halves'")
+  if schedule not in ("serial", "overlap", "pingpong"):
+    raise ValueError(f"mosaic latent attention: schedule must be 'serial', 'overlap' or "
+                     f"'pingpong', got {schedule!r}")
+  if schedule != "serial" and layout != "pairs":
+    raise ValueError(f"mosaic latent attention: schedule={schedule!r} needs layout='pairs'")
+  if schedule == "overlap" and skip:
+    raise ValueError("mosaic latent attention: the skip ablations run with schedule='serial' "
+                     "or 'pingpong'")
+  if values not in ("per-head", "shared"):
+    raise ValueError(f"mosaic latent attention: values must be 'per-head' or 'shared', got "
+                     f"{values!r}")
+  if values == "shared" and (int(heads_per_program) < 2 or rv % (64 * int(heads_per_program))
+                             or schedule == "pingpong" or layout != "pairs" or skip):
+    raise ValueError(f"mosaic latent attention: values='shared' needs heads_per_program >= 2, "
+                     f"rv a multiple of 64 * heads_per_program, schedule 'serial' or "
+                     f"'overlap', layout='pairs' and skip=0 (got heads_per_program={heads_per_program}, rv={rv}, "
+                     f"schedule={schedule!r}, skip={skip})")
   if skip not in (0, 1, 2):
     raise ValueError(f"mosaic latent attention: skip must be 0, 1 or 2, got {skip}")
   if stages is not None and stages < 1:
     raise ValueError(f"mosaic latent attention: stages must be >= 1, got {stages}")
   if v_stages is not None and v_stages < 1:
     raise ValueError(f"mosaic latent attention: v_stages must be >= 1, got {v_stages}")
+  pairs = layout == "pairs"
   if stages is None or v_stages is None:  # the deepest rings that fit (given ones kept)
     fitting = [(k, v) for k, v in AUTO_STAGES
                if (stages in (None, k) and v_stages in (None, v)
-                   and _smem_bytes(hpp, rk, rv, hh, np_, k, v) <= SMEM_LIMIT)]
+                   and _smem_bytes(hpp, rk, rv, hh, np_, k, v, pairs) <= SMEM_LIMIT)]
     stages, v_stages = fitting[0] if fitting else (stages or 1, v_stages or 1)
-  need = _smem_bytes(hpp, rk, rv, hh, np_, stages, v_stages)
+  need = _smem_bytes(hpp, rk, rv, hh, np_, stages, v_stages, pairs)
   if need > SMEM_LIMIT:
     raise ValueError(f"mosaic latent attention: heads_per_program={hpp}, stages={stages}, "
                      f"v_stages={v_stages} need "
@@ -107,7 +146,7 @@ def plan(q_shape, hk_shape, hv_shape, bk_shape, *, heads_per_program=2, stages=N
                                   target=target_programs or 2 * 132)
   return dict(b=b, n=n, h=h, hh=hh, s=s, gr=gr, g=g, qpk=qpk, np=np_, rk=rk, rv=rv, hpp=hpp,
               stages=stages, v_stages=v_stages, rope_math=rope_math, layout=layout,
-              skip=int(skip), num_splits=ns,
+              schedule=schedule, values=values, skip=int(skip), num_splits=ns,
               grid=(parallel, ns))
 
 
