@@ -342,7 +342,7 @@ DEFAULT_OPTIONS = {
 # layout="pairs", rope_math="f32-regs" and the deepest rings that fit (2 key / 2 value stages).
 MOSAIC_ABLATIONS = [dict(skip=1), dict(skip=2), dict(stages=1, v_stages=2),
                     dict(layout="halves", rope_math="f16"), dict(heads_per_program=1),
-                    dict(schedule="pingpong"), dict(values="shared"),
+                    dict(values="shared"),
                     dict(values="shared", stages=1, v_stages=2),
                     dict(values="per-head")]
 

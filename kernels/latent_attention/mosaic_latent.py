@@ -75,15 +75,13 @@ def _kernel(p, q_ref, hk_ref, hv_ref, bk_ref, cos_ref, sin_ref, base_ref, len_re
   hpp, hh, rv, gr, g, ns = p["hpp"], p["hh"], p["rv"], p["gr"], p["g"], p["num_splits"]
   stages, v_stages, skip, np_ = p["stages"], p["v_stages"], p["skip"], p["np"]
   rope_math, pairs = p["rope_math"], p["layout"] == "pairs"
-  pingpong = p["schedule"] == "pingpong"
   shared = p["values"] == "shared"
   rvw = rv // hpp if shared else rv    # value-latent rows of this warpgroup's accumulator
   ncol = hpp * np_ if shared else np_  # its columns (shared: every head of the CTA)
   npart = g // hpp
   bk_s, q0_s, q_s, cos_s, sin_s, l_s, base_s, v_s, p_s, red_s = smem
   x_s = sin_s  # values="shared" (layout "pairs", no sin table): the column exchange
-  (bk_bar, q_bar, rope_bar, l_bar, base_bar, v_bar, k_free, v_free, sched_bar, x_bar,
-   p_free) = bars
+  (bk_bar, q_bar, rope_bar, l_bar, base_bar, v_bar, k_free, v_free, x_bar, p_free) = bars
   wgmma_layout = plgpu.Layout.WGMMA
   pid = lax.axis_index("p")
   sid = lax.axis_index("s")
@@ -136,13 +134,6 @@ def _kernel(p, q_ref, hk_ref, hv_ref, bk_ref, cos_ref, sin_ref, base_ref, len_re
     def f(_, kv, csv):
       return frag.rotate_pairs(kv, csv)
     return f(k, cs)
-
-  def sched():
-    """FA3-style ping-pong (schedule="pingpong", two compute warpgroups): a two-arrival
-    barrier that keeps one warpgroup's tensor-core phase beside the other's ALU phase."""
-    if pingpong and hpp == 2:
-      plgpu.barrier_arrive(sched_bar)
-      plgpu.barrier_wait(sched_bar)
 
   def compute(w):
     plgpu.set_max_registers(232, action="increase")
@@ -302,104 +293,7 @@ def _kernel(p, q_ref, hk_ref, hv_ref, bk_ref, cos_ref, sin_ref, base_ref, len_re
         plgpu.barrier_arrive(v_free.at[vslot])
       return acc, m_new, l_t
 
-    zero_k = plgpu.layout_cast(jnp.zeros((T, 2 * hh), jnp.float32), wgmma_layout)
-
-    def tensor_phase(i_next, acc, vslot):
-      """Issues tile i_next's key reconstruction and (vslot not None) the current tile's
-      value product back to back, passes the ping-pong barrier, then waits for both. The
-      reconstruction is issued even for i_next == n_tiles (its slot holds a consumed tile,
-      no copy is in flight; the result is dropped) so that no wgmma sits under a branch."""
-      def body(refs):
-        k_ref, a_ref = refs
-        if skip != 2:
-          plgpu.wgmma(k_ref, l_s.at[lax.rem(i_next, stages)], bk_s.at[w])
-        if vslot is not None:
-          value_mma(a_ref, vslot)
-        sched()
-      return pl.run_state(body)((plgpu.ACC.init(zero_k), plgpu.ACC.init(acc)))
-
-    def step_pingpong(i, carry):
-      """Tile i's ALU phase (RoPE, scores, softmax) on the keys reconstructed in the
-      previous tensor phase, then the tensor phase of tile i's values and tile i + 1's keys."""
-      acc, m_i, l_t, kf = carry
-      slot = lax.rem(i, stages)
-      if skip == 2:
-        sc = plgpu.layout_cast(jnp.zeros((T, np_), jnp.float32), wgmma_layout)
-      else:
-        rotate_queries(slot)
-        plgpu.barrier_arrive(k_free.at[slot])  # tile i's latent and rotation row consumed
-        sc = scores_pairs(kf)
-      acc, m_new, l_t, _, _ = softmax(sc, start + i * T, acc, m_i, l_t)
-      if pingpong and hpp == 2:
-        plgpu.barrier_arrive(sched_bar)      # ALU phase done
-      vslot = lax.rem(i, v_stages)
-      if skip != 1:
-        plgpu.barrier_wait(v_bar.at[vslot])
-      if skip != 2:
-        @pl.when(i + 1 < n_tiles)
-        def _():
-          plgpu.barrier_wait(l_bar.at[lax.rem(i + 1, stages)])
-      if pingpong and hpp == 2:
-        plgpu.barrier_wait(sched_bar)        # the other warpgroup's tensor phase is issued
-      kf, acc = tensor_phase(i + 1, acc, None if skip == 1 else vslot)
-      if skip != 1:
-        plgpu.barrier_arrive(v_free.at[vslot])
-      return acc, m_new, l_t, kf
-
-    def step_overlap(i, carry):
-      """schedule="overlap": tile i's scores and tile i + 1's key reconstruction are issued back
-      to back; the softmax waits for the scores only (wgmma groups retire in order), so it and
-      the probabilities' store run while the reconstruction is in the tensor pipe."""
-      acc, m_i, l_t, kf = carry
-      slot, nxt = lax.rem(i, stages), lax.rem(i + 1, stages)
-      rotate_queries(slot)
-      plgpu.barrier_arrive(k_free.at[slot])  # tile i's latent (reconstructed) and rotation row
-      r = rotate(kf, rope_regs if rope_math == "f32-regs" else cos_s[...])
-
-      @pl.when(i + 1 < n_tiles)
-      def _():
-        plgpu.barrier_wait(l_bar.at[nxt])
-
-      def body(s_ref, k_ref):
-        plgpu.wgmma(s_ref, r, plgpu.transpose_ref(q_s.at[w], (1, 0)))
-        # Issued even for i + 1 == n_tiles (no copy in flight there; the result is dropped).
-        plgpu.wgmma(k_ref, l_s.at[nxt], bk_s.at[w])
-        sc = plgpu.wgmma_accumulator_load(s_ref, wait_n=1)
-        acc2, m_new, l_t2, pr, alpha = softmax(sc, start + i * T, acc, m_i, l_t)
-        if shared:
-          acc2 = shared_values(i, acc2, pr, alpha)
-        else:
-          vslot = lax.rem(i, v_stages)
-          plgpu.barrier_wait(v_bar.at[vslot])
-          acc2 = pl.run_state(lambda a: value_mma(a, vslot))(plgpu.ACC.init(acc2))
-          plgpu.barrier_arrive(v_free.at[vslot])
-        return acc2, m_new, l_t2, k_ref[...]
-      return pl.run_scoped(body, plgpu.ACC((T, np_), jnp.float32),
-                           plgpu.ACC((T, 2 * hh), jnp.float32))
-
-    if p["schedule"] == "overlap":
-      @pl.when(n_tiles > 0)
-      def _():
-        plgpu.barrier_wait(l_bar.at[0])
-
-      def first_keys(k_ref):
-        plgpu.wgmma(k_ref, l_s.at[0], bk_s.at[w])
-        return k_ref[...]
-      kf = pl.run_scoped(first_keys, plgpu.ACC((T, 2 * hh), jnp.float32))
-      acc, m_i, l_t, _ = lax.fori_loop(0, n_tiles, step_overlap, (acc, m_i, l_t, kf))
-    elif pingpong:
-      if w == 1:
-        sched()
-      if skip != 2:
-        @pl.when(n_tiles > 0)
-        def _():
-          plgpu.barrier_wait(l_bar.at[0])
-      kf, acc = tensor_phase(0, acc, None)
-      acc, m_i, l_t, _ = lax.fori_loop(0, n_tiles, step_pingpong, (acc, m_i, l_t, kf))
-      if w == 0:
-        sched()
-    else:
-      acc, m_i, l_t = lax.fori_loop(0, n_tiles, step, (acc, m_i, l_t))
+    acc, m_i, l_t = lax.fori_loop(0, n_tiles, step, (acc, m_i, l_t))
     l_i = col_reduce("add", l_t, red_s.at[w])
     has = l_i > 0
     l_safe = jnp.where(has, l_i, 1.0)
@@ -508,8 +402,6 @@ def _call(p, qt, hk, hv, bk, cos, sin, base, lengths):
         plgpu.Barrier(num_barriers=v_stages),
         plgpu.Barrier(num_arrivals=hpp, num_barriers=stages),
         plgpu.Barrier(num_arrivals=hpp, num_barriers=v_stages),
-        # ping-pong schedule with two compute warpgroups
-        plgpu.Barrier(num_arrivals=2) if p["schedule"] == "pingpong" and hpp == 2 else None,
         plgpu.Barrier(num_arrivals=hpp) if shared else None,  # column exchange
         plgpu.Barrier(num_arrivals=hpp) if shared else None,  # p^T consumed
     )
@@ -534,16 +426,15 @@ def _call(p, qt, hk, hv, bk, cos, sin, base, lengths):
 def latent_attention_mosaic(q, hk, hv, b_k, lengths, inv_freq, *, k_bias=None, scale=None,
                             out_dtype=None, heads_per_program=2, stages=None, v_stages=None,
                             num_splits=None, target_programs=None, return_partials=False,
-                            rope=None, rope_math="f32-regs", layout="pairs", schedule="serial",
-                            values="per-head", skip=0):
+                            rope=None, rope_math="f32-regs", layout="pairs", values="per-head",
+                            skip=0):
   """Fused Palu decode attention (Mosaic GPU); same contract as the reference.
 
   Args (beyond the reference's): inv_freq [H/2] float32; heads_per_program (KV heads per
     CTA, one compute warpgroup each), stages (key-latent ring depth), v_stages (value
     ring depth; both None: the deepest that fit), num_splits, target_programs: launch
     knobs; rope: optional precomputed `rope_tables(inv_freq, S)`; rope_math, layout: see
-    `plan`; schedule: "serial", "overlap" or "pingpong", values: "per-head" or "shared" (see `plan`);
-    skip: timing ablation (1: no value path, 2: no key path; wrong output).
+    `plan`; values: "per-head" or "shared" (see `plan`); skip: timing ablation (1: no value path, 2: no key path; wrong output).
   """
   if k_bias is not None:
     raise ValueError("mosaic latent attention: k_bias is not supported; use the triton "
@@ -557,7 +448,7 @@ def latent_attention_mosaic(q, hk, hv, b_k, lengths, inv_freq, *, k_bias=None, s
   p = plan(q.shape, hk.shape, hv.shape, b_k.shape, heads_per_program=heads_per_program,
            stages=stages, v_stages=v_stages, num_splits=num_splits,
            target_programs=target_programs, rope_math=rope_math, layout=layout,
-           schedule=schedule, values=values, skip=skip)
+           values=values, skip=skip)
   cos, sin, base = rope_tables(inv_freq, p["s"]) if rope is None else rope
   b_k = b_k.astype(jnp.bfloat16)
   if layout == "pairs":  # column d of each RoPE half -> 2d (first half), 2d + 1 (second)

@@ -45,7 +45,7 @@ AUTO_STAGES = ((2, 2), (1, 2), (2, 1), (1, 1))
 
 def plan(q_shape, hk_shape, hv_shape, bk_shape, *, heads_per_program=2, stages=None,
          v_stages=None, num_splits=None, target_programs=None, rope_math="f32-regs",
-         layout="pairs", schedule="serial", values="per-head", skip=0):
+         layout="pairs", values="per-head", skip=0):
   """Validates the shapes and returns the launch geometry (dict).
 
   rope_math: "f32" (the in-tile key rotation in f32, cos/sin read from shared memory each
@@ -55,21 +55,11 @@ def plan(q_shape, hk_shape, hv_shape, bk_shape, *, heads_per_program=2, stages=N
   layout: "halves" (keys reconstructed as two [T, H/2] products, the RoPE halves) or "pairs"
     (B_k's columns interleaved so each RoPE pair is one register: one [T, H] product and
     one K = H score product; rope_math "f32" or "f32-regs").
-  schedule: "serial" (each compute warpgroup runs a tile's key product, RoPE, scores,
-    softmax and value product in order, waiting on each wgmma) or "pingpong" (layout
-    "pairs" only): the loop is software-pipelined so that tile i's value product and tile
-    i + 1's key product are issued together and awaited once, and with two compute
-    warpgroups a two-arrival barrier alternates them FA3-style (one warpgroup's tensor-core
-    phase beside the other's RoPE / softmax phase), or "overlap" (layout "pairs", skip = 0):
-    tile i + 1's key product is issued right after tile i's scores and runs while the
-    warpgroup does tile i's softmax (the scores are awaited alone: wgmma groups retire in
-    order).
   values: "per-head" (each compute warpgroup multiplies its KV head's probabilities [T, NP]
     by the whole value-latent tile) or "shared" (the heads_per_program KV heads of a CTA
     share the value latent: warpgroup w multiplies all their probabilities [T, hpp * NP]
     by its rv / hpp rows of the tile; softmax rescales are exchanged through shared memory.
-    Needs hpp >= 2, rv a multiple of 64 * hpp, schedule "serial" or "overlap", layout
-    "pairs" and skip = 0).
+    Needs hpp >= 2, rv a multiple of 64 * hpp, layout "pairs" and skip = 0).
   skip: 0, or an ablation for timing only (1: no value path, 2: no key path; wrong output).
   """
   b, n, h = q_shape
@@ -102,23 +92,15 @@ def plan(q_shape, hk_shape, hv_shape, bk_shape, *, heads_per_program=2, stages=N
     raise ValueError(f"mosaic latent attention: layout must be 'halves' or 'pairs', got {layout!r}")
   if layout == "pairs" and rope_math == "f16":
     raise ValueError("mosaic latent attention: rope_math='f16' needs layout='halves'")
-  if schedule not in ("serial", "overlap", "pingpong"):
-    raise ValueError(f"mosaic latent attention: schedule must be 'serial', 'overlap' or "
-                     f"'pingpong', got {schedule!r}")
-  if schedule != "serial" and layout != "pairs":
-    raise ValueError(f"mosaic latent attention: schedule={schedule!r} needs layout='pairs'")
-  if schedule == "overlap" and skip:
-    raise ValueError("mosaic latent attention: the skip ablations run with schedule='serial' "
-                     "or 'pingpong'")
   if values not in ("per-head", "shared"):
     raise ValueError(f"mosaic latent attention: values must be 'per-head' or 'shared', got "
                      f"{values!r}")
   if values == "shared" and (int(heads_per_program) < 2 or rv % (64 * int(heads_per_program))
-                             or schedule == "pingpong" or layout != "pairs" or skip):
+                             or layout != "pairs" or skip):
     raise ValueError(f"mosaic latent attention: values='shared' needs heads_per_program >= 2, "
-                     f"rv a multiple of 64 * heads_per_program, schedule 'serial' or "
-                     f"'overlap', layout='pairs' and skip=0 (got heads_per_program={heads_per_program}, rv={rv}, "
-                     f"schedule={schedule!r}, skip={skip})")
+                     f"rv a multiple of 64 * heads_per_program, layout='pairs' and skip=0 "
+                     f"(got heads_per_program={heads_per_program}, rv={rv}, layout={layout!r}, "
+                     f"skip={skip})")
   if skip not in (0, 1, 2):
     raise ValueError(f"mosaic latent attention: skip must be 0, 1 or 2, got {skip}")
   if stages is not None and stages < 1:
@@ -146,7 +128,7 @@ def plan(q_shape, hk_shape, hv_shape, bk_shape, *, heads_per_program=2, stages=N
                                   target=target_programs or 2 * 132)
   return dict(b=b, n=n, h=h, hh=hh, s=s, gr=gr, g=g, qpk=qpk, np=np_, rk=rk, rv=rv, hpp=hpp,
               stages=stages, v_stages=v_stages, rope_math=rope_math, layout=layout,
-              schedule=schedule, values=values, skip=int(skip), num_splits=ns,
+              values=values, skip=int(skip), num_splits=ns,
               grid=(parallel, ns))
 
 

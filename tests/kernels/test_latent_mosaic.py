@@ -68,16 +68,8 @@ def _fits(shape, opts):
                                   dict(layout="halves", stages=2, v_stages=2, rope_math="f16"),
                                   dict(layout="halves", rope_math="f32"),
                                   dict(layout="pairs", stages=1, v_stages=2, rope_math="f32"),
-                                  dict(schedule="pingpong"),
-                                  dict(schedule="pingpong", heads_per_program=1),
-                                  dict(schedule="pingpong", skip=1),
-                                  dict(schedule="pingpong", skip=2),
                                   dict(values="shared"),
-                                  dict(values="shared", stages=1, v_stages=2),
-                                  dict(schedule="overlap"),
-                                  dict(schedule="overlap", values="shared", stages=1,
-                                       v_stages=2),
-                                  dict(schedule="overlap", heads_per_program=1, stages=1)])
+                                  dict(values="shared", stages=1, v_stages=2),])
 def test_mosaic_lowers_for_cuda(idx, opts):
   shape = SHAPES[idx]
   q, hk, hv, bk, lens = _zeros(shape)
@@ -108,13 +100,10 @@ def test_mosaic_plan_rejects_bad_knobs():
   q, hk, hv, bk, _ = _zeros(SHAPES[1])
   for kw, match in ((dict(rope_math="bf16"), "rope_math"), (dict(layout="rows"), "layout"),
                     (dict(rope_math="f16"), "needs layout='halves'"),
-                    (dict(schedule="fa3"), "schedule must be"),
-                    (dict(schedule="pingpong", layout="halves"), "needs layout='pairs'"),
                     (dict(values="all"), "values must be"),
                     (dict(values="shared", heads_per_program=1), "values='shared' needs"),
                     (dict(values="shared", skip=1), "values='shared' needs"),
-                    (dict(schedule="overlap", skip=1), "skip ablations"),
-                    (dict(schedule="overlap", layout="halves"), "needs layout='pairs'"),
+                    (dict(values="shared", layout="halves"), "values='shared' needs"),
                     (dict(stages=0), "stages"), (dict(skip=3), "skip")):
     with pytest.raises(ValueError, match=match):
       ml.plan(q.shape, hk.shape, hv.shape, bk.shape, **kw)
@@ -224,18 +213,9 @@ def _close(out, ref, atol, rtol, what):
                                   dict(layout="halves", rope_math="f32"),
                                   dict(stages=2, v_stages=2, rope_math="f32"),
                                   dict(stages=1, v_stages=2),
-                                  dict(schedule="pingpong"),
-                                  dict(schedule="pingpong", heads_per_program=1),
-                                  dict(schedule="pingpong", stages=1, v_stages=2),
-                                  dict(schedule="pingpong", num_splits=3),
                                   dict(values="shared"),
                                   dict(values="shared", num_splits=3),
-                                  dict(values="shared", stages=1, v_stages=2),
-                                  dict(schedule="overlap"),
-                                  dict(schedule="overlap", num_splits=3, stages=1),
-                                  dict(schedule="overlap", values="shared", stages=1,
-                                       v_stages=2),
-                                  dict(schedule="overlap", heads_per_program=1, stages=1)])
+                                  dict(values="shared", stages=1, v_stages=2),])
 def test_mosaic_matches_reference(idx, opts):
   if not triton_backend.gpu_available():
     pytest.skip("needs a GPU")
