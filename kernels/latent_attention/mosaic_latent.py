@@ -34,7 +34,12 @@ per SM, so the split count balances waves (`splitk.wave_balanced_splits`).
 Measured (H200, one call per model, BENCHMARKS.md): 0.94-1.05x the best dense kernel at
 16K/64K and batch 8/32 (Llama-3 16K/B=8: 164.5 us against Triton's 316.1 us and dense
 156.5 us); the key path alone takes ~70% of that (latency-bound, see BENCHMARKS.md). Not
-the dispatcher's default.
+the dispatcher's default. Its tensor work alone is ~1.36 us per 64-token tile and CTA: the
+N = NP products run at 18-30% of the matmul rate (`experiments/bench_wgmma_shapes.py`), which
+is about the memory time. FA3-style ping-pong and issuing the next key product before the
+softmax were measured no faster (BENCHMARKS.md; removed after commit dae91b8).
+values="shared": the CTA's KV heads share one [T, hpp * NP] value product, each warpgroup
+taking rv / hpp rows (fewer narrow wgmmas; measured within the run-to-run spread).
 
 Choices (written down, as they differ from the Triton kernel where noted):
   * queries are pre-scaled by sm_scale * log2(e), rotated per tile in f32 and rounded to
