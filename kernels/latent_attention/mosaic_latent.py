@@ -195,19 +195,31 @@ def _kernel(p, q_ref, hk_ref, hv_ref, bk_ref, cos_ref, sin_ref, base_ref, len_re
         return s_ref[...]
       return pl.run_scoped(scores_p, plgpu.ACC((T, np_), jnp.float32))
 
-    def softmax(sc, t0, acc, m_i, l_t):
+    def softmax(sc, t0, m_i, l_t):
+      """Online softmax over the tile's tokens: (m_new, l_t, p, alpha = the rescale)."""
       sc = jnp.where(rows + t0 < end, sc, -jnp.inf)
       m_new = jnp.maximum(m_i, col_reduce("max", sc, red_s.at[w]))
       alpha = jnp.exp2(m_i - m_new)
       pr = jnp.exp2(sc - lax.broadcast_in_dim(m_new, (T, np_), [1]))
       l_t = l_t * lax.broadcast_in_dim(alpha, (T, np_), [1]) + pr
-      if shared:  # values="shared": exchanged with the other warpgroups in `shared_values`
-        return acc, m_new, l_t, pr, alpha
+      return m_new, l_t, pr, alpha
+
+    def own_values(i, acc, pr, alpha):
+      """values="per-head": o^T [rv, NP] += V^T [rv, T] @ p [T, NP] for this KV head."""
       acc = acc * lax.broadcast_in_dim(alpha, (rv, np_), [1])
-      if skip != 1:  # skip == 1: ablation (timing only), no value path
-        store_transposed(pr.astype(jnp.bfloat16), p_s.at[w])
-        plgpu.commit_smem()
-      return acc, m_new, l_t, None, None
+      if skip == 1:  # ablation (timing only), no value path
+        return acc
+      store_transposed(pr.astype(jnp.bfloat16), p_s.at[w])
+      plgpu.commit_smem()
+      vslot = lax.rem(i, v_stages)
+      plgpu.barrier_wait(v_bar.at[vslot])
+
+      def values(acc_ref):
+        plgpu.wgmma(acc_ref, plgpu.transpose_ref(v_s.at[vslot], (1, 0)),
+                    plgpu.transpose_ref(p_s.at[w], (1, 0)))
+      acc = pl.run_state(values)(plgpu.ACC.init(acc))
+      plgpu.barrier_arrive(v_free.at[vslot])
+      return acc
 
     def exchange(vec, k):
       """Every warpgroup's [NP] column vector -> all heads' [hpp * NP] (shared values), the
@@ -242,20 +254,16 @@ def _kernel(p, q_ref, hk_ref, hv_ref, bk_ref, cos_ref, sin_ref, base_ref, len_re
       plgpu.barrier_arrive(p_free)
       return acc
 
-    def value_mma(acc_ref, vslot):
-      plgpu.wgmma(acc_ref, plgpu.transpose_ref(v_s.at[vslot], (1, 0)),
-                  plgpu.transpose_ref(p_s.at[w], (1, 0)))
-
     def step(i, carry):
       acc, m_i, l_t = carry
       slot = lax.rem(i, stages)
       t0 = start + i * T
-      if skip == 2:  # ablation (timing only): no key path
-        sc = plgpu.layout_cast(jnp.zeros((T, np_), jnp.float32), wgmma_layout)
-      elif pairs:
+      if skip != 2:  # skip == 2: ablation (timing only), no key path
         rotate_queries(slot)
         plgpu.barrier_wait(l_bar.at[slot])
-
+      if skip == 2:
+        sc = plgpu.layout_cast(jnp.zeros((T, np_), jnp.float32), wgmma_layout)
+      elif pairs:
         def keys_p(k_ref):
           plgpu.wgmma(k_ref, l_s.at[slot], bk_s.at[w])
           return k_ref[...]
@@ -263,9 +271,6 @@ def _kernel(p, q_ref, hk_ref, hv_ref, bk_ref, cos_ref, sin_ref, base_ref, len_re
         plgpu.barrier_arrive(k_free.at[slot])
         sc = scores_pairs(kf)
       else:
-        rotate_queries(slot)
-        plgpu.barrier_wait(l_bar.at[slot])
-
         def keys(k1_ref, k2_ref):
           plgpu.wgmma(k1_ref, l_s.at[slot], bk_s.at[w, 0])
           plgpu.wgmma(k2_ref, l_s.at[slot], bk_s.at[w, 1])
@@ -288,14 +293,8 @@ def _kernel(p, q_ref, hk_ref, hv_ref, bk_ref, cos_ref, sin_ref, base_ref, len_re
           plgpu.wgmma(s_ref, r2, plgpu.transpose_ref(q_s.at[w, 1], (1, 0)))
           return s_ref[...]
         sc = pl.run_scoped(scores, plgpu.ACC((T, np_), jnp.float32))
-      acc, m_new, l_t, pr, alpha = softmax(sc, t0, acc, m_i, l_t)
-      if shared:
-        acc = shared_values(i, acc, pr, alpha)
-      elif skip != 1:
-        vslot = lax.rem(i, v_stages)
-        plgpu.barrier_wait(v_bar.at[vslot])
-        acc = pl.run_state(lambda a: value_mma(a, vslot))(plgpu.ACC.init(acc))
-        plgpu.barrier_arrive(v_free.at[vslot])
+      m_new, l_t, pr, alpha = softmax(sc, t0, m_i, l_t)
+      acc = (shared_values if shared else own_values)(i, acc, pr, alpha)
       return acc, m_new, l_t
 
     acc, m_i, l_t = lax.fori_loop(0, n_tiles, step, (acc, m_i, l_t))
@@ -438,8 +437,9 @@ def latent_attention_mosaic(q, hk, hv, b_k, lengths, inv_freq, *, k_bias=None, s
   Args (beyond the reference's): inv_freq [H/2] float32; heads_per_program (KV heads per
     CTA, one compute warpgroup each), stages (key-latent ring depth), v_stages (value
     ring depth; both None: the deepest that fit), num_splits, target_programs: launch
-    knobs; rope: optional precomputed `rope_tables(inv_freq, S)`; rope_math, layout: see
-    `plan`; values: "per-head" or "shared" (see `plan`); skip: timing ablation (1: no value path, 2: no key path; wrong output).
+    knobs; rope: optional precomputed `rope_tables(inv_freq, S)`; rope_math, layout, values
+    ("per-head" or "shared"): see `plan`; skip: timing ablation (1: no value path, 2: no
+    key path; wrong output).
   """
   if k_bias is not None:
     raise ValueError("mosaic latent attention: k_bias is not supported; use the triton "
@@ -462,11 +462,5 @@ def latent_attention_mosaic(q, hk, hv, b_k, lengths, inv_freq, *, k_bias=None, s
     cos, sin = jnp.stack([cos, sin], -1).reshape(T, h), jnp.zeros((1,), jnp.float16)
   o_t, lse_t = _call(p, query_operand(q, p, scale), hk.astype(jnp.bfloat16),
                      hv.astype(jnp.bfloat16), b_k, cos, sin, base, lengths.astype(jnp.int32))
-  if values == "shared":  # [KVH / hpp, P, rv, hpp, NP] -> [KVH, P, rv, NP]
-    kvh, hpp, np_ = o_t.shape[0] * p["hpp"], p["hpp"], p["np"]
-    o_t = o_t.reshape(kvh // hpp, p["num_splits"], p["rv"], hpp, np_).transpose(0, 3, 1, 2, 4)
-    o_t = o_t.reshape(kvh, p["num_splits"], p["rv"], np_)
-    lse_t = lse_t.reshape(kvh // hpp, p["num_splits"], hpp, np_).transpose(0, 2, 1, 3)
-    lse_t = lse_t.reshape(kvh, p["num_splits"], np_)
   o, lse = unpad_partials(o_t, lse_t, p)
   return splitk.combine_result(o, lse, out_dtype or q.dtype, return_partials)

@@ -162,9 +162,12 @@ def query_operand(q, p, scale):
 
 
 def unpad_partials(o_t, lse_t, p):
-  """Kernel partials [KVH, P, rv, NP], [KVH, P, NP] -> [B, N, P, rv], [B, N, P]."""
-  b, n, qpk, rv, ns = p["b"], p["n"], p["qpk"], p["rv"], p["num_splits"]
-  kvh = p["gr"] * p["g"]
-  o = o_t[..., :qpk].reshape(b, kvh, ns, rv, qpk).transpose(0, 1, 4, 2, 3)
-  lse = lse_t[..., :qpk].reshape(b, kvh, ns, qpk).transpose(0, 1, 3, 2)
+  """Kernel partials -> [B, N, P, rv], [B, N, P]. values="per-head": [KVH, P, rv, NP] and
+  [KVH, P, NP]; values="shared": per CTA (its hpp KV heads side by side in the columns)
+  [KVH / hpp, P, rv, hpp * NP] and [KVH / hpp, P, hpp * NP]."""
+  b, n, qpk, rv, ns, np_ = p["b"], p["n"], p["qpk"], p["rv"], p["num_splits"], p["np"]
+  hpp = p["hpp"] if p["values"] == "shared" else 1
+  kvc = p["gr"] * p["g"] // hpp  # per batch row: CTAs' head sets (per-head: KV heads)
+  o = o_t.reshape(b, kvc, ns, rv, hpp, np_)[..., :qpk].transpose(0, 1, 4, 5, 2, 3)
+  lse = lse_t.reshape(b, kvc, ns, hpp, np_)[..., :qpk].transpose(0, 1, 3, 4, 2)
   return o.reshape(b, n, ns, rv), lse.reshape(b, n, ns)

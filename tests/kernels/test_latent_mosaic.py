@@ -153,6 +153,29 @@ def test_mosaic_partial_layout_roundtrip():
   assert float(qt[0, 0, 0, qpk - 1]) > 0 and float(qt[0, 0, 0, qpk]) == 0.0
 
 
+def test_mosaic_shared_partial_layout():
+  """values="shared" partials (a CTA's KV heads side by side in the columns) unpad to the same
+  [B, N, P, rv] as the per-head layout holding the same numbers."""
+  shape = SHAPES[1]
+  q, hk, hv, bk, _ = _zeros(shape)
+  p = ml.plan(q.shape, hk.shape, hv.shape, bk.shape, num_splits=2)
+  ps = ml.plan(q.shape, hk.shape, hv.shape, bk.shape, num_splits=2, values="shared")
+  kvh, hpp, np_, rv = shape.batch * shape.n_kv_heads, ps["hpp"], ps["np"], shape.rv
+  o_t = jnp.arange(kvh * 2 * rv * np_, dtype=F32).reshape(kvh, 2, rv, np_)
+  lse_t = jnp.arange(kvh * 2 * np_, dtype=F32).reshape(kvh, 2, np_)
+  # CTA c, warpgroup w holds KV head c * hpp + w in columns [w NP, (w + 1) NP)
+  o_s = o_t.reshape(kvh // hpp, hpp, 2, rv, np_).transpose(0, 2, 3, 1, 4).reshape(
+      kvh // hpp, 2, rv, hpp * np_)
+  lse_s = lse_t.reshape(kvh // hpp, hpp, 2, np_).transpose(0, 2, 1, 3).reshape(
+      kvh // hpp, 2, hpp * np_)
+  want, want_lse = ml.unpad_partials(o_t, lse_t, p)
+  got, got_lse = ml.unpad_partials(o_s, lse_s, ps)
+  assert np.array_equal(np.asarray(got), np.asarray(want))
+  assert np.array_equal(np.asarray(got_lse), np.asarray(want_lse))
+  wrong, _ = ml.unpad_partials(o_s.reshape(o_t.shape), lse_s.reshape(lse_t.shape), p)
+  assert not np.array_equal(np.asarray(wrong), np.asarray(want))  # negative control
+
+
 def test_rope_tables_factor_the_rotation():
   """The kernel scores q . R(t) k as (R(t0)^T q) . (R(t - t0) k) with t0 the tile start: the
   tables must give the reference's rotation (float64 check at positions up to 4K)."""
