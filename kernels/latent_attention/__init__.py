@@ -64,7 +64,7 @@ def latent_attention(q, hk, hv, b_k, lengths, *, rope_theta=10000.0, inv_freq=No
     implementation: None | "reference" | "xla" | "triton" | "mosaic".
     **options: kernel knobs (triton: block_s, num_splits, absorb, num_warps, num_stages,
       poison; mosaic: heads_per_program, stages, v_stages, num_splits, target_programs,
-      rope_math, layout).
+      rope_math, layout, values, profile_dir, profile_space; see `latent_attention_mosaic`).
   """
   impl = resolve_implementation(implementation)
   if implementation not in (None, impl):

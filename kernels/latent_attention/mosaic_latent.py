@@ -31,15 +31,18 @@ Split-K partials o^T [rv, NP] and lse [NP] per (KV head, split) go to global mem
 the wrapper drops the padding and merges them with `splitk.combine_partials`. One CTA fits
 per SM, so the split count balances waves (`splitk.wave_balanced_splits`).
 
-Measured (H200, one call per model, BENCHMARKS.md): 0.94-1.05x the best dense kernel at
-16K/64K and batch 8/32 (Llama-3 16K/B=8: 164.5 us against Triton's 316.1 us and dense
-156.5 us); the key path alone takes ~70% of that (latency-bound, see BENCHMARKS.md). Not
-the dispatcher's default. Its tensor work alone is ~1.36 us per 64-token tile and CTA: the
-N = NP products run at 18-30% of the matmul rate (`experiments/bench_wgmma_shapes.py`), which
-is about the memory time. FA3-style ping-pong and issuing the next key product before the
-softmax were measured no faster (BENCHMARKS.md; removed after commit dae91b8).
-values="shared": the CTA's KV heads share one [T, hpp * NP] value product, each warpgroup
-taking rv / hpp rows (fewer narrow wgmmas; measured within the run-to-run spread).
+Measured (H200, interleaved A/B rounds, BENCHMARKS.md "eighth session"): 1.00-1.16x the
+cuDNN dense kernel at 16K/B=8 and 64K/B=32 (Llama-3 16K/B=8: 143.3 us, cuDNN 144.4 us), and
+0-8.6% faster than the sixth session's schedule (values="per-head", overlap="none"). The
+kernel's own profiler trace (`profile_dir`, `experiments/mosaic_trace.py`) shows a compute
+warpgroup busy ~3,700-4,000 cycles per tile: about half in its wgmmas (the N = NP products
+run at 18-30% of the matmul rate, `experiments/bench_wgmma_shapes.py`), half in RoPE,
+softmax and the query rotation, with little time waiting for data. FA3-style ping-pong
+was measured slower (removed after commit dae91b8).
+Defaults: values="shared" where it applies (the CTA's KV heads share one [T, hpp * NP]
+value product, each warpgroup taking rv / hpp rows: half the narrow wgmmas) and
+overlap="all" (the query rotation runs under the key product; the value product stays in
+flight until the next tile's key product retires it).
 
 Choices (written down, as they differ from the Triton kernel where noted):
   * queries are pre-scaled by sm_scale * log2(e), rotated per tile in f32 and rounded to
@@ -80,6 +83,8 @@ def _kernel(p, q_ref, hk_ref, hv_ref, bk_ref, cos_ref, sin_ref, base_ref, len_re
   hpp, hh, rv, gr, g, ns = p["hpp"], p["hh"], p["rv"], p["gr"], p["g"], p["num_splits"]
   stages, v_stages, skip, np_ = p["stages"], p["v_stages"], p["skip"], p["np"]
   rope_math, pairs = p["rope_math"], p["layout"] == "pairs"
+  early_q = p["overlap"] in ("queries", "all")  # query rotation under the key product
+  async_v = p["overlap"] == "all"  # value product in flight until the next key product
   shared = p["values"] == "shared"
   rvw = rv // hpp if shared else rv    # value-latent rows of this warpgroup's accumulator
   ncol = hpp * np_ if shared else np_  # its columns (shared: every head of the CTA)
@@ -161,7 +166,7 @@ def _kernel(p, q_ref, hk_ref, hv_ref, bk_ref, cos_ref, sin_ref, base_ref, len_re
     col_layout = wgmma_layout.reduce(0)
     m_i = plgpu.layout_cast(jnp.full((np_,), -jnp.inf, jnp.float32), col_layout)
     l_t = plgpu.layout_cast(jnp.zeros((T, np_), jnp.float32), wgmma_layout)
-    acc = plgpu.layout_cast(jnp.zeros((rvw, ncol), jnp.float32), wgmma_layout)
+    acc0 = plgpu.layout_cast(jnp.zeros((rvw, ncol), jnp.float32), wgmma_layout)
     rows = plgpu.broadcasted_iota(jnp.int32, (T, np_), 0, layout=wgmma_layout)
     rope_regs = None
     if rope_math == "f32-regs" and pairs:
@@ -188,12 +193,14 @@ def _kernel(p, q_ref, hk_ref, hv_ref, bk_ref, cos_ref, sin_ref, base_ref, len_re
       plgpu.commit_smem()
 
     def scores_pairs(kf):
-      r = rotate(kf, rope_regs if rope_math == "f32-regs" else cos_s[...])
+      with jax.named_scope("key_rope"):
+        r = rotate(kf, rope_regs if rope_math == "f32-regs" else cos_s[...])
 
       def scores_p(s_ref):
         plgpu.wgmma(s_ref, r, plgpu.transpose_ref(q_s.at[w], (1, 0)))
         return s_ref[...]
-      return pl.run_scoped(scores_p, plgpu.ACC((T, np_), jnp.float32))
+      with jax.named_scope("score_mma"):
+        return pl.run_scoped(scores_p, plgpu.ACC((T, np_), jnp.float32))
 
     def softmax(sc, t0, m_i, l_t):
       """Online softmax over the tile's tokens: (m_new, l_t, p, alpha = the rescale)."""
@@ -204,22 +211,37 @@ def _kernel(p, q_ref, hk_ref, hv_ref, bk_ref, cos_ref, sin_ref, base_ref, len_re
       l_t = l_t * lax.broadcast_in_dim(alpha, (T, np_), [1]) + pr
       return m_new, l_t, pr, alpha
 
-    def own_values(i, acc, pr, alpha):
-      """values="per-head": o^T [rv, NP] += V^T [rv, T] @ p [T, NP] for this KV head."""
-      acc = acc * lax.broadcast_in_dim(alpha, (rv, np_), [1])
-      if skip == 1:  # ablation (timing only), no value path
-        return acc
-      store_transposed(pr.astype(jnp.bfloat16), p_s.at[w])
-      plgpu.commit_smem()
-      vslot = lax.rem(i, v_stages)
-      plgpu.barrier_wait(v_bar.at[vslot])
-
-      def values(acc_ref):
-        plgpu.wgmma(acc_ref, plgpu.transpose_ref(v_s.at[vslot], (1, 0)),
-                    plgpu.transpose_ref(p_s.at[w], (1, 0)))
-      acc = pl.run_state(values)(plgpu.ACC.init(acc))
+    def retire_values(vslot):
+      """The value product reading ring slot vslot (and p^T) has retired: release both."""
+      if skip == 1:
+        return
       plgpu.barrier_arrive(v_free.at[vslot])
-      return acc
+      if shared:
+        plgpu.barrier_arrive(p_free)
+
+    def value_mma(acc_ref, vslot, v_tile, p_tile):
+      """o^T += V^T @ p into the accumulator ref. overlap="all": left in flight (retired by
+      the next tile's key product, as wgmma groups retire in order); else waited for here."""
+      with jax.named_scope("value_mma"):
+        plgpu.wgmma(acc_ref, plgpu.transpose_ref(v_tile, (1, 0)),
+                    plgpu.transpose_ref(p_tile, (1, 0)))
+        if not async_v:
+          plgpu.wgmma_wait(0)
+      if not async_v:
+        retire_values(vslot)
+
+    def own_values(i, acc_ref, pr, alpha):
+      """values="per-head": o^T [rv, NP] += V^T [rv, T] @ p [T, NP] for this KV head."""
+      acc_ref[...] = acc_ref[...] * lax.broadcast_in_dim(alpha, (rv, np_), [1])
+      if skip == 1:  # ablation (timing only), no value path
+        return
+      with jax.named_scope("p_store"):
+        store_transposed(pr.astype(jnp.bfloat16), p_s.at[w])
+        plgpu.commit_smem()
+      vslot = lax.rem(i, v_stages)
+      with jax.named_scope("wait_value"):
+        plgpu.barrier_wait(v_bar.at[vslot])
+      value_mma(acc_ref, vslot, v_s.at[vslot], p_s.at[w])
 
     def exchange(vec, k):
       """Every warpgroup's [NP] column vector -> all heads' [hpp * NP] (shared values), the
@@ -232,72 +254,89 @@ def _kernel(p, q_ref, hk_ref, hv_ref, bk_ref, cos_ref, sin_ref, base_ref, len_re
       plgpu.barrier_wait(x_bar)
       return plgpu.load(slot, (), layout=col_layout)
 
-    def shared_values(i, acc, pr, alpha):
+    def shared_values(i, acc_ref, pr, alpha):
       """values="shared": the CTA's KV heads share the value latent, so their probabilities
       form one [T, hpp * NP] operand and warpgroup w computes rows [w rv / hpp, (w + 1) rv /
       hpp) of o^T for all of them: hpp times fewer N = NP wgmmas per warpgroup (an N = 16
       product costs about what an N = 8 one does, `bench_wgmma_shapes.py`)."""
-      @pl.when(i > 0)
-      def _():
-        plgpu.barrier_wait(p_free)  # every warpgroup's value product of tile i - 1 is done
-      store_transposed(pr.astype(jnp.bfloat16), p_s.at[pl.ds(w * np_, np_)])
-      alphas = exchange(alpha, i)  # also publishes the p^T rows (commit + barrier)
-      acc = acc * lax.broadcast_in_dim(alphas, (rvw, ncol), [1])
+      with jax.named_scope("wait_p_free"):
+        @pl.when(i > 0)
+        def _():
+          plgpu.barrier_wait(p_free)  # every warpgroup's value product of tile i - 1 retired
+      with jax.named_scope("p_store"):
+        store_transposed(pr.astype(jnp.bfloat16), p_s.at[pl.ds(w * np_, np_)])
+      with jax.named_scope("exchange"):
+        alphas = exchange(alpha, i)  # also publishes the p^T rows (commit + barrier)
+      acc_ref[...] = acc_ref[...] * lax.broadcast_in_dim(alphas, (rvw, ncol), [1])
       vslot = lax.rem(i, v_stages)
-      plgpu.barrier_wait(v_bar.at[vslot])
+      with jax.named_scope("wait_value"):
+        plgpu.barrier_wait(v_bar.at[vslot])
+      value_mma(acc_ref, vslot, v_s.at[vslot, :, pl.ds(w * rvw, rvw)], p_s)
 
-      def values(acc_ref):
-        plgpu.wgmma(acc_ref, plgpu.transpose_ref(v_s.at[vslot, :, pl.ds(w * rvw, rvw)], (1, 0)),
-                    plgpu.transpose_ref(p_s, (1, 0)))
-      acc = pl.run_state(values)(plgpu.ACC.init(acc))
-      plgpu.barrier_arrive(v_free.at[vslot])
-      plgpu.barrier_arrive(p_free)
-      return acc
+    def key_product(slot, in_flight):
+      """The tile's key reconstruction (wgmma); in_flight() runs while it is in the tensor
+      pipe. Waiting for it also retires an earlier value product (groups retire in order)."""
+      def keys_p(k_ref):
+        plgpu.wgmma(k_ref, l_s.at[slot], bk_s.at[w])
+        in_flight()
+        return k_ref[...]
 
-    def step(i, carry):
-      acc, m_i, l_t = carry
+      def keys(k1_ref, k2_ref):
+        plgpu.wgmma(k1_ref, l_s.at[slot], bk_s.at[w, 0])
+        plgpu.wgmma(k2_ref, l_s.at[slot], bk_s.at[w, 1])
+        in_flight()
+        return k1_ref[...], k2_ref[...]
+      if pairs:
+        return pl.run_scoped(keys_p, plgpu.ACC((T, 2 * hh), jnp.float32))
+      return pl.run_scoped(keys, plgpu.ACC((T, hh), jnp.float32), plgpu.ACC((T, hh), jnp.float32))
+
+    def scores_halves(k1, k2):
+      if rope_math == "f16":
+        k1, k2 = k1.astype(jnp.float16), k2.astype(jnp.float16)
+        c, sn = (cos_s[...], sin_s[...])
+      elif rope_math == "f32-regs":
+        c, sn = rope_regs
+      else:
+        c, sn = cos_s[...].astype(jnp.float32), sin_s[...].astype(jnp.float32)
+      r1 = (k1 * c - k2 * sn).astype(jnp.float16)
+      r2 = (k2 * c + k1 * sn).astype(jnp.float16)
+
+      def scores(s_ref):
+        plgpu.wgmma(s_ref, r1, plgpu.transpose_ref(q_s.at[w, 0], (1, 0)))
+        plgpu.wgmma(s_ref, r2, plgpu.transpose_ref(q_s.at[w, 1], (1, 0)))
+        return s_ref[...]
+      return pl.run_scoped(scores, plgpu.ACC((T, np_), jnp.float32))
+
+    def step(i, carry, acc_ref):
+      m_i, l_t = carry
       slot = lax.rem(i, stages)
       t0 = start + i * T
-      if skip != 2:  # skip == 2: ablation (timing only), no key path
-        rotate_queries(slot)
-        plgpu.barrier_wait(l_bar.at[slot])
-      if skip == 2:
+      if skip == 2:  # ablation (timing only), no key path
+        plgpu.wgmma_wait(0)
         sc = plgpu.layout_cast(jnp.zeros((T, np_), jnp.float32), wgmma_layout)
-      elif pairs:
-        def keys_p(k_ref):
-          plgpu.wgmma(k_ref, l_s.at[slot], bk_s.at[w])
-          return k_ref[...]
-        kf = pl.run_scoped(keys_p, plgpu.ACC((T, 2 * hh), jnp.float32))
-        plgpu.barrier_arrive(k_free.at[slot])
-        sc = scores_pairs(kf)
       else:
-        def keys(k1_ref, k2_ref):
-          plgpu.wgmma(k1_ref, l_s.at[slot], bk_s.at[w, 0])
-          plgpu.wgmma(k2_ref, l_s.at[slot], bk_s.at[w, 1])
-          return k1_ref[...], k2_ref[...]
-        k1, k2 = pl.run_scoped(keys, plgpu.ACC((T, hh), jnp.float32),
-                               plgpu.ACC((T, hh), jnp.float32))
+        if not early_q:
+          with jax.named_scope("q_rotate"):
+            rotate_queries(slot)
+        with jax.named_scope("wait_latent"):
+          plgpu.barrier_wait(l_bar.at[slot])
+        with jax.named_scope("key_mma"):
+          kf = key_product(slot, functools.partial(rotate_queries, slot) if early_q
+                           else lambda: None)
         plgpu.barrier_arrive(k_free.at[slot])
-        if rope_math == "f16":
-          k1, k2 = k1.astype(jnp.float16), k2.astype(jnp.float16)
-          c, sn = (cos_s[...], sin_s[...])
-        elif rope_math == "f32-regs":
-          c, sn = rope_regs
-        else:
-          c, sn = cos_s[...].astype(jnp.float32), sin_s[...].astype(jnp.float32)
-        r1 = (k1 * c - k2 * sn).astype(jnp.float16)
-        r2 = (k2 * c + k1 * sn).astype(jnp.float16)
+        sc = scores_pairs(kf) if pairs else scores_halves(*kf)
+      if async_v:  # tile i - 1's value product retired with the key product (or the wait)
+        pl.when(i > 0)(functools.partial(retire_values, lax.rem(i + v_stages - 1, v_stages)))
+      with jax.named_scope("softmax"):
+        m_new, l_t, pr, alpha = softmax(sc, t0, m_i, l_t)
+      (shared_values if shared else own_values)(i, acc_ref, pr, alpha)
+      return m_new, l_t
 
-        def scores(s_ref):
-          plgpu.wgmma(s_ref, r1, plgpu.transpose_ref(q_s.at[w, 0], (1, 0)))
-          plgpu.wgmma(s_ref, r2, plgpu.transpose_ref(q_s.at[w, 1], (1, 0)))
-          return s_ref[...]
-        sc = pl.run_scoped(scores, plgpu.ACC((T, np_), jnp.float32))
-      m_new, l_t, pr, alpha = softmax(sc, t0, m_i, l_t)
-      acc = (shared_values if shared else own_values)(i, acc, pr, alpha)
-      return acc, m_new, l_t
-
-    acc, m_i, l_t = lax.fori_loop(0, n_tiles, step, (acc, m_i, l_t))
+    def run(acc_ref):
+      acc_ref[...] = acc0
+      m, l = lax.fori_loop(0, n_tiles, functools.partial(step, acc_ref=acc_ref), (m_i, l_t))
+      return acc_ref[...], m, l
+    acc, m_i, l_t = pl.run_scoped(run, plgpu.ACC((rvw, ncol), jnp.float32))
     l_i = col_reduce("add", l_t, red_s.at[w])
     has = l_i > 0
     l_safe = jnp.where(has, l_i, 1.0)
@@ -344,7 +383,8 @@ def _kernel(p, q_ref, hk_ref, hv_ref, bk_ref, cos_ref, sin_ref, base_ref, len_re
       if skip != 2:
         @pl.when(i + stages < n_tiles)
         def _():
-          plgpu.barrier_wait(k_free.at[slot])
+          with jax.named_scope("wait_key_slot"):
+            plgpu.barrier_wait(k_free.at[slot])
           load_keys(i + stages, slot)
 
       if skip != 1:
@@ -352,7 +392,8 @@ def _kernel(p, q_ref, hk_ref, hv_ref, bk_ref, cos_ref, sin_ref, base_ref, len_re
 
         @pl.when(i + v_stages < n_tiles)
         def _():
-          plgpu.barrier_wait(v_free.at[vslot])
+          with jax.named_scope("wait_value_slot"):
+            plgpu.barrier_wait(v_free.at[vslot])
           load_values(i + v_stages, vslot)
 
 
@@ -364,6 +405,10 @@ def _call(p, qt, hk, hv, bk, cos, sin, base, lengths):
   kvh = p["b"] * p["gr"] * p["g"]
   shared = p["values"] == "shared"
   ns = p["num_splits"]
+  # Pallas Mosaic GPU's profiler: per warpgroup, the clock at entry/exit of every named scope
+  # of the kernel (`jax.named_scope`), written as a Chrome trace to profile_dir per call.
+  profile = (dict(profile_space=p["profile_space"], profile_dir=p["profile_dir"])
+             if p["profile_dir"] else {})
 
   def sw(dt_bytes, minor_elems):
     swz = minor_elems * dt_bytes
@@ -423,23 +468,26 @@ def _call(p, qt, hk, hv, bk, cos, sin, base, lengths):
   return plgpu.kernel(
       entry, out_type=out_types, grid=p["grid"], grid_names=("p", "s"),
       num_threads=hpp + 1, thread_name="wg",
-      compiler_params=plgpu.CompilerParams(approx_math=True),
+      compiler_params=plgpu.CompilerParams(approx_math=True, **profile),
   )(qt, hk, hv, bk, cos, sin, base, lengths)
 
 
 def latent_attention_mosaic(q, hk, hv, b_k, lengths, inv_freq, *, k_bias=None, scale=None,
                             out_dtype=None, heads_per_program=2, stages=None, v_stages=None,
                             num_splits=None, target_programs=None, return_partials=False,
-                            rope=None, rope_math="f32-regs", layout="pairs", values="per-head",
-                            skip=0):
+                            rope=None, rope_math="f32-regs", layout="pairs", values=None,
+                            overlap="all", skip=0, profile_dir=None, profile_space=2048):
   """Fused Palu decode attention (Mosaic GPU); same contract as the reference.
 
   Args (beyond the reference's): inv_freq [H/2] float32; heads_per_program (KV heads per
     CTA, one compute warpgroup each), stages (key-latent ring depth), v_stages (value
     ring depth; both None: the deepest that fit), num_splits, target_programs: launch
     knobs; rope: optional precomputed `rope_tables(inv_freq, S)`; rope_math, layout, values
-    ("per-head" or "shared"): see `plan`; skip: timing ablation (1: no value path, 2: no
-    key path; wrong output).
+    ("per-head" or "shared"), overlap: see `plan`; skip: timing ablation (1: no value path, 2: no
+    key path; wrong output); profile_dir: if given, every call writes a per-warpgroup trace
+    of the kernel's named phases there (Pallas Mosaic GPU profiler, `profile_space` ranges
+    per warpgroup, kept in shared memory: the rings may get shallower; summarised by
+    `experiments/mosaic_trace.py`).
   """
   if k_bias is not None:
     raise ValueError("mosaic latent attention: k_bias is not supported; use the triton "
@@ -453,7 +501,8 @@ def latent_attention_mosaic(q, hk, hv, b_k, lengths, inv_freq, *, k_bias=None, s
   p = plan(q.shape, hk.shape, hv.shape, b_k.shape, heads_per_program=heads_per_program,
            stages=stages, v_stages=v_stages, num_splits=num_splits,
            target_programs=target_programs, rope_math=rope_math, layout=layout,
-           values=values, skip=skip)
+           values=values, overlap=overlap, skip=skip, profile_space=profile_space if profile_dir else 0)
+  p["profile_dir"] = profile_dir
   cos, sin, base = rope_tables(inv_freq, p["s"]) if rope is None else rope
   b_k = b_k.astype(jnp.bfloat16)
   if layout == "pairs":  # column d of each RoPE half -> 2d (first half), 2d + 1 (second)

@@ -69,7 +69,12 @@ def _fits(shape, opts):
                                   dict(layout="halves", rope_math="f32"),
                                   dict(layout="pairs", stages=1, v_stages=2, rope_math="f32"),
                                   dict(values="shared"),
-                                  dict(values="shared", stages=1, v_stages=2),])
+                                  dict(values="shared", stages=1, v_stages=2),
+                                  dict(overlap="all"), dict(overlap="all", values="shared"),
+                                  dict(overlap="queries"),
+                                  dict(overlap="all", layout="halves", rope_math="f16"),
+                                  dict(overlap="all", skip=2),
+                                  dict(values="per-head", overlap="none")])
 def test_mosaic_lowers_for_cuda(idx, opts):
   shape = SHAPES[idx]
   q, hk, hv, bk, lens = _zeros(shape)
@@ -104,7 +109,8 @@ def test_mosaic_plan_rejects_bad_knobs():
                     (dict(values="shared", heads_per_program=1), "values='shared' needs"),
                     (dict(values="shared", skip=1), "values='shared' needs"),
                     (dict(values="shared", layout="halves"), "values='shared' needs"),
-                    (dict(stages=0), "stages"), (dict(skip=3), "skip")):
+                    (dict(stages=0), "stages"), (dict(skip=3), "skip"),
+                    (dict(overlap=True), "overlap must be")):
     with pytest.raises(ValueError, match=match):
       ml.plan(q.shape, hk.shape, hv.shape, bk.shape, **kw)
 
@@ -113,6 +119,9 @@ def test_mosaic_plan_picks_the_deepest_rings_that_fit():
   q, hk, hv, bk, _ = _zeros(SHAPES[1])  # Palu's 50% setting: rk 128, rv 384, 2 heads per CTA
   p = ml.plan(q.shape, hk.shape, hv.shape, bk.shape)
   assert (p["stages"], p["v_stages"], p["layout"], p["rope_math"]) == (2, 2, "pairs", "f32-regs")
+  assert (p["values"], p["overlap"]) == ("shared", "all")  # the measured-fastest defaults
+  for kw in (dict(heads_per_program=1), dict(layout="halves"), dict(skip=1)):  # not shareable
+    assert ml.plan(q.shape, hk.shape, hv.shape, bk.shape, **kw)["values"] == "per-head", kw
   p = ml.plan(q.shape, hk.shape, hv.shape, bk.shape, v_stages=1)
   assert (p["stages"], p["v_stages"]) == (2, 1)
   import dataclasses  # pylint: disable=import-outside-toplevel
@@ -158,7 +167,7 @@ def test_mosaic_shared_partial_layout():
   [B, N, P, rv] as the per-head layout holding the same numbers."""
   shape = SHAPES[1]
   q, hk, hv, bk, _ = _zeros(shape)
-  p = ml.plan(q.shape, hk.shape, hv.shape, bk.shape, num_splits=2)
+  p = ml.plan(q.shape, hk.shape, hv.shape, bk.shape, num_splits=2, values="per-head")
   ps = ml.plan(q.shape, hk.shape, hv.shape, bk.shape, num_splits=2, values="shared")
   kvh, hpp, np_, rv = shape.batch * shape.n_kv_heads, ps["hpp"], ps["np"], shape.rv
   o_t = jnp.arange(kvh * 2 * rv * np_, dtype=F32).reshape(kvh, 2, rv, np_)
@@ -238,7 +247,16 @@ def _close(out, ref, atol, rtol, what):
                                   dict(stages=1, v_stages=2),
                                   dict(values="shared"),
                                   dict(values="shared", num_splits=3),
-                                  dict(values="shared", stages=1, v_stages=2),])
+                                  dict(values="shared", stages=1, v_stages=2),
+                                  dict(overlap="all"), dict(overlap="all", num_splits=3),
+                                  dict(overlap="queries"),
+                                  dict(overlap="queries", values="shared", num_splits=3),
+                                  dict(overlap="all", stages=1, v_stages=1),
+                                  dict(overlap="all", values="shared"),
+                                  dict(overlap="all", values="shared", stages=1, v_stages=1),
+                                  dict(overlap="all", layout="halves", rope_math="f16"),
+                                  dict(values="per-head", overlap="none"),
+                                  dict(values="per-head", overlap="all", num_splits=3)])
 def test_mosaic_matches_reference(idx, opts):
   if not triton_backend.gpu_available():
     pytest.skip("needs a GPU")
@@ -270,3 +288,28 @@ def test_mosaic_negative_control():
   out, _ = ml.latent_attention_mosaic(q, bad_hk, hv, b_k, lens, inv, out_dtype=F32)
   with pytest.raises(AssertionError):
     _close(out, ref, 2e-2, 2e-2, "corrupted latent")
+
+
+@pytest.mark.gpu
+def test_mosaic_profile_trace(tmp_path):
+  """profile_dir: the output is unchanged and the trace names the kernel's phases."""
+  if not triton_backend.gpu_available():
+    pytest.skip("needs a GPU")
+  import importlib.util  # pylint: disable=import-outside-toplevel
+  import pathlib  # pylint: disable=import-outside-toplevel
+  path = pathlib.Path(__file__).resolve().parents[2] / "experiments" / "mosaic_trace.py"
+  spec = importlib.util.spec_from_file_location("mosaic_trace", path)
+  mosaic_trace = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(mosaic_trace)
+  shape, (q, hk, hv, b_k, _, lens) = _case(1, 760)
+  inv = rope_inv_freq(shape.head_dim)
+  ref, _ = latent_attention_reference(q, hk, hv, b_k, lens, out_dtype=F32)
+  out, _ = ml.latent_attention_mosaic(q, hk, hv, b_k, lens, inv, out_dtype=F32,
+                                      profile_dir=str(tmp_path), profile_space=64)
+  _close(out, ref, 2e-2, 2e-2, "profiled kernel")
+  traces = sorted(tmp_path.glob("*-trace.json"))
+  assert traces, "no trace written"
+  summary = mosaic_trace.summarize(str(traces[-1]), 3, ["compute", "compute", "producer"])
+  for scope in ("key_mma", "key_rope", "score_mma", "softmax", "value_mma"):
+    assert summary["compute"]["scopes"][scope]["calls_per_wg"] >= 1, scope
+  assert "wait_key_slot" not in summary["compute"]["scopes"]
