@@ -103,8 +103,9 @@ def main():
   if args.out:
     with open(args.out, "w") as f:
       json.dump(dict(device=jax.devices()[0].device_kind, jax=jax.__version__,
-                     date=datetime.date.today().isoformat(), model=args.model, context=args.context, batch=args.batch,
-                     rounds=args.rounds, results=res), f, indent=1)
+                     date=datetime.date.today().isoformat(), model=args.model,
+                     context=args.context, batch=args.batch, rounds=args.rounds, results=res),
+                f, indent=1)
 
 
 if __name__ == "__main__":

@@ -81,6 +81,8 @@ def main():
   print(f"{args.family} {args.model} S={args.context} B={args.batch} {opts}: "
         f"median {times[len(times) // 2] * 1e6:.1f} us over {args.calls} calls (first incl. compile)")
   if args.trace_dir:
+    print("(with --trace_dir each call also copies and writes its trace: that time is not the "
+          "kernel's)")
     traces = sorted(f for f in os.listdir(args.trace_dir) if f.endswith("-trace.json"))
     if not traces:
       raise RuntimeError(f"no *-trace.json written to {args.trace_dir}")

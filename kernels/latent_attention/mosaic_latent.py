@@ -501,7 +501,8 @@ def latent_attention_mosaic(q, hk, hv, b_k, lengths, inv_freq, *, k_bias=None, s
   p = plan(q.shape, hk.shape, hv.shape, b_k.shape, heads_per_program=heads_per_program,
            stages=stages, v_stages=v_stages, num_splits=num_splits,
            target_programs=target_programs, rope_math=rope_math, layout=layout,
-           values=values, overlap=overlap, skip=skip, profile_space=profile_space if profile_dir else 0)
+           values=values, overlap=overlap, skip=skip,
+           profile_space=profile_space if profile_dir else 0)
   p["profile_dir"] = profile_dir
   cos, sin, base = rope_tables(inv_freq, p["s"]) if rope is None else rope
   b_k = b_k.astype(jnp.bfloat16)
