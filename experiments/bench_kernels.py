@@ -340,8 +340,8 @@ DEFAULT_OPTIONS = {
 
 # Variants of the Mosaic GPU Palu kernel timed with --ablate (16K, B=8): the default is
 # layout="pairs", rope_math="f32-regs", the deepest rings that fit (2 key / 2 value stages),
-# values="shared" where it applies and overlap="all" (the first variant below with both
-# skips removed is the sixth/seventh sessions' default).
+# values="shared" where it applies and overlap="all". The third variant below is the sixth and
+# seventh sessions' default.
 MOSAIC_ABLATIONS = [dict(skip=1), dict(skip=2), dict(values="per-head", overlap="none"),
                     dict(overlap="none"), dict(values="per-head"), dict(overlap="queries")]
 

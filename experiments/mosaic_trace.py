@@ -53,9 +53,9 @@ def summarize(path, warpgroups, roles):
         covered += cyc - begin
     if stack:
       raise ValueError(f"{path}: scope {stack[-1][0]!r} of trace {tid} never ends")
-    span[role] += (evs[-1]["ts"] - evs[0]["ts"]) * 1e3
-    total[role]["(outside scopes)"] += (evs[-1]["ts"] - evs[0]["ts"]) * 1e3 - covered
-    calls[role]["(outside scopes)"] += 0
+    wg_span = (evs[-1]["ts"] - evs[0]["ts"]) * 1e3
+    span[role] += wg_span
+    total[role]["(outside scopes)"] += wg_span - covered
   out = {}
   for role, names in total.items():
     rows = {}

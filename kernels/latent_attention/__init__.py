@@ -10,7 +10,7 @@ Implementations:
   "triton"     the fused kernel in `triton_latent` (all latent formats);
   "mosaic"     the warp-specialised Pallas Mosaic GPU kernel in `mosaic_latent`
                (Hopper; bf16 latents, H = 128, ranks multiple of 64, no key bias;
-               0.94-1.05x dense on an H200 against Triton's 0.50-0.80x, BENCHMARKS.md).
+               1.00-1.16x cuDNN dense on an H200, BENCHMARKS.md).
 None picks "triton" on a GPU with jax-triton, else "reference".
 """
 
@@ -64,7 +64,8 @@ def latent_attention(q, hk, hv, b_k, lengths, *, rope_theta=10000.0, inv_freq=No
     implementation: None | "reference" | "xla" | "triton" | "mosaic".
     **options: kernel knobs (triton: block_s, num_splits, absorb, num_warps, num_stages,
       poison; mosaic: heads_per_program, stages, v_stages, num_splits, target_programs,
-      rope_math, layout, values, profile_dir, profile_space; see `latent_attention_mosaic`).
+      rope_math, layout, values, overlap, profile_dir, profile_space; see
+      `latent_attention_mosaic`).
   """
   impl = resolve_implementation(implementation)
   if implementation not in (None, impl):

@@ -291,21 +291,23 @@ def _kernel(p, q_ref, hk_ref, hv_ref, bk_ref, cos_ref, sin_ref, base_ref, len_re
       return pl.run_scoped(keys, plgpu.ACC((T, hh), jnp.float32), plgpu.ACC((T, hh), jnp.float32))
 
     def scores_halves(k1, k2):
-      if rope_math == "f16":
-        k1, k2 = k1.astype(jnp.float16), k2.astype(jnp.float16)
-        c, sn = (cos_s[...], sin_s[...])
-      elif rope_math == "f32-regs":
-        c, sn = rope_regs
-      else:
-        c, sn = cos_s[...].astype(jnp.float32), sin_s[...].astype(jnp.float32)
-      r1 = (k1 * c - k2 * sn).astype(jnp.float16)
-      r2 = (k2 * c + k1 * sn).astype(jnp.float16)
+      with jax.named_scope("key_rope"):
+        if rope_math == "f16":
+          k1, k2 = k1.astype(jnp.float16), k2.astype(jnp.float16)
+          c, sn = (cos_s[...], sin_s[...])
+        elif rope_math == "f32-regs":
+          c, sn = rope_regs
+        else:
+          c, sn = cos_s[...].astype(jnp.float32), sin_s[...].astype(jnp.float32)
+        r1 = (k1 * c - k2 * sn).astype(jnp.float16)
+        r2 = (k2 * c + k1 * sn).astype(jnp.float16)
 
       def scores(s_ref):
         plgpu.wgmma(s_ref, r1, plgpu.transpose_ref(q_s.at[w, 0], (1, 0)))
         plgpu.wgmma(s_ref, r2, plgpu.transpose_ref(q_s.at[w, 1], (1, 0)))
         return s_ref[...]
-      return pl.run_scoped(scores, plgpu.ACC((T, np_), jnp.float32))
+      with jax.named_scope("score_mma"):
+        return pl.run_scoped(scores, plgpu.ACC((T, np_), jnp.float32))
 
     def step(i, carry, acc_ref):
       m_i, l_t = carry
