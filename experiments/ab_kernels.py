@@ -1,4 +1,4 @@
-"""Interleaved A/B timing of Palu Mosaic kernel variants (and the dense cuDNN kernel).
+"""Interleaved A/B timing of Mosaic kernel variants (Palu or KIVI; and the dense cuDNN kernel).
 
 The device machines drift by 10-45% within one call (BENCHMARKS.md), so timing variant A
 for a minute and then variant B compares machine states, not kernels. Here every round
@@ -9,6 +9,9 @@ cancel the drift that the rounds share.
 
   python experiments/ab_kernels.py --model llama3-8b --context 16384 --batch 8 \
       --variants '[{}, {"overlap": true}]' --rounds 30 --out ab.json
+  python experiments/ab_kernels.py --family kivi --variants '[{}, {"warpgroups": 3}]'
+(--family kivi: Mosaic KIVI-2bit option dicts, plus the Triton KIVI kernel at its
+`bench_kernels` default options.)
 """
 
 from __future__ import annotations
@@ -45,20 +48,33 @@ def _executable(op, args, chain_s=10e-3, max_chain=64):
   return (lambda: f(*args)), n
 
 
-def ab(model, s, b, variants, rounds, dense=True, fixed_cost=False):
+def _family_runs(family, model, s, b, key, variants):
+  """[(label, op, args)] of the variants (first variant first)."""
+  m = bk.MODELS[model]
+  if family == "palu":
+    inp, _ = bk.palu_inputs(m, s, b, key, 16)
+    return [("palu-mosaic:" + (",".join(f"{k}={v}" for k, v in o.items()) or "default"),
+             *bk.palu_fn(inp, o, "mosaic")) for o in variants]
+  inp = bk.kivi_inputs(m, s, b, key)
+  runs = [("kivi-mosaic:" + (",".join(f"{k}={v}" for k, v in o.items()) or "default"),
+           *bk.kivi_mosaic_fn(inp, o)) for o in variants]
+  return runs + [("kivi-triton", *bk.kivi_fn(inp, bk.DEFAULT_OPTIONS[model]["kivi"]))]
+
+
+def ab(model, s, b, variants, rounds, dense=True, fixed_cost=False, family="palu"):
   """{label: dict(us=[per round], median_us, p10_us, p90_us, ratio_to_first)}. fixed_cost:
   also the first variant with every sequence 1 token long (launch, per-CTA set-up, split-K
   combine and the XLA ops around the kernel: the cost that does not scale with the cache)."""
   m = bk.MODELS[model]
   key = jax.random.key(s * 131 + b)
   runs = {}
-  inp, _ = bk.palu_inputs(m, s, b, key, 16)
-  for opts in variants:
-    label = "palu-mosaic:" + (",".join(f"{k}={v}" for k, v in opts.items()) or "default")
-    runs[label] = _executable(*bk.palu_fn(inp, opts, "mosaic"))
-  if fixed_cost:
-    op, args = bk.palu_fn(inp, variants[0], "mosaic")
-    runs["first variant, length 1"] = _executable(op, (*args[:-1], args[-1] * 0 + 1))
+  fam = _family_runs(family, model, s, b, key, variants)
+  for label, op, args in fam:
+    runs[label] = _executable(op, args)
+  if fixed_cost:  # every length argument (int32 [B]) set to 1
+    _, op, args = fam[0]
+    ones = tuple(a * 0 + 1 if getattr(a, "dtype", None) == jax.numpy.int32 else a for a in args)
+    runs["first variant, length 1"] = _executable(op, ones)
   if dense:
     d = bk.dense_fns(bk.dense_inputs(m, s, b, key), {})["dense-cudnn"]
     runs["dense-cudnn"] = _executable(*d)
@@ -83,6 +99,7 @@ def main():
   ap.add_argument("--model", default="llama3-8b", choices=sorted(bk.MODELS))
   ap.add_argument("--context", type=int, default=16384)
   ap.add_argument("--batch", type=int, default=8)
+  ap.add_argument("--family", default="palu", choices=("palu", "kivi"))
   ap.add_argument("--variants", required=True, help="JSON list of Mosaic kernel option dicts")
   ap.add_argument("--rounds", type=int, default=30)
   ap.add_argument("--fixed_cost", action="store_true",
@@ -93,7 +110,7 @@ def main():
   if not isinstance(variants, list) or not all(isinstance(v, dict) for v in variants):
     raise ValueError(f"--variants must be a JSON list of option dicts, got {args.variants!r}")
   res = ab(args.model, args.context, args.batch, variants, args.rounds,
-           fixed_cost=args.fixed_cost)
+           fixed_cost=args.fixed_cost, family=args.family)
   print(f"{args.model} S={args.context} B={args.batch}, {args.rounds} interleaved rounds")
   print("| variant | median µs | p10-p90 µs | ratio to the first (median of rounds) |")
   print("|---|---|---|---|")
@@ -104,7 +121,8 @@ def main():
     with open(args.out, "w") as f:
       json.dump(dict(device=jax.devices()[0].device_kind, jax=jax.__version__,
                      date=datetime.date.today().isoformat(), model=args.model,
-                     context=args.context, batch=args.batch, rounds=args.rounds, results=res),
+                     family=args.family, context=args.context, batch=args.batch,
+                     rounds=args.rounds, results=res),
                 f, indent=1)
 
 

@@ -5,7 +5,9 @@
 Implementations: "reference" (jnp float32, runs anywhere; prefill uses it or
 dense attention on the unquantized prompt), "xla" (dequantize to bf16 + XLA
 dense attention per segment), "triton" (`triton_kivi`, dequantization fused;
-planar codes, see `packing`).
+planar codes, see `packing`), "mosaic" (`mosaic_kivi`, Pallas Mosaic GPU, 2-bit with groups
+of 32: planar inputs are first relaid out with `mosaic_layout.to_mosaic`, a pass over the
+cache per call; a cache stored in that layout calls `mosaic_kivi.kivi_attention_mosaic`).
 None picks "triton" on a GPU with jax-triton, else "reference".
 """
 
@@ -22,13 +24,13 @@ from .packing import (KiviKeys, KiviValues, dequantize_keys, dequantize_values, 
                       quantize_keys, quantize_values)
 from .reference import check_shapes, kivi_attention_reference
 
-IMPLEMENTATIONS = ("reference", "xla", "triton")
+IMPLEMENTATIONS = ("reference", "xla", "triton", "mosaic")
 
 
 def resolve_implementation(implementation=None) -> str:
   """The implementation that `kivi_attention` will run for this request."""
   return triton_backend.resolve(implementation, known=IMPLEMENTATIONS, default_gpu="triton",
-                                needs_gpu=("triton",), needs_triton=("triton",),
+                                needs_gpu=("triton", "mosaic"), needs_triton=("triton",),
                                 op="kivi_attention")
 
 
@@ -37,9 +39,11 @@ def kivi_attention(q, keys: KiviKeys, values: KiviValues, k_win, v_win, q_len, w
   """KIVI decode attention; see `reference.kivi_attention_reference` for Args/Returns.
 
   Args:
-    implementation: None | "reference" | "xla" | "triton".
+    implementation: None | "reference" | "xla" | "triton" | "mosaic".
     **options: triton knobs (block_s, block_w, num_splits, target_programs, num_warps,
-      num_stages, min_rows, poison, skip, fast; see `triton_kivi.kivi_attention_triton`).
+      num_stages, min_rows, poison, skip, fast; see `triton_kivi.kivi_attention_triton`);
+      mosaic knobs (warpgroups, stages, num_splits, window_implementation; see
+      `mosaic_kivi.kivi_attention_mosaic`).
   """
   impl = resolve_implementation(implementation)
   if implementation not in (None, impl):
@@ -56,6 +60,11 @@ def kivi_attention(q, keys: KiviKeys, values: KiviValues, k_win, v_win, q_len, w
     o2, l2 = decode_attention_xla(q, k_win, v_win, w_len, scale=scale, out_dtype=jnp.float32)
     return combine_partials(jnp.stack([o1, o2], -2), jnp.stack([l1, l2], -1),
                             out_dtype or q.dtype)
+  if impl == "mosaic":
+    from .mosaic_kivi import kivi_attention_mosaic  # pylint: disable=import-outside-toplevel
+    from .mosaic_layout import to_mosaic  # pylint: disable=import-outside-toplevel
+    return kivi_attention_mosaic(q, to_mosaic(keys, values), k_win, v_win, q_len, w_len,
+                                 scale=scale, out_dtype=out_dtype, **options)
   from .triton_kivi import kivi_attention_triton  # pylint: disable=import-outside-toplevel
   return kivi_attention_triton(q, keys, values, k_win, v_win, q_len, w_len, scale=scale,
                                out_dtype=out_dtype, **options)

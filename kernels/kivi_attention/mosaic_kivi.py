@@ -1,0 +1,308 @@
+"""KIVI-2bit decode attention in Pallas Mosaic GPU (Hopper: TMA rings, wgmma, warp roles).
+
+Why a second backend next to `triton_kivi`: that kernel is bound by instructions, not bytes
+(493 SASS instructions per warp per 32-token tile, BENCHMARKS.md): its codes are unpacked
+into Triton's MMA layout with byte shuffles and every 32-token tile repeats address
+arithmetic. Here the cache is stored in the A-fragment order of the wgmma operands
+(`mosaic_layout`, a lossless relayout of the planar cache), so a thread turns its 16 bytes
+of codes into 64 fp16/bf16 elements with one mask-and-or and two packed FMAs per pair
+(`mosaic_dequant`) and no shuffles.
+
+Grid (B * K, num_splits); a CTA streams one (batch, KV head)'s chunk of 128-token blocks:
+  * warpgroup W (producer): TMA copies of each block's key codes, key scales, value codes
+    and value scales into a `stages`-slot ring (one barrier per array and slot); a slot is
+    reloaded once its consumer released it;
+  * warpgroup w < W takes blocks w, w + W, ... (so stages % W == 0 keeps a slot's consumer
+    fixed) with its own online-softmax state:
+      s [64, NP] = dequant(K codes of tokens 64 m ..) @ q^T     m = 0, 1 (A in registers)
+      p = exp2(s * scale log2 e - m), p^T -> shared memory (the B operand)
+      o^T [64, NP] += dequant(V^T codes of channels 64 m ..) @ p  m = 0, 1
+    The value products stay in flight until the next block's key products retire them
+    (wgmma groups retire in order); the slot is released as soon as the value operands are
+    in registers. Each warpgroup writes its own split-K partial (o, lse); the wrapper merges
+    them with the exact window's partial (`decode_attention`, bf16) in one LSE combine.
+NP = the KV head's query heads, zero-padded to 8 or 16 (the N of every product).
+
+Choices: q enters the score product unscaled (in the scales' 16-bit type) and the scores
+are scaled in f32, as in the Triton kernel; p is rounded to the scales' type for the value
+product; dequantized elements are rounded once (c * s + z in fp16/bf16, c exact);
+tokens in [length, capacity) are read and masked to -inf (they must be finite: caches
+are zero-initialised). Restrictions: `mosaic_layout` (2-bit, groups of 32, H = 128,
+capacity a multiple of 128), QPK <= 16.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from ..decode_attention import splitk
+from ..decode_attention.xla import decode_attention_xla
+from ..latent_attention import mosaic_fragments as frag
+from ..latent_attention.mosaic_plan import RED_PER_COL, SMEM_LIMIT, _num_sms, query_columns
+from . import mosaic_dequant
+from .mosaic_layout import BLOCK, HEAD_DIM, KiviMosaic
+
+T = 64  # rows of one m64 product (tokens of a key sub-operand, channels of a value one)
+LOG2E = 1.4426950408889634
+
+
+def _smem_bytes(w, stages, np_):
+  kib = lambda n: -(-n // 1024) * 1024
+  slot = 2 * (256 * 4 * 4) + 2 * (128 * 8 * 2)   # codes + scales of keys and values
+  return (stages * slot + kib(np_ * HEAD_DIM * 2) + kib(w * np_ * BLOCK * 2)
+          + kib(w * RED_PER_COL * np_ * 4) + 512)
+
+
+def plan(q_shape, cache_shape, *, warpgroups=2, stages=None, num_splits=None):
+  """Launch geometry (dict) with ValueErrors naming the bad argument."""
+  b, n, h = q_shape
+  cb, kh, nb = cache_shape[:3]
+  if h != HEAD_DIM:
+    raise ValueError(f"mosaic KIVI: head dim must be {HEAD_DIM}, got q.shape={q_shape}")
+  if cb != b:
+    raise ValueError(f"mosaic KIVI: cache batch {cb} != q batch {b}")
+  if n % kh:
+    raise ValueError(f"mosaic KIVI: query heads ({n}) must be a multiple of KV heads ({kh})")
+  qpk = n // kh
+  if qpk > 16:
+    raise ValueError(f"mosaic KIVI: at most 16 query heads per KV head, got {qpk}")
+  if warpgroups not in (1, 2, 3):
+    raise ValueError(f"mosaic KIVI: warpgroups must be 1, 2 or 3, got {warpgroups}")
+  np_ = query_columns(qpk)
+  if stages is None:
+    stages = warpgroups
+    while (_smem_bytes(warpgroups, stages + warpgroups, np_) <= SMEM_LIMIT
+           and stages + warpgroups <= 4 * warpgroups):
+      stages += warpgroups
+  if stages < 1 or stages % warpgroups:
+    raise ValueError(f"mosaic KIVI: stages ({stages}) must be a positive multiple of "
+                     f"warpgroups ({warpgroups})")
+  if _smem_bytes(warpgroups, stages, np_) > SMEM_LIMIT:
+    raise ValueError(f"mosaic KIVI: {stages} stages need {_smem_bytes(warpgroups, stages, np_)}"
+                     f" bytes of shared memory, over {SMEM_LIMIT}")
+  if num_splits is None:
+    num_splits = splitk.wave_balanced_splits(b * kh, nb * BLOCK, BLOCK, _num_sms(),
+                                             min_tiles=2 * warpgroups)
+  num_splits = max(1, min(int(num_splits), nb))
+  regs = min(232, (512 - 40) // warpgroups // 8 * 8)
+  return dict(b=b, n=n, kh=kh, qpk=qpk, np=np_, nb=nb, w=warpgroups, stages=stages,
+              num_splits=num_splits, regs=regs, grid=(b * kh, num_splits))
+
+
+def _kernel(p, dtype, sm_scale, q_ref, kc_ref, ks_ref, vc_ref, vs_ref, len_ref, o_ref,
+            lse_ref, smem, bars):
+  import jax.experimental.pallas as pl  # pylint: disable=import-outside-toplevel
+  import jax.experimental.pallas.mosaic_gpu as plgpu  # pylint: disable=import-outside-toplevel
+  nw, stages, np_, ns, kh = p["w"], p["stages"], p["np"], p["num_splits"], p["kh"]
+  q_s, kc_s, ks_s, vc_s, vs_s, p_s, red_s = smem
+  q_bar, kc_bar, ks_bar, vc_bar, vs_bar, free = bars
+  wgmma_layout = plgpu.Layout.WGMMA
+  col_layout = wgmma_layout.reduce(0)
+  jdt = jnp.float16 if dtype == "float16" else jnp.bfloat16
+  pid = lax.axis_index("p")
+  sid = lax.axis_index("s")
+  wg = lax.axis_index("wg")
+  b, head = pid // kh, pid % kh
+  length = len_ref[b]
+  chunk = ((length + ns - 1) // ns + BLOCK - 1) // BLOCK * BLOCK
+  start = sid * chunk
+  end = jnp.minimum(start + chunk, length)
+  n_blocks = jnp.maximum(end - start + BLOCK - 1, 0) // BLOCK
+
+  def dequant(codes, scales, m):
+    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.RefType()),
+                       return_type=plgpu.ShapeDtypeStruct((T, HEAD_DIM), jdt,
+                                                          layout=wgmma_layout))
+    def f(_, c_ref, s_ref):
+      return mosaic_dequant.dequant_operand(c_ref, s_ref, m, dtype)
+    return f(codes, scales)
+
+  def col_reduce(op, x, scratch):
+    """Column reduction of a WGMMA-layout [64, NP] array over the warpgroup's rows, with this
+    warpgroup's own scratch (see `mosaic_latent`)."""
+    @plgpu.inline_mgpu(arg_types=(wgmma_layout, plgpu.RefType()),
+                       return_type=plgpu.ShapeDtypeStruct(
+                           (x.shape[1],), x.dtype, layout=col_layout))
+    def f(_, xv, sc_ref):
+      return xv.reduce(op, 0, scratch=sc_ref)
+    return f(x, scratch)
+
+  def store_transposed(x, dst, row_offset):
+    @plgpu.inline_mgpu(arg_types=(wgmma_layout, plgpu.RefType(
+        (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128)))))
+    def f(_, xv, ref):
+      frag.store_transposed_swizzled(xv, ref, row_offset=row_offset)
+    f(x, dst)
+
+  def compute(w):
+    plgpu.set_max_registers(p["regs"], action="increase")
+    plgpu.barrier_wait(q_bar)
+    mine = jnp.maximum(n_blocks - w + nw - 1, 0) // nw
+    rows = plgpu.broadcasted_iota(jnp.int32, (T, np_), 0, layout=wgmma_layout)
+    m0 = plgpu.layout_cast(jnp.full((np_,), -jnp.inf, jnp.float32), col_layout)
+    l0 = plgpu.layout_cast(jnp.zeros((T, np_), jnp.float32), wgmma_layout)
+    zero = plgpu.layout_cast(jnp.zeros((T, np_), jnp.float32), wgmma_layout)
+    qt = plgpu.transpose_ref(q_s, (1, 0))
+    pt = plgpu.transpose_ref(p_s.at[w], (1, 0))
+    scale2 = sm_scale * LOG2E
+
+    def step(ii, carry, acc0, acc1):
+      m_i, l_t = carry
+      i = w + ii * nw
+      slot = lax.rem(i, stages)
+      t0 = start + i * BLOCK
+      plgpu.barrier_wait(kc_bar.at[slot])
+      plgpu.barrier_wait(ks_bar.at[slot])
+
+      def keys(s0_ref, s1_ref):
+        plgpu.wgmma(s0_ref, dequant(kc_s.at[slot], ks_s.at[slot], 0), qt)
+        plgpu.wgmma(s1_ref, dequant(kc_s.at[slot], ks_s.at[slot], 1), qt)
+        return s0_ref[...], s1_ref[...]
+      s0, s1 = pl.run_scoped(keys, plgpu.ACC((T, np_), jnp.float32),
+                             plgpu.ACC((T, np_), jnp.float32))
+      s0 = jnp.where(rows + t0 < end, s0 * scale2, -jnp.inf)
+      s1 = jnp.where(rows + (t0 + T) < end, s1 * scale2, -jnp.inf)
+      m_new = jnp.maximum(m_i, col_reduce("max", jnp.maximum(s0, s1), red_s.at[w]))
+      alpha = jnp.exp2(m_i - m_new)
+      mb = lax.broadcast_in_dim(m_new, (T, np_), [1])
+      p0, p1 = jnp.exp2(s0 - mb), jnp.exp2(s1 - mb)
+      ab = lax.broadcast_in_dim(alpha, (T, np_), [1])
+      l_t = l_t * ab + p0 + p1
+      store_transposed(p0.astype(jdt), p_s.at[w], 0)
+      store_transposed(p1.astype(jdt), p_s.at[w], T)
+      plgpu.commit_smem()
+      acc0[...] = acc0[...] * ab
+      acc1[...] = acc1[...] * ab
+      plgpu.barrier_wait(vc_bar.at[slot])
+      plgpu.barrier_wait(vs_bar.at[slot])
+      v0 = dequant(vc_s.at[slot], vs_s.at[slot], 0)
+      plgpu.wgmma(acc0, v0, pt)
+      v1 = dequant(vc_s.at[slot], vs_s.at[slot], 1)
+      plgpu.barrier_arrive(free.at[slot])  # operands are in registers now
+      plgpu.wgmma(acc1, v1, pt)
+      return m_new, l_t
+
+    def run(acc0, acc1):
+      acc0[...] = zero
+      acc1[...] = zero
+      m_i, l_t = lax.fori_loop(0, mine, functools.partial(step, acc0=acc0, acc1=acc1),
+                               (m0, l0))
+      return acc0[...], acc1[...], m_i, l_t
+    o0, o1, m_i, l_t = pl.run_scoped(run, plgpu.ACC((T, np_), jnp.float32),
+                                     plgpu.ACC((T, np_), jnp.float32))
+    l_i = col_reduce("add", l_t, red_s.at[w])
+    has = l_i > 0
+    l_safe = jnp.where(has, l_i, 1.0)
+    lb = lax.broadcast_in_dim(l_safe, (T, np_), [1])
+    part = sid * nw + w
+    o_ref.at[pid, part, pl.ds(0, T)][...] = o0 / lb
+    o_ref.at[pid, part, pl.ds(T, T)][...] = o1 / lb
+    lse_ref.at[pid, part][...] = jnp.where(has, (m_i + jnp.log2(l_safe)) * math.log(2.0),
+                                           -jnp.inf)
+
+  for w in range(nw):
+    pl.when(wg == w)(functools.partial(compute, w))
+
+  @pl.when(wg == nw)
+  def _producer():
+    plgpu.set_max_registers(40, action="decrease")
+    plgpu.copy_gmem_to_smem(q_ref.at[pid], q_s, q_bar)
+    blk0 = start // BLOCK
+
+    def load(i, slot):
+      for src, dst, bar in ((kc_ref, kc_s, kc_bar), (ks_ref, ks_s, ks_bar),
+                            (vc_ref, vc_s, vc_bar), (vs_ref, vs_s, vs_bar)):
+        plgpu.copy_gmem_to_smem(src.at[b, head, blk0 + i], dst.at[slot], bar.at[slot])
+
+    for i in range(stages):
+      pl.when(i < n_blocks)(functools.partial(load, i, i))
+
+    @pl.loop(0, n_blocks)
+    def _(i):
+      slot = lax.rem(i, stages)
+
+      @pl.when(i + stages < n_blocks)
+      def _():
+        plgpu.barrier_wait(free.at[slot])
+        load(i + stages, slot)
+
+
+def _call(p, dtype, sm_scale, qt, cache: KiviMosaic, lengths):
+  import jax.experimental.pallas as pl  # pylint: disable=import-outside-toplevel
+  import jax.experimental.pallas.mosaic_gpu as plgpu  # pylint: disable=import-outside-toplevel
+  nw, stages, np_, ns = p["w"], p["stages"], p["np"], p["num_splits"]
+  jdt = jnp.dtype(dtype)
+  swz = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
+
+  def entry(q_ref, kc_ref, ks_ref, vc_ref, vs_ref, len_ref, o_ref, lse_ref):
+    scratch = [
+        plgpu.SMEM((np_, HEAD_DIM), jdt, transforms=swz),
+        plgpu.SMEM((stages, 256, 4), jnp.uint32),
+        plgpu.SMEM((stages, 128, 8), jdt),
+        plgpu.SMEM((stages, 256, 4), jnp.uint32),
+        plgpu.SMEM((stages, 128, 8), jdt),
+        plgpu.SMEM((nw, np_, BLOCK), jdt, transforms=swz),
+        plgpu.SMEM((nw, RED_PER_COL * np_), jnp.float32),
+    ]
+    bars = (
+        plgpu.Barrier(num_barriers=1),
+        *(plgpu.Barrier(num_barriers=stages) for _ in range(4)),
+        plgpu.Barrier(num_arrivals=1, num_barriers=stages),
+    )
+    pl.run_scoped(
+        lambda *refs: _kernel(p, dtype, sm_scale, q_ref, kc_ref, ks_ref, vc_ref, vs_ref,
+                              len_ref, o_ref, lse_ref, refs[:7], refs[7:]),
+        *scratch, *bars, collective_axes="wg")
+
+  kvh = p["b"] * p["kh"]
+  out_types = (jax.ShapeDtypeStruct((kvh, ns * nw, HEAD_DIM, np_), jnp.float32),
+               jax.ShapeDtypeStruct((kvh, ns * nw, np_), jnp.float32))
+  return plgpu.kernel(
+      entry, out_type=out_types, grid=p["grid"], grid_names=("p", "s"),
+      num_threads=nw + 1, thread_name="wg",
+      compiler_params=plgpu.CompilerParams(approx_math=True),
+  )(qt, cache.kc, cache.ks, cache.vc, cache.vs, lengths)
+
+
+def kivi_attention_mosaic(q, cache: KiviMosaic, k_win, v_win, q_len, w_len, *, scale=None,
+                          out_dtype=None, warpgroups=2, stages=None, num_splits=None,
+                          window_implementation="xla", return_partials=False):
+  """KIVI-2bit decode attention over a `KiviMosaic` cache plus the exact window.
+
+  Args: as `reference.kivi_attention_reference`, with the quantized prefix given as one
+    `KiviMosaic` (`mosaic_layout.to_mosaic`); warpgroups (compute warpgroups per CTA),
+    stages (ring depth, a multiple of warpgroups; None: the deepest that fits, up to
+    4 per warpgroup), num_splits: launch knobs; window_implementation: the
+    `decode_attention` implementation that attends the window.
+  Returns:
+    (out [B, N, H], lse [B, N]) (+ the raw partials if return_partials).
+  """
+  from ..decode_attention import decode_attention  # pylint: disable=import-outside-toplevel
+  b, n, h = q.shape
+  dtype = jnp.dtype(cache.ks.dtype).name
+  if dtype not in ("float16", "bfloat16") or cache.vs.dtype != cache.ks.dtype:
+    raise ValueError(f"mosaic KIVI: scales must be float16 or bfloat16, got {cache.ks.dtype}"
+                     f" / {cache.vs.dtype}")
+  p = plan(q.shape, cache.kc.shape, warpgroups=warpgroups, stages=stages,
+           num_splits=num_splits)
+  sm_scale = h ** -0.5 if scale is None else float(scale)
+  kh, qpk, np_ = p["kh"], p["qpk"], p["np"]
+  qt = jnp.pad(q.reshape(b * kh, qpk, h), ((0, 0), (0, np_ - qpk), (0, 0))).astype(dtype)
+  o_t, lse_t = _call(p, dtype, sm_scale, qt, cache, q_len.astype(jnp.int32))
+  parts = p["num_splits"] * p["w"]
+  o = o_t[..., :qpk].reshape(b, kh, parts, h, qpk).transpose(0, 1, 4, 2, 3)
+  lse = lse_t[..., :qpk].reshape(b, kh, parts, qpk).transpose(0, 1, 3, 2)
+  o, lse = o.reshape(b, n, parts, h), lse.reshape(b, n, parts)
+  if window_implementation == "xla":
+    ow, lw = decode_attention_xla(q, k_win, v_win, w_len, scale=scale, out_dtype=jnp.float32)
+  else:
+    ow, lw = decode_attention(q, k_win, v_win, w_len, scale=scale, out_dtype=jnp.float32,
+                              implementation=window_implementation)
+  o = jnp.concatenate([o, ow[:, :, None].astype(jnp.float32)], -2)
+  lse = jnp.concatenate([lse, lw[:, :, None]], -1)
+  return splitk.combine_result(o, lse, out_dtype or q.dtype, return_partials)

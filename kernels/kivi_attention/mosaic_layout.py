@@ -1,0 +1,164 @@
+"""KIVI codes and scales in the register order of the Mosaic GPU kernel's wgmma A operands.
+
+`to_mosaic(keys, values)` is a lossless relayout of a planar KIVI cache (`packing`): the
+same 2-bit codes and the same scale/zero numbers, permuted so that each thread of a
+warpgroup reads its whole share of a 128-token block with 16-byte loads, already in the
+order of the m64 x k16 A fragments (`WGMMA_LAYOUT`: thread 32w + l holds rows
+16w + l // 4 + 8 rh, columns 8 j + 2 (l % 4) + e of a [64, K] operand). Per (batch, KV head,
+128-token block n):
+
+  key codes   kc [2, 128, 4] uint32: sub-tile m (tokens 64 m ..), thread tau, word u
+  value codes vc [2, 128, 4] uint32: channel half m (channels 64 m ..), thread tau, word u
+  key scales  ks [128, 8] fp16/bf16 = [4 groups g, 4 quads l % 4, 16 j, (scale, zero), e]
+  value scales vs [128, 8]          = [4 groups gv, 4 quads l % 4, 16 j, (scale, zero), e]
+
+A thread's 32 pairs (rh, j) of one m take words u = 2 rh + j // 8, pair slot k = j % 8 at
+bits [2k, 2k + 2) (element e = 0) and [16 + 2k, 18 + 2k) (e = 1) of the word. Keys: the
+pair is token 128 n + 64 m + 16 w + l // 4 + 8 rh, channels 8 j + 2 (l % 4) + e, scale of
+key group g = 2 m + w // 2. Values (the operand is V^T): channel 64 m + 16 w + l // 4 + 8 rh,
+tokens 128 n + 8 j + 2 (l % 4) + e, scale of channel group gv = 2 m + w // 2.
+Why these bit fields: a pair's two codes are the same field of the two 16-bit halves, so
+one mask-and-or puts both into the low mantissa bits of an fp16/bf16 pair (a magic number
+M + c 2^P, exact) and the kernel needs no byte shuffles (`mosaic_dequant`).
+Restrictions (the kernel's): 2-bit codes, key and value groups of 32, head dim 128,
+capacity a multiple of 128.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from .packing import KiviKeys, KiviValues, unblock_tokens, unpack_planar
+
+BLOCK = 128   # tokens per block (one ring slot of the kernel)
+HEAD_DIM = 128
+GROUP = 32
+BITS = 2
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class KiviMosaic:
+  """A KIVI-2bit cache in the Mosaic kernel's layout (module docstring); capacity S.
+
+  kc, vc: uint32 [B, K, S / 128, 256, 4]; ks, vs: fp16 or bf16 [B, K, S / 128, 128, 8].
+  """
+
+  kc: jax.Array
+  ks: jax.Array
+  vc: jax.Array
+  vs: jax.Array
+
+  @property
+  def capacity(self) -> int:
+    return self.kc.shape[2] * BLOCK
+
+
+@functools.lru_cache(maxsize=None)
+def _maps():
+  """(tokens, channels) of every (m, tau, u, k, e) code, for keys and for values."""
+  m, tau, u, k, e = np.meshgrid(np.arange(2), np.arange(128), np.arange(4), np.arange(8),
+                                np.arange(2), indexing="ij")
+  w, lane = tau // 32, tau % 32
+  rh, j = u // 2, (u % 2) * 8 + k
+  row = 16 * w + lane // 4 + 8 * rh     # M index within the m64 operand
+  col = 8 * j + 2 * (lane % 4) + e      # K index
+  keys = (64 * m + row, col)            # (token in block, channel)
+  values = (col, 64 * m + row)
+  return keys, values
+
+
+def _scale_maps():
+  """(index a, index b) of every (g, quad, j, e) scale: keys (group, channel), values
+  (token in block, group)."""
+  g, quad, j, e = np.meshgrid(np.arange(4), np.arange(4), np.arange(16), np.arange(2),
+                              indexing="ij")
+  x = 8 * j + 2 * quad + e
+  return (g, x), (x, g)
+
+
+def _pack_words(c):
+  """int codes [..., 8, 2] (slot k, element e) -> uint32 [...]."""
+  shifts = (2 * np.arange(8)[:, None] + 16 * np.arange(2)[None, :]).astype(np.uint32)
+  return jnp.sum(c.astype(jnp.uint32) << shifts, axis=(-2, -1), dtype=jnp.uint32)
+
+
+def _unpack_words(words):
+  """uint32 [...] -> int32 codes [..., 8, 2]."""
+  shifts = (2 * np.arange(8)[:, None] + 16 * np.arange(2)[None, :]).astype(np.uint32)
+  return ((words[..., None, None] >> shifts) & 3).astype(jnp.int32)
+
+
+def _check(keys: KiviKeys, values: KiviValues):
+  for name, x in (("keys", keys), ("values", values)):
+    if x.bits != BITS or x.group != GROUP:
+      raise ValueError(f"mosaic KIVI layout: {name} must be {BITS}-bit with groups of {GROUP}, "
+                       f"got bits={x.bits}, group={x.group}")
+    if x.head_dim != HEAD_DIM:
+      raise ValueError(f"mosaic KIVI layout: {name} head dim must be {HEAD_DIM}, "
+                       f"got {x.head_dim}")
+  s = keys.codes.shape[2]
+  if s % BLOCK:
+    raise ValueError(f"mosaic KIVI layout: capacity ({s}) must be a multiple of {BLOCK}")
+  if keys.scale.dtype != values.scale.dtype or keys.scale.dtype not in (jnp.float16,
+                                                                        jnp.bfloat16):
+    raise ValueError("mosaic KIVI layout: key and value scale/zero must share one dtype, "
+                     f"float16 or bfloat16; got {keys.scale.dtype}, {values.scale.dtype}")
+
+
+def to_mosaic(keys: KiviKeys, values: KiviValues) -> KiviMosaic:
+  """Planar KIVI-2bit keys/values (`packing`) -> the kernel's layout; lossless."""
+  _check(keys, values)
+  (kt, kd), (vt, vd) = _maps()
+  b, kh, s, _ = keys.codes.shape
+  nb = s // BLOCK
+  kcodes = unpack_planar(keys.codes, BITS, keys.plane_width).reshape(b, kh, nb, BLOCK, HEAD_DIM)
+  vcodes = unpack_planar(unblock_tokens(values.codes), BITS, values.plane_width)
+  vcodes = vcodes.reshape(b, kh, nb, BLOCK, HEAD_DIM)
+  kc = _pack_words(kcodes[:, :, :, kt, kd]).reshape(b, kh, nb, 256, 4)
+  vc = _pack_words(vcodes[:, :, :, vt, vd]).reshape(b, kh, nb, 256, 4)
+  (kg, kx), (vx, vg) = _scale_maps()
+
+  def key_scales(a):  # [B, K, S / 32, H] -> [B, K, nb, 4, 4, 16, 2]
+    return a.reshape(b, kh, nb, 4, HEAD_DIM)[:, :, :, kg, kx]
+
+  def value_scales(a):  # [B, K, S, 4] -> [B, K, nb, 4, 4, 16, 2]
+    return a.reshape(b, kh, nb, BLOCK, 4)[:, :, :, vx, vg]
+
+  ks = jnp.stack([key_scales(keys.scale), key_scales(keys.zero)], -2)
+  vs = jnp.stack([value_scales(values.scale), value_scales(values.zero)], -2)
+  return KiviMosaic(kc=kc, ks=ks.reshape(b, kh, nb, 128, 8), vc=vc,
+                    vs=vs.reshape(b, kh, nb, 128, 8))
+
+
+def dequantize_mosaic(cache: KiviMosaic):
+  """(keys, values) float32 [B, S, K, H] from the kernel's layout (inverse maps of
+  `to_mosaic`, for the tests and the reference path)."""
+  (kt, kd), (vt, vd) = _maps()
+  b, kh, nb = cache.kc.shape[:3]
+  (kg, kx), (vx, vg) = _scale_maps()
+
+  def codes(words, rows, cols):
+    c = _unpack_words(words.reshape(b, kh, nb, 2, 128, 4))
+    out = jnp.zeros((b, kh, nb, BLOCK, HEAD_DIM), jnp.int32)
+    return out.at[:, :, :, rows, cols].set(c).astype(jnp.float32)
+
+  def scales(a, rows, cols, shape):
+    a = a.reshape(b, kh, nb, 4, 4, 16, 2, 2).astype(jnp.float32)
+    z = jnp.zeros((b, kh, nb, *shape), jnp.float32)
+    return (z.at[:, :, :, rows, cols].set(a[..., 0, :]),
+            z.at[:, :, :, rows, cols].set(a[..., 1, :]))
+
+  kcodes = codes(cache.kc, kt, kd).reshape(b, kh, nb, 4, GROUP, HEAD_DIM)
+  s, z = scales(cache.ks, kg, kx, (4, HEAD_DIM))
+  k = kcodes * s[:, :, :, :, None] + z[:, :, :, :, None]
+  vcodes = codes(cache.vc, vt, vd).reshape(b, kh, nb, BLOCK, 4, GROUP)
+  s, z = scales(cache.vs, vx, vg, (BLOCK, 4))
+  v = vcodes * s[..., None] + z[..., None]
+  to_bshd = lambda x: jnp.transpose(x.reshape(b, kh, nb * BLOCK, HEAD_DIM), (0, 2, 1, 3))
+  return to_bshd(k), to_bshd(v)
