@@ -4,7 +4,7 @@
 and 128 bytes of scale/zero pairs of one 128-token block from shared memory (layout
 `mosaic_layout`) and returns the [64, 128] wgmma A operand c * s + z (WGMMA layout, fp16
 or bf16), per register pair of elements:
-  x = (word >> shift) & (3 << f | 3 << 16 + f) | ONE   one mask-and-or (lop3): the magic
+  x = (word >> shift) & (3 << f | 3 << 16 + f) | ONE   one lop3 (PTX): the magic
       number 1 + c 2^(f - MANT) in both 16-bit halves, exact (f + 2 <= MANT);
   c = x * 2^(MANT - f) - 2^(MANT - f)                  packed FMA, exact;
   v = c * s + z                                        packed FMA, one rounding.
@@ -24,6 +24,13 @@ import numpy as np
 
 _ONE = {"float16": 0x3C00, "bfloat16": 0x3F80}
 _MANT = {"float16": 10, "bfloat16": 7}
+
+
+def _bits16(val: float, dtype: str) -> int:
+  """The 16-bit pattern of val in fp16 or bf16 (bf16: the top half of the float32)."""
+  if dtype == "float16":
+    return int(np.array(val, np.float16).view(np.uint16))
+  return int(np.array(val, np.float32).view(np.uint32)) >> 16
 
 
 def slot_plan(dtype: str):
@@ -64,56 +71,73 @@ def dequant_pairs_numpy(words, scale_pairs, zero_pairs, dtype: str):
 def dequant_operand(codes_ref, scales_ref, m: int, dtype: str):
   """The thread's [64, 128] A operand (WGMMA layout) of sub-operand m of a block.
 
-  codes_ref: [256, 4] uint32 (this slot's words; row 128 m + thread), scales_ref: [128, 8]
-  (16-bit; rows 32 g + 8 quad + j // 2 with g = 2 m + warp // 2).
+  codes_ref: [4, 256] uint32 (this slot's words; thread tau's 4 words of m at flat index
+  4 (128 m + tau)), scales_ref: [4, 256] 16-bit (the 8 elements of (g, r, quad) at flat index
+  8 (32 g + 4 r + quad), g = 2 m + warp // 2, holding pair columns j = 2 r, 2 r + 1).
   """
   import jax.experimental.mosaic.gpu as mgpu  # pylint: disable=import-outside-toplevel
   from jax.experimental.mosaic.gpu import fragmented_array as fa  # pylint: disable=import-outside-toplevel
   from jax.experimental.mosaic.gpu import utils as mgpu_utils  # pylint: disable=import-outside-toplevel
   from jax._src.lib.mlir import ir  # pylint: disable=import-outside-toplevel
-  from jax._src.lib.mlir.dialects import arith, math as mlir_math, vector  # pylint: disable=import-outside-toplevel
+  from jax._src.lib.mlir.dialects import arith, llvm, vector  # pylint: disable=import-outside-toplevel
   i32 = ir.IntegerType.get_signless(32)
   index = ir.IndexType.get()
   ft = ir.F16Type.get() if dtype == "float16" else ir.BF16Type.get()
   v2 = ir.VectorType.get([2], ft)
-  ci = lambda v: arith.constant(i32, v)
+  v4i = ir.VectorType.get([4], i32)
+  ci = lambda v: arith.constant(i32, v if v < 2 ** 31 else v - 2 ** 32)
   idx = lambda v: arith.index_cast(index, v)
+  # LLVM promotes a <2 x half> fma to two f32 fmas plus conversions (seen in the PTX: 5 more
+  # instructions per pair), so the packed FMA is written as PTX.
+  fma_instr = "fma.rn.f16x2" if dtype == "float16" else "fma.rn.bf16x2"
+
+  def hfma2(a, b, c):  # packed a * b + c on 32-bit registers holding two 16-bit floats
+    return llvm.inline_asm(i32, [a, b, c], f"{fma_instr} $0, $1, $2, $3;", "=r,r,r,r")
+
+  def lop3_and_or(a, b, c):  # (a & b) | c in one LOP3 (from plain and/or, ptxas emitted two:
+    # a LOP3 takes one immediate, and the mask and the magic number were both constants)
+    return llvm.inline_asm(i32, [a, b, c], "lop3.b32 $0, $1, $2, $3, 0xEA;", "=r,r,r,r")
+
+  def pair_bits(val):  # a 16-bit float constant in both halves of a 32-bit word
+    h = _bits16(val, dtype)
+    return ci(h | (h << 16))
+
   tid = arith.remui(mgpu_utils.thread_idx(), ci(128))
   warp, lane = arith.divui(tid, ci(32)), arith.remui(tid, ci(32))
   quad = arith.remui(lane, ci(4))
-  words = vector.load(ir.VectorType.get([4], i32), codes_ref,
-                      [idx(arith.addi(tid, ci(128 * m))), arith.constant(index, 0)])
-  group = arith.addi(arith.divui(warp, ci(2)), ci(2 * m))
-  srow = arith.addi(arith.muli(group, ci(32)), arith.muli(quad, ci(8)))
-  srows = [vector.load(ir.VectorType.get([8], ft), scales_ref,
-                       [idx(arith.addi(srow, ci(r))), arith.constant(index, 0)])
-           for r in range(8)]
 
-  def sz(j):  # (scale pair, zero pair) of pair column j
-    row = srows[j // 2]
-    off = (j % 2) * 4
-    take = lambda o: vector.extract_strided_slice(v2, row, [o], [2], [1])
-    return take(off), take(off + 2)
+  def load(ref, flat, elem=i32):  # 16 aligned bytes as [4 x i32], at a flat element index
+    n = 128 // ir.IntegerType(elem).width if isinstance(elem, ir.IntegerType) else 8
+    vec = vector.load(ir.VectorType.get([n], elem), ref,
+                      [idx(arith.divui(flat, ci(256))), idx(arith.remui(flat, ci(256)))],
+                      alignment=16)
+    return vec if n == 4 else vector.bitcast(v4i, vec)
+  words = load(codes_ref, arith.muli(arith.addi(tid, ci(128 * m)), ci(4)))
+  group = arith.addi(arith.divui(warp, ci(2)), ci(2 * m))
+  sbase = arith.addi(arith.muli(group, ci(32)), quad)
+  # row r: (scale pair, zero pair) of pair columns j = 2 r and 2 r + 1, one i32 per pair
+  srows = [load(scales_ref, arith.muli(arith.addi(sbase, ci(4 * r)), ci(8)), ft)
+           for r in range(8)]
+  ext = lambda vec, e: vector.extract(vec, dynamic_position=[],
+                                      static_position=ir.DenseI64ArrayAttr.get([e]))
 
   one, mant = _ONE[dtype], _MANT[dtype]
   shifted = {}
   pairs = {}
-  plan = slot_plan(dtype)
   for u in range(4):
-    w = vector.extract(words, dynamic_position=[], static_position=ir.DenseI64ArrayAttr.get([u]))
-    for k, shift, f in plan:
+    w = ext(words, u)
+    for k, shift, f in slot_plan(dtype):
       if (u, shift) not in shifted:
         shifted[(u, shift)] = arith.shrui(w, ci(shift)) if shift else w
       mask = (3 << f) | (3 << (16 + f))
-      bits = arith.ori(arith.andi(shifted[(u, shift)], ci(mask)), ci(one | (one << 16)))
-      x = vector.bitcast(v2, vector.from_elements(ir.VectorType.get([1], i32), [bits]))
+      x = lop3_and_or(shifted[(u, shift)], ci(mask), ci(one | (one << 16)))
       kk = float(2 ** (mant - f))
-      cst = lambda val: arith.constant(v2, ir.DenseElementsAttr.get_splat(
-          v2, ir.FloatAttr.get(ft, val)))
-      c = mlir_math.fma(x, cst(kk), cst(-kk))
+      c = hfma2(x, pair_bits(kk), pair_bits(-kk))
       rh, j = u // 2, (u % 2) * 8 + k
-      s, z = sz(j)
-      pairs[(rh, j)] = mlir_math.fma(c, s, z)
+      row = srows[j // 2]
+      val = hfma2(c, ext(row, (j % 2) * 2), ext(row, (j % 2) * 2 + 1))
+      pairs[(rh, j)] = vector.bitcast(v2, vector.from_elements(ir.VectorType.get([1], i32),
+                                                               [val]))
   layout = fa.WGMMA_LAYOUT
   shape = layout.registers_shape((64, 128))
   assert shape == (1, 16, 1, 1, 2, 1, 1, 1, 1), shape  # (j, rh) of the m64 fragments

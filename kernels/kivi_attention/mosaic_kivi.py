@@ -17,11 +17,16 @@ Grid (B * K, num_splits); a CTA streams one (batch, KV head)'s chunk of 128-toke
       s [64, NP] = dequant(K codes of tokens 64 m ..) @ q^T     m = 0, 1 (A in registers)
       p = exp2(s * scale log2 e - m), p^T -> shared memory (the B operand)
       o^T [64, NP] += dequant(V^T codes of channels 64 m ..) @ p  m = 0, 1
-    The value products stay in flight until the next block's key products retire them
-    (wgmma groups retire in order); the slot is released as soon as the value operands are
-    in registers. Each warpgroup writes its own split-K partial (o, lse); the wrapper merges
+    The slot is released as soon as the value operands are in registers; the value products
+    are waited for at the block's end (async_values=True leaves them in flight into the
+    next block, which makes ptxas serialise the wgmmas). Each warpgroup writes its own split-K partial (o, lse); the wrapper merges
     them with the exact window's partial (`decode_attention`, bf16) in one LSE combine.
 NP = the KV head's query heads, zero-padded to 8 or 16 (the N of every product).
+
+Measured (H200, interleaved rounds, BENCHMARKS.md "ninth session"): 1.8-2.5x the cuDNN
+dense kernel and 1.0-1.3x the Triton KIVI kernel at 16K/64K, B = 8/32; warpgroups=3 (the
+default) was 5-9% faster than 2 in 6 of 8 configurations. About a third of the call at
+16K/B=8 is fixed cost (~27-35 us: launch, the window's XLA attention, the LSE combine).
 
 Choices: q enters the score product unscaled (in the scales' 16-bit type) and the scores
 are scaled in f32, as in the Triton kernel; p is rounded to the scales' type for the value
@@ -58,8 +63,14 @@ def _smem_bytes(w, stages, np_):
           + kib(w * RED_PER_COL * np_ * 4) + 512)
 
 
-def plan(q_shape, cache_shape, *, warpgroups=2, stages=None, num_splits=None):
-  """Launch geometry (dict) with ValueErrors naming the bad argument."""
+def plan(q_shape, cache_shape, *, warpgroups=3, stages=None, num_splits=None,
+         async_values=False, skip=0):
+  """Launch geometry (dict) with ValueErrors naming the bad argument. async_values: leave
+  the value products in flight into the next block (else waited for at the block's end).
+  skip: timing ablation (wrong output): 1 no value path, 2 constant key operands, 3 constant
+  value operands (the products run, the dequantization does not)."""
+  if skip not in (0, 1, 2, 3):
+    raise ValueError(f"mosaic KIVI: skip must be 0, 1, 2 or 3, got {skip}")
   b, n, h = q_shape
   cb, kh, nb = cache_shape[:3]
   if h != HEAD_DIM:
@@ -91,7 +102,8 @@ def plan(q_shape, cache_shape, *, warpgroups=2, stages=None, num_splits=None):
   num_splits = max(1, min(int(num_splits), nb))
   regs = min(232, (512 - 40) // warpgroups // 8 * 8)
   return dict(b=b, n=n, kh=kh, qpk=qpk, np=np_, nb=nb, w=warpgroups, stages=stages,
-              num_splits=num_splits, regs=regs, grid=(b * kh, num_splits))
+              num_splits=num_splits, regs=regs, grid=(b * kh, num_splits),
+              async_values=bool(async_values), skip=skip)
 
 
 def _kernel(p, dtype, sm_scale, q_ref, kc_ref, ks_ref, vc_ref, vs_ref, len_ref, o_ref,
@@ -99,6 +111,7 @@ def _kernel(p, dtype, sm_scale, q_ref, kc_ref, ks_ref, vc_ref, vs_ref, len_ref, 
   import jax.experimental.pallas as pl  # pylint: disable=import-outside-toplevel
   import jax.experimental.pallas.mosaic_gpu as plgpu  # pylint: disable=import-outside-toplevel
   nw, stages, np_, ns, kh = p["w"], p["stages"], p["np"], p["num_splits"], p["kh"]
+  skip = p["skip"]
   q_s, kc_s, ks_s, vc_s, vs_s, p_s, red_s = smem
   q_bar, kc_bar, ks_bar, vc_bar, vs_bar, free = bars
   wgmma_layout = plgpu.Layout.WGMMA
@@ -147,8 +160,8 @@ def _kernel(p, dtype, sm_scale, q_ref, kc_ref, ks_ref, vc_ref, vs_ref, len_ref, 
     m0 = plgpu.layout_cast(jnp.full((np_,), -jnp.inf, jnp.float32), col_layout)
     l0 = plgpu.layout_cast(jnp.zeros((T, np_), jnp.float32), wgmma_layout)
     zero = plgpu.layout_cast(jnp.zeros((T, np_), jnp.float32), wgmma_layout)
-    qt = plgpu.transpose_ref(q_s, (1, 0))
-    pt = plgpu.transpose_ref(p_s.at[w], (1, 0))
+    qt = q_s.transpose((1, 0))
+    pt = p_s.at[w].transpose((1, 0))
     scale2 = sm_scale * LOG2E
 
     def step(ii, carry, acc0, acc1):
@@ -159,9 +172,17 @@ def _kernel(p, dtype, sm_scale, q_ref, kc_ref, ks_ref, vc_ref, vs_ref, len_ref, 
       plgpu.barrier_wait(kc_bar.at[slot])
       plgpu.barrier_wait(ks_bar.at[slot])
 
+      # Both operands are built before either product is issued: registers defined while
+      # a wgmma is in flight make ptxas serialise the wgmmas (C7513).
+      if skip == 2:  # timing ablation: a constant key operand (no dequantization)
+        a0 = a1 = plgpu.layout_cast(jnp.full((T, HEAD_DIM), 0.5, jdt), wgmma_layout)
+      else:
+        a0 = dequant(kc_s.at[slot], ks_s.at[slot], 0)
+        a1 = dequant(kc_s.at[slot], ks_s.at[slot], 1)
+
       def keys(s0_ref, s1_ref):
-        plgpu.wgmma(s0_ref, dequant(kc_s.at[slot], ks_s.at[slot], 0), qt)
-        plgpu.wgmma(s1_ref, dequant(kc_s.at[slot], ks_s.at[slot], 1), qt)
+        plgpu.wgmma(s0_ref, a0, qt)
+        plgpu.wgmma(s1_ref, a1, qt)
         return s0_ref[...], s1_ref[...]
       s0, s1 = pl.run_scoped(keys, plgpu.ACC((T, np_), jnp.float32),
                              plgpu.ACC((T, np_), jnp.float32))
@@ -180,11 +201,19 @@ def _kernel(p, dtype, sm_scale, q_ref, kc_ref, ks_ref, vc_ref, vs_ref, len_ref, 
       acc1[...] = acc1[...] * ab
       plgpu.barrier_wait(vc_bar.at[slot])
       plgpu.barrier_wait(vs_bar.at[slot])
-      v0 = dequant(vc_s.at[slot], vs_s.at[slot], 0)
-      plgpu.wgmma(acc0, v0, pt)
-      v1 = dequant(vc_s.at[slot], vs_s.at[slot], 1)
+      if skip == 1:  # timing ablation: no value path
+        plgpu.barrier_arrive(free.at[slot])
+        return m_new, l_t
+      if skip == 3:  # timing ablation: a constant value operand (no dequantization)
+        v0 = v1 = plgpu.layout_cast(jnp.full((T, BLOCK), 0.5, jdt), wgmma_layout)
+      else:
+        v0 = dequant(vc_s.at[slot], vs_s.at[slot], 0)
+        v1 = dequant(vc_s.at[slot], vs_s.at[slot], 1)
       plgpu.barrier_arrive(free.at[slot])  # operands are in registers now
+      plgpu.wgmma(acc0, v0, pt)
       plgpu.wgmma(acc1, v1, pt)
+      if not p["async_values"]:
+        plgpu.wgmma_wait(0)
       return m_new, l_t
 
     def run(acc0, acc1):
@@ -242,10 +271,10 @@ def _call(p, dtype, sm_scale, qt, cache: KiviMosaic, lengths):
   def entry(q_ref, kc_ref, ks_ref, vc_ref, vs_ref, len_ref, o_ref, lse_ref):
     scratch = [
         plgpu.SMEM((np_, HEAD_DIM), jdt, transforms=swz),
-        plgpu.SMEM((stages, 256, 4), jnp.uint32),
-        plgpu.SMEM((stages, 128, 8), jdt),
-        plgpu.SMEM((stages, 256, 4), jnp.uint32),
-        plgpu.SMEM((stages, 128, 8), jdt),
+        plgpu.SMEM((stages, 4, 256), jnp.uint32),
+        plgpu.SMEM((stages, 4, 256), jdt),
+        plgpu.SMEM((stages, 4, 256), jnp.uint32),
+        plgpu.SMEM((stages, 4, 256), jdt),
         plgpu.SMEM((nw, np_, BLOCK), jdt, transforms=swz),
         plgpu.SMEM((nw, RED_PER_COL * np_), jnp.float32),
     ]
@@ -270,15 +299,17 @@ def _call(p, dtype, sm_scale, qt, cache: KiviMosaic, lengths):
 
 
 def kivi_attention_mosaic(q, cache: KiviMosaic, k_win, v_win, q_len, w_len, *, scale=None,
-                          out_dtype=None, warpgroups=2, stages=None, num_splits=None,
-                          window_implementation="xla", return_partials=False):
+                          out_dtype=None, warpgroups=3, stages=None, num_splits=None,
+                          async_values=False, window_implementation="xla",
+                          return_partials=False, skip=0):
   """KIVI-2bit decode attention over a `KiviMosaic` cache plus the exact window.
 
   Args: as `reference.kivi_attention_reference`, with the quantized prefix given as one
     `KiviMosaic` (`mosaic_layout.to_mosaic`); warpgroups (compute warpgroups per CTA),
     stages (ring depth, a multiple of warpgroups; None: the deepest that fits, up to
-    4 per warpgroup), num_splits: launch knobs; window_implementation: the
-    `decode_attention` implementation that attends the window.
+    4 per warpgroup), num_splits, async_values: launch knobs (`plan`); skip: timing
+    ablation (`plan`); window_implementation: the `decode_attention` implementation that
+    attends the window.
   Returns:
     (out [B, N, H], lse [B, N]) (+ the raw partials if return_partials).
   """
@@ -289,7 +320,7 @@ def kivi_attention_mosaic(q, cache: KiviMosaic, k_win, v_win, q_len, w_len, *, s
     raise ValueError(f"mosaic KIVI: scales must be float16 or bfloat16, got {cache.ks.dtype}"
                      f" / {cache.vs.dtype}")
   p = plan(q.shape, cache.kc.shape, warpgroups=warpgroups, stages=stages,
-           num_splits=num_splits)
+           num_splits=num_splits, async_values=async_values, skip=skip)
   sm_scale = h ** -0.5 if scale is None else float(scale)
   kh, qpk, np_ = p["kh"], p["qpk"], p["np"]
   qt = jnp.pad(q.reshape(b * kh, qpk, h), ((0, 0), (0, np_ - qpk), (0, 0))).astype(dtype)

@@ -7,10 +7,14 @@ order of the m64 x k16 A fragments (`WGMMA_LAYOUT`: thread 32w + l holds rows
 16w + l // 4 + 8 rh, columns 8 j + 2 (l % 4) + e of a [64, K] operand). Per (batch, KV head,
 128-token block n):
 
-  key codes   kc [2, 128, 4] uint32: sub-tile m (tokens 64 m ..), thread tau, word u
-  value codes vc [2, 128, 4] uint32: channel half m (channels 64 m ..), thread tau, word u
-  key scales  ks [128, 8] fp16/bf16 = [4 groups g, 4 quads l % 4, 16 j, (scale, zero), e]
-  value scales vs [128, 8]          = [4 groups gv, 4 quads l % 4, 16 j, (scale, zero), e]
+  key codes   kc [1024] uint32 = [2, 128, 4]: sub-tile m (tokens 64 m ..), thread tau, word u
+  value codes vc [1024] uint32 = [2, 128, 4]: channel half m (channels 64 m ..), thread tau, u
+  key scales  ks [1024] fp16/bf16 = [4 groups g, 8 r, 4 quads l % 4, 2 (j % 2), (scale, zero),
+                                      e] with j = 2 r + j % 2
+  value scales vs [1024]          = [4 groups gv, 8 r, 4 quads, 2, (scale, zero), e]
+(stored as [4, 256] rows, so that the kernel's TMA copies move 1 KiB / 512-byte rows: boxes of
+16-byte rows ran at ~0.5 TB/s). A thread reads its scales as 8 16-byte chunks, the four quads'
+chunks side by side (no bank conflicts).
 
 A thread's 32 pairs (rh, j) of one m take words u = 2 rh + j // 8, pair slot k = j % 8 at
 bits [2k, 2k + 2) (element e = 0) and [16 + 2k, 18 + 2k) (e = 1) of the word. Keys: the
@@ -46,7 +50,7 @@ BITS = 2
 class KiviMosaic:
   """A KIVI-2bit cache in the Mosaic kernel's layout (module docstring); capacity S.
 
-  kc, vc: uint32 [B, K, S / 128, 256, 4]; ks, vs: fp16 or bf16 [B, K, S / 128, 128, 8].
+  kc, vc: uint32 [B, K, S / 128, 4, 256]; ks, vs: fp16 or bf16 [B, K, S / 128, 4, 256].
   """
 
   kc: jax.Array
@@ -74,11 +78,11 @@ def _maps():
 
 
 def _scale_maps():
-  """(index a, index b) of every (g, quad, j, e) scale: keys (group, channel), values
+  """(index a, index b) of every (g, r, quad, j % 2, e) scale: keys (group, channel), values
   (token in block, group)."""
-  g, quad, j, e = np.meshgrid(np.arange(4), np.arange(4), np.arange(16), np.arange(2),
-                              indexing="ij")
-  x = 8 * j + 2 * quad + e
+  g, r, quad, jj, e = np.meshgrid(np.arange(4), np.arange(8), np.arange(4), np.arange(2),
+                                  np.arange(2), indexing="ij")
+  x = 8 * (2 * r + jj) + 2 * quad + e
   return (g, x), (x, g)
 
 
@@ -120,20 +124,20 @@ def to_mosaic(keys: KiviKeys, values: KiviValues) -> KiviMosaic:
   kcodes = unpack_planar(keys.codes, BITS, keys.plane_width).reshape(b, kh, nb, BLOCK, HEAD_DIM)
   vcodes = unpack_planar(unblock_tokens(values.codes), BITS, values.plane_width)
   vcodes = vcodes.reshape(b, kh, nb, BLOCK, HEAD_DIM)
-  kc = _pack_words(kcodes[:, :, :, kt, kd]).reshape(b, kh, nb, 256, 4)
-  vc = _pack_words(vcodes[:, :, :, vt, vd]).reshape(b, kh, nb, 256, 4)
+  kc = _pack_words(kcodes[:, :, :, kt, kd]).reshape(b, kh, nb, 4, 256)
+  vc = _pack_words(vcodes[:, :, :, vt, vd]).reshape(b, kh, nb, 4, 256)
   (kg, kx), (vx, vg) = _scale_maps()
 
-  def key_scales(a):  # [B, K, S / 32, H] -> [B, K, nb, 4, 4, 16, 2]
+  def key_scales(a):  # [B, K, S / 32, H] -> [B, K, nb, 4, 8, 4, 2, 2]
     return a.reshape(b, kh, nb, 4, HEAD_DIM)[:, :, :, kg, kx]
 
-  def value_scales(a):  # [B, K, S, 4] -> [B, K, nb, 4, 4, 16, 2]
+  def value_scales(a):  # [B, K, S, 4] -> [B, K, nb, 4, 8, 4, 2, 2]
     return a.reshape(b, kh, nb, BLOCK, 4)[:, :, :, vx, vg]
 
   ks = jnp.stack([key_scales(keys.scale), key_scales(keys.zero)], -2)
   vs = jnp.stack([value_scales(values.scale), value_scales(values.zero)], -2)
-  return KiviMosaic(kc=kc, ks=ks.reshape(b, kh, nb, 128, 8), vc=vc,
-                    vs=vs.reshape(b, kh, nb, 128, 8))
+  return KiviMosaic(kc=kc, ks=ks.reshape(b, kh, nb, 4, 256), vc=vc,
+                    vs=vs.reshape(b, kh, nb, 4, 256))
 
 
 def dequantize_mosaic(cache: KiviMosaic):
@@ -149,7 +153,7 @@ def dequantize_mosaic(cache: KiviMosaic):
     return out.at[:, :, :, rows, cols].set(c).astype(jnp.float32)
 
   def scales(a, rows, cols, shape):
-    a = a.reshape(b, kh, nb, 4, 4, 16, 2, 2).astype(jnp.float32)
+    a = a.reshape(b, kh, nb, 4, 8, 4, 2, 2, 2).astype(jnp.float32)
     z = jnp.zeros((b, kh, nb, *shape), jnp.float32)
     return (z.at[:, :, :, rows, cols].set(a[..., 0, :]),
             z.at[:, :, :, rows, cols].set(a[..., 1, :]))

@@ -56,7 +56,7 @@ def test_relayout_is_lossless(dtype):
   np.testing.assert_array_equal(np.asarray(kf), np.asarray(packing.dequantize_keys(kq, 128)))
   np.testing.assert_array_equal(np.asarray(vf), np.asarray(packing.dequantize_values(vq, 128)))
   # Negative control: one flipped code bit changes exactly one element.
-  bad = mosaic_layout.KiviMosaic(kc=cache.kc.at[0, 0, 0, 5, 2].set(cache.kc[0, 0, 0, 5, 2] ^ 1),
+  bad = mosaic_layout.KiviMosaic(kc=cache.kc.at[0, 0, 0, 1, 22].set(cache.kc[0, 0, 0, 1, 22] ^ 1),
                                  ks=cache.ks, vc=cache.vc, vs=cache.vs)
   kb, _ = mosaic_layout.dequantize_mosaic(bad)
   assert int((np.asarray(kb) != np.asarray(kf)).sum()) == 1
@@ -75,12 +75,15 @@ def test_fragments_rebuild_the_cache(dtype, what):
   cache = mosaic_layout.to_mosaic(kq, vq)
   if what == "keys":
     words, sc = np.asarray(cache.kc[0, 0, 0]), np.asarray(cache.ks[0, 0, 0].astype(F32))
+    words = words.reshape(256, 4)
     want = np.asarray(packing.dequantize_keys(kq, 128)[0, :, 0])         # [token, channel]
   else:
     words, sc = np.asarray(cache.vc[0, 0, 0]), np.asarray(cache.vs[0, 0, 0].astype(F32))
+    words = words.reshape(256, 4)
     want = np.asarray(packing.dequantize_values(vq, 128)[0, :, 0]).T     # [channel, token]
   want = np.asarray(jnp.asarray(want).astype(sdt).astype(F32))
-  sc = sc.reshape(4, 4, 16, 2, 2)  # [group, quad, j, (scale, zero), e]
+  # [group, r, quad, j % 2, (scale, zero), e] -> [group, quad, j, (scale, zero), e]
+  sc = sc.reshape(4, 8, 4, 2, 2, 2).transpose(0, 2, 1, 3, 4, 5).reshape(4, 4, 16, 2, 2)
 
   def assemble(row_half_of_word):
     got = np.full((128, 128), np.nan)
@@ -114,6 +117,7 @@ def test_fragments_rebuild_the_cache(dtype, what):
     (dict(warpgroups=4), "warpgroups"),
     (dict(stages=3), "multiple of warpgroups"),
     (dict(stages=40), "shared memory"),
+    (dict(skip=4), "skip"),
 ])
 def test_plan_rejects(change, match):
   args = dict(q_shape=(2, 8, 128), cache_shape=(2, 2, 4), warpgroups=2)
@@ -167,6 +171,7 @@ def _close(out, ref, atol, rtol, what):
 @pytest.mark.parametrize("opts", [dict(), dict(warpgroups=1, stages=1),
                                   dict(warpgroups=1, stages=4, num_splits=1),
                                   dict(warpgroups=2, stages=2, num_splits=3),
+                                  dict(warpgroups=2), dict(async_values=True),
                                   dict(warpgroups=3), dict(warpgroups=3, stages=3,
                                                            num_splits=2)])
 def test_mosaic_kivi_matches_reference(idx, opts):
