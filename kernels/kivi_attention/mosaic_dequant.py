@@ -75,11 +75,13 @@ def dequant_operand(codes_ref, scales_ref, m: int, dtype: str):
   4 (128 m + tau)), scales_ref: [4, 256] 16-bit (the 8 elements of (g, r, quad) at flat index
   8 (32 g + 4 r + quad), g = 2 m + warp // 2, holding pair columns j = 2 r, 2 r + 1).
   """
-  import jax.experimental.mosaic.gpu as mgpu  # pylint: disable=import-outside-toplevel
-  from jax.experimental.mosaic.gpu import fragmented_array as fa  # pylint: disable=import-outside-toplevel
-  from jax.experimental.mosaic.gpu import utils as mgpu_utils  # pylint: disable=import-outside-toplevel
-  from jax._src.lib.mlir import ir  # pylint: disable=import-outside-toplevel
-  from jax._src.lib.mlir.dialects import arith, llvm, vector  # pylint: disable=import-outside-toplevel
+  # pylint: disable=import-outside-toplevel
+  import jax.experimental.mosaic.gpu as mgpu
+  from jax.experimental.mosaic.gpu import fragmented_array as fa
+  from jax.experimental.mosaic.gpu import utils as mgpu_utils
+  from jax._src.lib.mlir import ir
+  from jax._src.lib.mlir.dialects import arith, llvm, vector
+  # pylint: enable=import-outside-toplevel
   i32 = ir.IntegerType.get_signless(32)
   index = ir.IndexType.get()
   ft = ir.F16Type.get() if dtype == "float16" else ir.BF16Type.get()

@@ -19,8 +19,9 @@ Grid (B * K, num_splits); a CTA streams one (batch, KV head)'s chunk of 128-toke
       o^T [64, NP] += dequant(V^T codes of channels 64 m ..) @ p  m = 0, 1
     The slot is released as soon as the value operands are in registers; the value products
     are waited for at the block's end (async_values=True leaves them in flight into the
-    next block, which makes ptxas serialise the wgmmas). Each warpgroup writes its own split-K partial (o, lse); the wrapper merges
-    them with the exact window's partial (`decode_attention`, bf16) in one LSE combine.
+    next block, which makes ptxas serialise the wgmmas). Each warpgroup writes its own
+    split-K partial (o, lse); the wrapper merges them with the exact window's partial
+    (bf16, `window_implementation`: XLA by default) in one LSE combine.
 NP = the KV head's query heads, zero-padded to 8 or 16 (the N of every product).
 
 Measured (H200, interleaved rounds, BENCHMARKS.md "ninth session"): 1.8-2.5x the cuDNN

@@ -18,7 +18,8 @@ import jax.numpy as jnp  # noqa: E402
 from kvlowrank_kernels.decode_attention import shapes as dshapes  # noqa: E402
 from kvlowrank_kernels.decode_attention import triton_backend  # noqa: E402
 from kvlowrank_kernels.kivi_attention import kivi_attention  # noqa: E402
-from kvlowrank_kernels.kivi_attention import mosaic_dequant, mosaic_kivi, mosaic_layout  # noqa: E402
+from kvlowrank_kernels.kivi_attention import (  # noqa: E402
+    mosaic_dequant, mosaic_kivi, mosaic_layout)
 from kvlowrank_kernels.kivi_attention import packing, shapes  # noqa: E402
 from kvlowrank_kernels.kivi_attention.reference import kivi_attention_reference  # noqa: E402
 
