@@ -67,6 +67,16 @@ def wave_balanced_splits(parallel: int, capacity: int, block: int, slots: int, *
   return best[1]
 
 
+def split_bounds(length, num_splits, sid, tile):
+  """(start, end, tiles) of split sid of a sequence of `length` tokens, inside a kernel (jnp
+  on scalars; the Triton kernels' twin is `triton_decode.split_range`): equal chunks of the
+  sequence's own length, tile aligned; tiles = the chunk's tile count (0 past the end)."""
+  chunk = ((length + num_splits - 1) // num_splits + tile - 1) // tile * tile
+  start = sid * chunk
+  end = jnp.minimum(start + chunk, length)
+  return start, end, jnp.maximum(end - start + tile - 1, 0) // tile
+
+
 def combine_result(o, lse, out_dtype, return_partials=False):
   """`combine_partials`, returned as the split-K kernels return: (out, lse), plus the raw
   (o, lse) partials if return_partials."""

@@ -49,7 +49,7 @@ from jax import lax
 from ..decode_attention import splitk
 from ..decode_attention.xla import decode_attention_xla
 from ..latent_attention import mosaic_fragments as frag
-from ..latent_attention.mosaic_plan import RED_PER_COL, SMEM_LIMIT, _num_sms, query_columns
+from ..latent_attention.mosaic_plan import RED_PER_COL, SMEM_LIMIT, num_sms, query_columns
 from . import mosaic_dequant
 from .mosaic_layout import BLOCK, HEAD_DIM, KiviMosaic
 
@@ -98,7 +98,7 @@ def plan(q_shape, cache_shape, *, warpgroups=3, stages=None, num_splits=None,
     raise ValueError(f"mosaic KIVI: {stages} stages need {_smem_bytes(warpgroups, stages, np_)}"
                      f" bytes of shared memory, over {SMEM_LIMIT}")
   if num_splits is None:
-    num_splits = splitk.wave_balanced_splits(b * kh, nb * BLOCK, BLOCK, _num_sms(),
+    num_splits = splitk.wave_balanced_splits(b * kh, nb * BLOCK, BLOCK, num_sms(),
                                              min_tiles=2 * warpgroups)
   num_splits = max(1, min(int(num_splits), nb))
   regs = min(232, (512 - 40) // warpgroups // 8 * 8)
@@ -122,11 +122,7 @@ def _kernel(p, dtype, sm_scale, q_ref, kc_ref, ks_ref, vc_ref, vs_ref, len_ref, 
   sid = lax.axis_index("s")
   wg = lax.axis_index("wg")
   b, head = pid // kh, pid % kh
-  length = len_ref[b]
-  chunk = ((length + ns - 1) // ns + BLOCK - 1) // BLOCK * BLOCK
-  start = sid * chunk
-  end = jnp.minimum(start + chunk, length)
-  n_blocks = jnp.maximum(end - start + BLOCK - 1, 0) // BLOCK
+  start, end, n_blocks = splitk.split_bounds(len_ref[b], ns, sid, BLOCK)
 
   def dequant(codes, scales, m):
     @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.RefType()),
@@ -135,23 +131,6 @@ def _kernel(p, dtype, sm_scale, q_ref, kc_ref, ks_ref, vc_ref, vs_ref, len_ref, 
     def f(_, c_ref, s_ref):
       return mosaic_dequant.dequant_operand(c_ref, s_ref, m, dtype)
     return f(codes, scales)
-
-  def col_reduce(op, x, scratch):
-    """Column reduction of a WGMMA-layout [64, NP] array over the warpgroup's rows, with this
-    warpgroup's own scratch (see `mosaic_latent`)."""
-    @plgpu.inline_mgpu(arg_types=(wgmma_layout, plgpu.RefType()),
-                       return_type=plgpu.ShapeDtypeStruct(
-                           (x.shape[1],), x.dtype, layout=col_layout))
-    def f(_, xv, sc_ref):
-      return xv.reduce(op, 0, scratch=sc_ref)
-    return f(x, scratch)
-
-  def store_transposed(x, dst, row_offset):
-    @plgpu.inline_mgpu(arg_types=(wgmma_layout, plgpu.RefType(
-        (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128)))))
-    def f(_, xv, ref):
-      frag.store_transposed_swizzled(xv, ref, row_offset=row_offset)
-    f(x, dst)
 
   def compute(w):
     plgpu.set_max_registers(p["regs"], action="increase")
@@ -189,14 +168,14 @@ def _kernel(p, dtype, sm_scale, q_ref, kc_ref, ks_ref, vc_ref, vs_ref, len_ref, 
                              plgpu.ACC((T, np_), jnp.float32))
       s0 = jnp.where(rows + t0 < end, s0 * scale2, -jnp.inf)
       s1 = jnp.where(rows + (t0 + T) < end, s1 * scale2, -jnp.inf)
-      m_new = jnp.maximum(m_i, col_reduce("max", jnp.maximum(s0, s1), red_s.at[w]))
+      m_new = jnp.maximum(m_i, frag.col_reduce("max", jnp.maximum(s0, s1), red_s.at[w]))
       alpha = jnp.exp2(m_i - m_new)
       mb = lax.broadcast_in_dim(m_new, (T, np_), [1])
       p0, p1 = jnp.exp2(s0 - mb), jnp.exp2(s1 - mb)
       ab = lax.broadcast_in_dim(alpha, (T, np_), [1])
       l_t = l_t * ab + p0 + p1
-      store_transposed(p0.astype(jdt), p_s.at[w], 0)
-      store_transposed(p1.astype(jdt), p_s.at[w], T)
+      frag.store_transposed(p0.astype(jdt), p_s.at[w], row_offset=0)
+      frag.store_transposed(p1.astype(jdt), p_s.at[w], row_offset=T)
       plgpu.commit_smem()
       acc0[...] = acc0[...] * ab
       acc1[...] = acc1[...] * ab
@@ -225,7 +204,7 @@ def _kernel(p, dtype, sm_scale, q_ref, kc_ref, ks_ref, vc_ref, vs_ref, len_ref, 
       return acc0[...], acc1[...], m_i, l_t
     o0, o1, m_i, l_t = pl.run_scoped(run, plgpu.ACC((T, np_), jnp.float32),
                                      plgpu.ACC((T, np_), jnp.float32))
-    l_i = col_reduce("add", l_t, red_s.at[w])
+    l_i = frag.col_reduce("add", l_t, red_s.at[w])
     has = l_i > 0
     l_safe = jnp.where(has, l_i, 1.0)
     lb = lax.broadcast_in_dim(l_safe, (T, np_), [1])

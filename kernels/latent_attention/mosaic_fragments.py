@@ -1,10 +1,12 @@
-"""Register-level (Mosaic GPU `FragmentedArray`) helpers of the Palu Mosaic kernel.
+"""Register-level (Mosaic GPU `FragmentedArray`) helpers of the Mosaic kernels
+(`mosaic_latent`, `kivi_attention.mosaic_kivi`), and the Pallas wrappers both call.
 
 Pallas Mosaic GPU has no transposing store for WGMMA-layout arrays and no op that pairs
-adjacent columns of one, so these two steps are written against the arrays' registers and
-called through `plgpu.inline_mgpu` by `mosaic_latent`. Both rely on the WGMMA layout's
-vector of 2 adjacent columns per register (`fragmented_array.WGMMA_LAYOUT`); the GPU tests of
-`mosaic_latent` check them against the float32 reference.
+adjacent columns of one, so these steps are written against the arrays' registers and
+called through `plgpu.inline_mgpu` (`col_reduce` and `store_transposed` are the wrappers).
+They rely on the WGMMA layout's vector of 2 adjacent columns per register
+(`fragmented_array.WGMMA_LAYOUT`); the GPU tests of both kernels check them against the
+float32 references.
 """
 
 from __future__ import annotations
@@ -78,3 +80,35 @@ def store_vector(x, ref, *, offset=0):
     for e in range(vec_len):
       val = vector.extract(reg, dynamic_position=[], static_position=ir.DenseI64ArrayAttr.get([e]))
       memref.store(val, ref, [arith.addi(c, arith.constant(index, offset + e))])
+
+
+def col_reduce(op, x, scratch):
+  """Column reduction of a WGMMA-layout [rows, NP] array across the warpgroup's warps, with
+  this warpgroup's own scratch (Pallas's built-in cross-warp reduction shares one scratch
+  buffer between warpgroups, which races when two compute warpgroups reduce at once).
+  Called inside a Pallas Mosaic GPU kernel."""
+  import jax.experimental.pallas.mosaic_gpu as plgpu  # pylint: disable=import-outside-toplevel
+  layout = plgpu.Layout.WGMMA
+
+  @plgpu.inline_mgpu(arg_types=(layout, plgpu.RefType()),
+                     return_type=plgpu.ShapeDtypeStruct((x.shape[1],), x.dtype,
+                                                        layout=layout.reduce(0)))
+  def f(_, xv, sc_ref):
+    return xv.reduce(op, 0, scratch=sc_ref)
+  return f(x, scratch)
+
+
+def store_transposed(x, dst, row_stride=1, row_offset=0):
+  """dst[h, row_stride * t + row_offset] = x[t, h] for a WGMMA-layout x [64, NP] (16-bit)
+  and dst [NP, K] in shared memory tiled (8, 64) with the 128-byte swizzle: the K-major B
+  operand of a wgmma (p^T for a value product, rotated queries for Palu's scores). The
+  untransposed [T, NP] layout would need a 32-byte swizzle, whose value tile then travels
+  as 24 TMA boxes of 32-byte rows (measured: Palu's value stage alone ran at 0.7 TB/s).
+  Called inside a Pallas Mosaic GPU kernel."""
+  import jax.experimental.pallas.mosaic_gpu as plgpu  # pylint: disable=import-outside-toplevel
+
+  @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA, plgpu.RefType(
+      (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128)))))
+  def f(_, xv, ref):
+    store_transposed_swizzled(xv, ref, row_stride=row_stride, row_offset=row_offset)
+  f(x, dst)

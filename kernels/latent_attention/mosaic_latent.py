@@ -99,35 +99,7 @@ def _kernel(p, q_ref, hk_ref, hv_ref, bk_ref, cos_ref, sin_ref, base_ref, len_re
   b = pid // (gr * npart)
   grp = (pid // npart) % gr
   part = pid % npart
-  length = len_ref[b]
-  chunk = ((length + ns - 1) // ns + T - 1) // T * T
-  start = sid * chunk
-  end = jnp.minimum(start + chunk, length)
-  n_tiles = jnp.maximum(end - start + T - 1, 0) // T
-
-  def col_reduce(op, x, scratch):
-    """Column reduction of a WGMMA-layout [rows, NP] array across the warpgroup's warps, with
-    this warpgroup's own scratch (Pallas's built-in cross-warp reduction shares one scratch
-    buffer between warpgroups, which races when two compute warpgroups reduce at once)."""
-    @plgpu.inline_mgpu(arg_types=(wgmma_layout, plgpu.RefType()),
-                       return_type=plgpu.ShapeDtypeStruct(
-                           (x.shape[1],), x.dtype, layout=wgmma_layout.reduce(0)))
-    def f(_, xv, sc_ref):
-      return xv.reduce(op, 0, scratch=sc_ref)
-    return f(x, scratch)
-
-  def store_transposed(x, dst, row_stride=1, row_offset=0):
-    """dst[h, row_stride * t + row_offset] = x[t, h] for a WGMMA-layout x [64, NP] (16-bit)
-    and dst [NP, K] in shared memory tiled (8, 64) with the 128-byte swizzle: the K-major B
-    operand of a wgmma (p^T for the value product, the rotated queries for the scores).
-    The untransposed [T, NP] layout would need a 32-byte swizzle, whose value tile then
-    travels as 24 TMA boxes of 32-byte rows (measured: the value stage alone ran at
-    0.7 TB/s)."""
-    @plgpu.inline_mgpu(arg_types=(wgmma_layout, plgpu.RefType(
-        (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128)))))
-    def f(_, xv, ref):
-      frag.store_transposed_swizzled(xv, ref, row_stride=row_stride, row_offset=row_offset)
-    f(x, dst)
+  start, end, n_tiles = splitk.split_bounds(len_ref[b], ns, sid, T)
 
   def store_vector(x, dst, offset):
     """dst[offset + c] = x[c] for a [NP] column vector (WGMMA reduce(0) layout)."""
@@ -185,11 +157,11 @@ def _kernel(p, q_ref, hk_ref, hv_ref, bk_ref, cos_ref, sin_ref, base_ref, len_re
       qr1 = (q1 * cb + q2 * sb).astype(jnp.float16)
       qr2 = (q2 * cb - q1 * sb).astype(jnp.float16)
       if pairs:  # query column d of each half -> K index 2d (first half), 2d + 1 (second)
-        store_transposed(qr1, q_s.at[w], 2, 0)
-        store_transposed(qr2, q_s.at[w], 2, 1)
+        frag.store_transposed(qr1, q_s.at[w], 2, 0)
+        frag.store_transposed(qr2, q_s.at[w], 2, 1)
       else:
-        store_transposed(qr1, q_s.at[w, 0])
-        store_transposed(qr2, q_s.at[w, 1])
+        frag.store_transposed(qr1, q_s.at[w, 0])
+        frag.store_transposed(qr2, q_s.at[w, 1])
       plgpu.commit_smem()
 
     def scores_pairs(kf):
@@ -205,7 +177,7 @@ def _kernel(p, q_ref, hk_ref, hv_ref, bk_ref, cos_ref, sin_ref, base_ref, len_re
     def softmax(sc, t0, m_i, l_t):
       """Online softmax over the tile's tokens: (m_new, l_t, p, alpha = the rescale)."""
       sc = jnp.where(rows + t0 < end, sc, -jnp.inf)
-      m_new = jnp.maximum(m_i, col_reduce("max", sc, red_s.at[w]))
+      m_new = jnp.maximum(m_i, frag.col_reduce("max", sc, red_s.at[w]))
       alpha = jnp.exp2(m_i - m_new)
       pr = jnp.exp2(sc - lax.broadcast_in_dim(m_new, (T, np_), [1]))
       l_t = l_t * lax.broadcast_in_dim(alpha, (T, np_), [1]) + pr
@@ -236,7 +208,7 @@ def _kernel(p, q_ref, hk_ref, hv_ref, bk_ref, cos_ref, sin_ref, base_ref, len_re
       if skip == 1:  # ablation (timing only), no value path
         return
       with jax.named_scope("p_store"):
-        store_transposed(pr.astype(jnp.bfloat16), p_s.at[w])
+        frag.store_transposed(pr.astype(jnp.bfloat16), p_s.at[w])
         plgpu.commit_smem()
       vslot = lax.rem(i, v_stages)
       with jax.named_scope("wait_value"):
@@ -264,7 +236,7 @@ def _kernel(p, q_ref, hk_ref, hv_ref, bk_ref, cos_ref, sin_ref, base_ref, len_re
         def _():
           plgpu.barrier_wait(p_free)  # every warpgroup's value product of tile i - 1 retired
       with jax.named_scope("p_store"):
-        store_transposed(pr.astype(jnp.bfloat16), p_s.at[pl.ds(w * np_, np_)])
+        frag.store_transposed(pr.astype(jnp.bfloat16), p_s.at[pl.ds(w * np_, np_)])
       with jax.named_scope("exchange"):
         alphas = exchange(alpha, i)  # also publishes the p^T rows (commit + barrier)
       acc_ref[...] = acc_ref[...] * lax.broadcast_in_dim(alphas, (rvw, ncol), [1])
@@ -339,7 +311,7 @@ def _kernel(p, q_ref, hk_ref, hv_ref, bk_ref, cos_ref, sin_ref, base_ref, len_re
       m, l = lax.fori_loop(0, n_tiles, functools.partial(step, acc_ref=acc_ref), (m_i, l_t))
       return acc_ref[...], m, l
     acc, m_i, l_t = pl.run_scoped(run, plgpu.ACC((rvw, ncol), jnp.float32))
-    l_i = col_reduce("add", l_t, red_s.at[w])
+    l_i = frag.col_reduce("add", l_t, red_s.at[w])
     has = l_i > 0
     l_safe = jnp.where(has, l_i, 1.0)
     lse = jnp.where(has, (m_i + jnp.log2(l_safe)) * math.log(2.0), -jnp.inf)

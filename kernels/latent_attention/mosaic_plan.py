@@ -138,7 +138,7 @@ def plan(q_shape, hk_shape, hv_shape, bk_shape, *, heads_per_program=2, stages=N
   parallel = b * gr * (g // hpp)
   if num_splits is None and target_programs is None:
     # One CTA per SM (the rings and operands take most of the shared memory): balance waves.
-    ns = splitk.wave_balanced_splits(parallel, s, T, _num_sms())
+    ns = splitk.wave_balanced_splits(parallel, s, T, num_sms())
   else:
     ns = splitk.choose_num_splits(parallel, s, T, requested=num_splits,
                                   target=target_programs or 2 * 132)
@@ -149,7 +149,7 @@ def plan(q_shape, hk_shape, hv_shape, bk_shape, *, heads_per_program=2, stages=N
               grid=(parallel, ns))
 
 
-def _num_sms() -> int:
+def num_sms() -> int:
   """SMs of the first GPU (132 on H100/H200; also the value used where there is none, e.g.
   when lowering on a CPU machine)."""
   dev = jax.devices()[0]

@@ -20,20 +20,14 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
+import closeness  # noqa: E402
 from triton_interpret import interpreted_launch  # noqa: E402
 
 F32 = jnp.float32
 
 
 def assert_close(out, ref, atol, rtol, what):
-  out, ref = np.asarray(out, np.float64), np.asarray(ref, np.float64)
-  assert out.shape == ref.shape, (what, out.shape, ref.shape)
-  assert not np.isnan(out).any(), f"{what}: NaN in output"
-  both_inf = np.isinf(out) & np.isinf(ref) & (np.sign(out) == np.sign(ref))
-  err = np.where(both_inf, 0.0, np.abs(out - ref))
-  bad = err > atol + rtol * np.abs(np.where(both_inf, 0.0, ref))
-  assert not bad.any(), f"{what}: {bad.sum()} of {bad.size} off, max err {err.max():.3g}"
-  print(f"{what}: max err {err.max():.3g}")
+  print(f"{what}: max err {closeness.assert_close(out, ref, atol, rtol, what):.3g}")
 
 
 def check_dense():

@@ -12,6 +12,7 @@ import pytest
 jax = pytest.importorskip("jax")
 import jax.numpy as jnp  # noqa: E402
 
+from closeness import assert_close  # noqa: E402  (tests/kernels, on sys.path)
 from kvlowrank_kernels.decode_attention import decode_attention  # noqa: E402
 from kvlowrank_kernels.decode_attention import shapes as dshapes  # noqa: E402
 from kvlowrank_kernels.decode_attention import triton_backend  # noqa: E402
@@ -28,17 +29,6 @@ pytestmark = [
 ]
 
 F32 = jnp.float32
-
-
-def assert_close(out, ref, atol, rtol, what):
-  out, ref = np.asarray(out, np.float64), np.asarray(ref, np.float64)
-  assert out.shape == ref.shape, what
-  assert not np.isnan(out).any(), f"{what}: NaN in output"
-  both_inf = np.isinf(out) & np.isinf(ref) & (np.sign(out) == np.sign(ref))
-  err = np.where(both_inf, 0.0, np.abs(out - ref))
-  bad = err > atol + rtol * np.abs(np.where(both_inf, 0.0, ref))
-  assert not bad.any(), (f"{what}: {bad.sum()} of {bad.size} elements off, max err "
-                         f"{err.max():.3g}")
 
 
 def assert_partials_written(partials, what):

@@ -15,6 +15,7 @@ import pytest
 jax = pytest.importorskip("jax")
 import jax.numpy as jnp  # noqa: E402
 
+from closeness import assert_close  # noqa: E402  (tests/kernels, on sys.path)
 from kvlowrank_kernels.decode_attention import shapes as dshapes  # noqa: E402
 from kvlowrank_kernels.decode_attention import triton_backend  # noqa: E402
 from kvlowrank_kernels.kivi_attention import kivi_attention  # noqa: E402
@@ -158,15 +159,6 @@ def test_mosaic_kivi_lowers_for_cuda(idx, opts):
   assert "mosaic_gpu" in text
 
 
-def _close(out, ref, atol, rtol, what):
-  out, ref = np.asarray(out, np.float64), np.asarray(ref, np.float64)
-  assert not np.isnan(out).any(), f"{what}: NaN"
-  both_inf = np.isinf(out) & np.isinf(ref) & (np.sign(out) == np.sign(ref))
-  err = np.where(both_inf, 0.0, np.abs(out - ref))
-  bad = err > atol + rtol * np.abs(np.where(both_inf, 0.0, ref))
-  assert not bad.any(), f"{what}: {bad.sum()} of {bad.size} off, max err {err.max():.3g}"
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("idx", range(len(SHAPES)))
 @pytest.mark.parametrize("opts", [dict(), dict(warpgroups=1, stages=1),
@@ -186,8 +178,8 @@ def test_mosaic_kivi_matches_reference(idx, opts):
   out, lse, (o_p, lse_p) = run(q, cache, kw, vw, ql, wl)
   assert np.isfinite(np.asarray(o_p)).all(), "non-finite partial outputs"
   assert not np.isnan(np.asarray(lse_p)).any(), "NaN partial lse"
-  _close(out, ref, 2e-2, 2e-2, f"out {shape} {opts}")
-  _close(lse, ref_lse, 2e-2, 2e-3, f"lse {opts}")
+  assert_close(out, ref, 2e-2, 2e-2, f"out {shape} {opts}")
+  assert_close(lse, ref_lse, 2e-2, 2e-3, f"lse {opts}")
   again = run(q, cache, kw, vw, ql, wl)
   assert np.array_equal(np.asarray(out), np.asarray(again[0])), "not bitwise deterministic"
 
@@ -199,11 +191,11 @@ def test_mosaic_kivi_dispatcher_and_negative_control():
   _, (q, kq, vq, kw, vw, ql, wl) = _case(0, 950)
   ref, _ = kivi_attention_reference(q, kq, vq, kw, vw, ql, wl, out_dtype=F32)
   out, _ = kivi_attention(q, kq, vq, kw, vw, ql, wl, out_dtype=F32, implementation="mosaic")
-  _close(out, ref, 2e-2, 2e-2, "dispatcher")
+  assert_close(out, ref, 2e-2, 2e-2, "dispatcher")
   cache = mosaic_layout.to_mosaic(kq, vq)
   row = int(np.argmax(np.asarray(ql)))
   bad = mosaic_layout.KiviMosaic(kc=cache.kc, ks=cache.ks.at[row, 0, 0].multiply(9.0),
                                  vc=cache.vc, vs=cache.vs)
   out, _ = mosaic_kivi.kivi_attention_mosaic(q, bad, kw, vw, ql, wl, out_dtype=F32)
   with pytest.raises(AssertionError):
-    _close(out, ref, 2e-2, 2e-2, "corrupted key scales")
+    assert_close(out, ref, 2e-2, 2e-2, "corrupted key scales")

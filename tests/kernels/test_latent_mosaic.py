@@ -14,6 +14,7 @@ import pytest
 jax = pytest.importorskip("jax")
 import jax.numpy as jnp  # noqa: E402
 
+from closeness import assert_close  # noqa: E402  (tests/kernels, on sys.path)
 from kvlowrank_kernels.decode_attention import shapes as dshapes  # noqa: E402
 from kvlowrank_kernels.decode_attention import triton_backend  # noqa: E402
 from kvlowrank_kernels.latent_attention import mosaic_latent as ml  # noqa: E402
@@ -224,15 +225,6 @@ def _case(idx, seed):
   return shape, lshapes.make_inputs(shape, jax.random.key(seed), lengths=lens)
 
 
-def _close(out, ref, atol, rtol, what):
-  out, ref = np.asarray(out, np.float64), np.asarray(ref, np.float64)
-  assert not np.isnan(out).any(), f"{what}: NaN"
-  both_inf = np.isinf(out) & np.isinf(ref) & (np.sign(out) == np.sign(ref))
-  err = np.where(both_inf, 0.0, np.abs(out - ref))
-  bad = err > atol + rtol * np.abs(np.where(both_inf, 0.0, ref))
-  assert not bad.any(), f"{what}: {bad.sum()} of {bad.size} off, max err {err.max():.3g}"
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("idx", range(len(SHAPES)))
 @pytest.mark.parametrize("opts", [dict(), dict(heads_per_program=1, stages=1),
@@ -270,8 +262,8 @@ def test_mosaic_matches_reference(idx, opts):
   out, lse, (o_p, lse_p) = run(q, hk, hv, b_k, lens)
   assert np.isfinite(np.asarray(o_p)).all(), "non-finite partial outputs"
   assert not np.isnan(np.asarray(lse_p)).any(), "NaN partial lse"
-  _close(out, ref, 2e-2, 2e-2, f"out {opts}")
-  _close(lse, ref_lse, 2e-2, 2e-3, f"lse {opts}")
+  assert_close(out, ref, 2e-2, 2e-2, f"out {opts}")
+  assert_close(lse, ref_lse, 2e-2, 2e-3, f"lse {opts}")
   again = run(q, hk, hv, b_k, lens)
   assert np.array_equal(np.asarray(out), np.asarray(again[0])), "not bitwise deterministic"
 
@@ -287,7 +279,7 @@ def test_mosaic_negative_control():
   bad_hk = hk.at[long_row, 0].set(hk[long_row, 0] * 40.0)
   out, _ = ml.latent_attention_mosaic(q, bad_hk, hv, b_k, lens, inv, out_dtype=F32)
   with pytest.raises(AssertionError):
-    _close(out, ref, 2e-2, 2e-2, "corrupted latent")
+    assert_close(out, ref, 2e-2, 2e-2, "corrupted latent")
 
 
 @pytest.mark.gpu
@@ -306,7 +298,7 @@ def test_mosaic_profile_trace(tmp_path):
   ref, _ = latent_attention_reference(q, hk, hv, b_k, lens, out_dtype=F32)
   out, _ = ml.latent_attention_mosaic(q, hk, hv, b_k, lens, inv, out_dtype=F32,
                                       profile_dir=str(tmp_path), profile_space=64)
-  _close(out, ref, 2e-2, 2e-2, "profiled kernel")
+  assert_close(out, ref, 2e-2, 2e-2, "profiled kernel")
   traces = sorted(tmp_path.glob("*-trace.json"))
   assert traces, "no trace written"
   summary = mosaic_trace.summarize(str(traces[-1]), 3, ["compute", "compute", "producer"])
