@@ -36,6 +36,7 @@ import numpy as np
 from kvlowrank_kernels.decode_attention import decode_attention
 from kvlowrank_kernels.kivi_attention import KiviKeys, KiviValues, kivi_attention
 from kvlowrank_kernels.kivi_attention.mosaic_kivi import kivi_attention_mosaic
+from kvlowrank_kernels.kivi_attention.mosaic_kivi_warp import kivi_attention_mosaic_warp
 from kvlowrank_kernels.kivi_attention.mosaic_layout import to_mosaic
 from kvlowrank_kernels.latent_attention import PackedLatent, latent_attention
 from kvlowrank_kernels.latent_attention.shapes import palu_50
@@ -244,10 +245,14 @@ def kivi_fn(inp, opts):
 
 
 def kivi_mosaic_fn(inp, opts):
-  """The Mosaic KIVI kernel on the same cache stored in its own layout (relaid out once,
-  outside the timing, as a cache kept in that layout would be)."""
-  cache = jax.jit(to_mosaic)(inp["keys"], inp["values"])
-  f = jax.jit(lambda *a: kivi_attention_mosaic(*a, **opts))
+  """A Mosaic KIVI kernel on the same cache stored in its own layout (relaid out once,
+  outside the timing, as a cache kept in that layout would be). opts["kernel"]: "wgmma"
+  (`mosaic_kivi`, the default) or "warp" (`mosaic_kivi_warp`); the rest are its knobs."""
+  opts = dict(opts)
+  kernel = opts.pop("kernel", "wgmma")
+  fn = {"wgmma": kivi_attention_mosaic, "warp": kivi_attention_mosaic_warp}[kernel]
+  cache = jax.jit(functools.partial(to_mosaic, layout=kernel))(inp["keys"], inp["values"])
+  f = jax.jit(lambda *a: fn(*a, **opts))
   return f, (inp["q"], cache, inp["k_win"], inp["v_win"], inp["q_len"], inp["w_len"])
 
 

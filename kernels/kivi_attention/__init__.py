@@ -5,9 +5,10 @@
 Implementations: "reference" (jnp float32, runs anywhere; prefill uses it or
 dense attention on the unquantized prompt), "xla" (dequantize to bf16 + XLA
 dense attention per segment), "triton" (`triton_kivi`, dequantization fused;
-planar codes, see `packing`), "mosaic" (`mosaic_kivi`, Pallas Mosaic GPU, 2-bit with groups
-of 32: planar inputs are first relaid out with `mosaic_layout.to_mosaic`, a pass over the
-cache per call; a cache stored in that layout calls `mosaic_kivi.kivi_attention_mosaic`).
+planar codes, see `packing`), "mosaic" (Pallas Mosaic GPU, 2-bit with groups of 32:
+`mosaic_kivi_warp` (warp-level mma.sync, the default) or, with kernel="wgmma", `mosaic_kivi`;
+planar inputs are first relaid out with `mosaic_layout.to_mosaic`, a pass over the cache per
+call; a cache stored in a kernel's layout calls that kernel's function directly).
 None picks "triton" on a GPU with jax-triton, else "reference".
 """
 
@@ -42,7 +43,8 @@ def kivi_attention(q, keys: KiviKeys, values: KiviValues, k_win, v_win, q_len, w
     implementation: None | "reference" | "xla" | "triton" | "mosaic".
     **options: triton knobs (block_s, block_w, num_splits, target_programs, num_warps,
       num_stages, min_rows, poison, skip, fast; see `triton_kivi.kivi_attention_triton`);
-      mosaic knobs (warpgroups, stages, num_splits, window_implementation; see
+      mosaic knobs (kernel: "warp" (default) or "wgmma"; warpgroups, stages, num_splits,
+      window_implementation; see `mosaic_kivi_warp.kivi_attention_mosaic_warp` and
       `mosaic_kivi.kivi_attention_mosaic`).
   """
   impl = resolve_implementation(implementation)
@@ -61,10 +63,17 @@ def kivi_attention(q, keys: KiviKeys, values: KiviValues, k_win, v_win, q_len, w
     return combine_partials(jnp.stack([o1, o2], -2), jnp.stack([l1, l2], -1),
                             out_dtype or q.dtype)
   if impl == "mosaic":
-    from .mosaic_kivi import kivi_attention_mosaic  # pylint: disable=import-outside-toplevel
-    from .mosaic_layout import to_mosaic  # pylint: disable=import-outside-toplevel
-    return kivi_attention_mosaic(q, to_mosaic(keys, values), k_win, v_win, q_len, w_len,
-                                 scale=scale, out_dtype=out_dtype, **options)
+    # pylint: disable=import-outside-toplevel
+    from .mosaic_kivi import kivi_attention_mosaic
+    from .mosaic_kivi_warp import kivi_attention_mosaic_warp
+    from .mosaic_layout import to_mosaic
+    # pylint: enable=import-outside-toplevel
+    kernel = options.pop("kernel", "warp")
+    fns = {"warp": kivi_attention_mosaic_warp, "wgmma": kivi_attention_mosaic}
+    if kernel not in fns:
+      raise ValueError(f"kivi_attention: kernel must be 'warp' or 'wgmma', got {kernel!r}")
+    return fns[kernel](q, to_mosaic(keys, values, layout=kernel), k_win, v_win, q_len, w_len,
+                       scale=scale, out_dtype=out_dtype, **options)
   from .triton_kivi import kivi_attention_triton  # pylint: disable=import-outside-toplevel
   return kivi_attention_triton(q, keys, values, k_win, v_win, q_len, w_len, scale=scale,
                                out_dtype=out_dtype, **options)

@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from . import mosaic_ptx as ptx
+
 _ONE = {"float16": 0x3C00, "bfloat16": 0x3F80}
 _MANT = {"float16": 10, "bfloat16": 7}
 
@@ -68,82 +70,131 @@ def dequant_pairs_numpy(words, scale_pairs, zero_pairs, dtype: str):
   return c * scale_pairs + zero_pairs
 
 
-def dequant_operand(codes_ref, scales_ref, m: int, dtype: str):
-  """The thread's [64, 128] A operand (WGMMA layout) of sub-operand m of a block.
-
-  codes_ref: [4, 256] uint32 (this slot's words; thread tau's 4 words of m at flat index
-  4 (128 m + tau)), scales_ref: [4, 256] 16-bit (the 8 elements of (g, r, quad) at flat index
-  8 (32 g + 4 r + quad), g = 2 m + warp // 2, holding pair columns j = 2 r, 2 r + 1).
-  """
+def _ctx():
   # pylint: disable=import-outside-toplevel
-  import jax.experimental.mosaic.gpu as mgpu
-  from jax.experimental.mosaic.gpu import fragmented_array as fa
   from jax.experimental.mosaic.gpu import utils as mgpu_utils
   from jax._src.lib.mlir import ir
-  from jax._src.lib.mlir.dialects import arith, llvm, vector
+  from jax._src.lib.mlir.dialects import arith, vector
   # pylint: enable=import-outside-toplevel
+  return mgpu_utils, ir, arith, vector
+
+
+def const_i32(v: int):
+  """An i32 constant (v may be given as an unsigned 32-bit pattern)."""
+  _, ir, arith, _ = _ctx()
+  return arith.constant(ir.IntegerType.get_signless(32), v if v < 2 ** 31 else v - 2 ** 32)
+
+
+def thread_coords():
+  """(tid in the warpgroup, warp, lane) as i32 values."""
+  mgpu_utils, _, arith, _ = _ctx()
+  tid = arith.remui(mgpu_utils.thread_idx(), const_i32(128))
+  return tid, arith.divui(tid, const_i32(32)), arith.remui(tid, const_i32(32))
+
+
+def load16(ref, flat, elem=None):
+  """16 aligned bytes of a [rows, 256] shared-memory ref at a flat element index, as 4 i32
+  (elem: the ref's element type, i32 by default)."""
+  _, ir, arith, vector = _ctx()
   i32 = ir.IntegerType.get_signless(32)
+  elem = elem or i32
   index = ir.IndexType.get()
-  ft = ir.F16Type.get() if dtype == "float16" else ir.BF16Type.get()
-  v2 = ir.VectorType.get([2], ft)
-  v4i = ir.VectorType.get([4], i32)
-  ci = lambda v: arith.constant(i32, v if v < 2 ** 31 else v - 2 ** 32)
+  n = 128 // ir.IntegerType(elem).width if isinstance(elem, ir.IntegerType) else 8
   idx = lambda v: arith.index_cast(index, v)
-  # LLVM promotes a <2 x half> fma to two f32 fmas plus conversions (seen in the PTX: 5 more
-  # instructions per pair), so the packed FMA is written as PTX.
-  fma_instr = "fma.rn.f16x2" if dtype == "float16" else "fma.rn.bf16x2"
+  vec = vector.load(ir.VectorType.get([n], elem), ref,
+                    [idx(arith.divui(flat, const_i32(256))),
+                     idx(arith.remui(flat, const_i32(256)))], alignment=16)
+  if n != 4:
+    vec = vector.bitcast(ir.VectorType.get([4], i32), vec)
+  return [extract(vec, e) for e in range(4)]
 
-  def hfma2(a, b, c):  # packed a * b + c on 32-bit registers holding two 16-bit floats
-    return llvm.inline_asm(i32, [a, b, c], f"{fma_instr} $0, $1, $2, $3;", "=r,r,r,r")
 
-  def lop3_and_or(a, b, c):  # (a & b) | c in one LOP3 (from plain and/or, ptxas emitted two:
-    # a LOP3 takes one immediate, and the mask and the magic number were both constants)
-    return llvm.inline_asm(i32, [a, b, c], "lop3.b32 $0, $1, $2, $3, 0xEA;", "=r,r,r,r")
+def extract(vec, e: int):
+  _, ir, _, vector = _ctx()
+  return vector.extract(vec, dynamic_position=[], static_position=ir.DenseI64ArrayAttr.get([e]))
+
+
+def dequant_words(words, scale_of, dtype: str):
+  """{(u, k): i32 pair c * s + z} for the 8 pair slots k of each i32 word u in `words`
+  (module docstring); scale_of(u, k) -> (scale pair, zero pair), i32 each."""
+  _, _, arith, _ = _ctx()
+  one, mant = _ONE[dtype], _MANT[dtype]
 
   def pair_bits(val):  # a 16-bit float constant in both halves of a 32-bit word
     h = _bits16(val, dtype)
-    return ci(h | (h << 16))
+    return const_i32(h | (h << 16))
 
-  tid = arith.remui(mgpu_utils.thread_idx(), ci(128))
-  warp, lane = arith.divui(tid, ci(32)), arith.remui(tid, ci(32))
-  quad = arith.remui(lane, ci(4))
-
-  def load(ref, flat, elem=i32):  # 16 aligned bytes as [4 x i32], at a flat element index
-    n = 128 // ir.IntegerType(elem).width if isinstance(elem, ir.IntegerType) else 8
-    vec = vector.load(ir.VectorType.get([n], elem), ref,
-                      [idx(arith.divui(flat, ci(256))), idx(arith.remui(flat, ci(256)))],
-                      alignment=16)
-    return vec if n == 4 else vector.bitcast(v4i, vec)
-  words = load(codes_ref, arith.muli(arith.addi(tid, ci(128 * m)), ci(4)))
-  group = arith.addi(arith.divui(warp, ci(2)), ci(2 * m))
-  sbase = arith.addi(arith.muli(group, ci(32)), quad)
-  # row r: (scale pair, zero pair) of pair columns j = 2 r and 2 r + 1, one i32 per pair
-  srows = [load(scales_ref, arith.muli(arith.addi(sbase, ci(4 * r)), ci(8)), ft)
-           for r in range(8)]
-  ext = lambda vec, e: vector.extract(vec, dynamic_position=[],
-                                      static_position=ir.DenseI64ArrayAttr.get([e]))
-
-  one, mant = _ONE[dtype], _MANT[dtype]
   shifted = {}
   pairs = {}
-  for u in range(4):
-    w = ext(words, u)
+  for u, w in enumerate(words):
     for k, shift, f in slot_plan(dtype):
       if (u, shift) not in shifted:
-        shifted[(u, shift)] = arith.shrui(w, ci(shift)) if shift else w
+        shifted[(u, shift)] = arith.shrui(w, const_i32(shift)) if shift else w
       mask = (3 << f) | (3 << (16 + f))
-      x = lop3_and_or(shifted[(u, shift)], ci(mask), ci(one | (one << 16)))
+      x = ptx.lop3_and_or(shifted[(u, shift)], const_i32(mask), const_i32(one | (one << 16)))
       kk = float(2 ** (mant - f))
-      c = hfma2(x, pair_bits(kk), pair_bits(-kk))
-      rh, j = u // 2, (u % 2) * 8 + k
-      row = srows[j // 2]
-      val = hfma2(c, ext(row, (j % 2) * 2), ext(row, (j % 2) * 2 + 1))
-      pairs[(rh, j)] = vector.bitcast(v2, vector.from_elements(ir.VectorType.get([1], i32),
-                                                               [val]))
+      c = ptx.hfma2(x, pair_bits(kk), pair_bits(-kk), dtype)
+      s, z = scale_of(u, k)
+      pairs[(u, k)] = ptx.hfma2(c, s, z, dtype)
+  return pairs
+
+
+def key_scale_rows(scales_ref, group, dtype: str):
+  """The thread's 8 rows of key (scale pair, zero pair) for token group `group` (i32): row r
+  holds pair columns j = 2 r, 2 r + 1 as 4 i32 [s(j % 2 = 0), z(0), s(1), z(1)].
+
+  scales_ref: [4, 256] 16-bit; the 8 elements of (g, r, quad) sit at flat index
+  8 (32 g + 4 r + quad) (quad = lane % 4: the four quads' chunks are side by side).
+  """
+  _, ir, arith, _ = _ctx()
+  ft = ir.F16Type.get() if dtype == "float16" else ir.BF16Type.get()
+  _, _, lane = thread_coords()
+  sbase = arith.addi(arith.muli(group, const_i32(32)), arith.remui(lane, const_i32(4)))
+  return [load16(scales_ref, arith.muli(arith.addi(sbase, const_i32(4 * r)), const_i32(8)), ft)
+          for r in range(8)]
+
+
+def key_pairs(codes_ref, m: int, srows, dtype: str):
+  """{(rh, j): i32 pair} of the thread's share of key sub-operand m of a block (the A
+  fragment rows 16 warp + lane // 4 + 8 rh, columns 8 j + 2 (lane % 4) + e).
+
+  codes_ref: [4, 256] uint32 (this slot's words; thread tau's 4 words of m at flat index
+  4 (128 m + tau)); srows: `key_scale_rows` of the sub-operand's token group.
+  """
+  _, _, arith, _ = _ctx()
+  tid, _, _ = thread_coords()
+  words = load16(codes_ref, arith.muli(arith.addi(tid, const_i32(128 * m)), const_i32(4)))
+
+  def scale_of(u, k):
+    j = (u % 2) * 8 + k
+    row = srows[j // 2]
+    return row[(j % 2) * 2], row[(j % 2) * 2 + 1]
+
+  pairs = dequant_words(words, scale_of, dtype)
+  return {(u // 2, (u % 2) * 8 + k): v for (u, k), v in pairs.items()}
+
+
+def dequant_operand(codes_ref, scales_ref, m: int, dtype: str):
+  """The thread's [64, 128] A operand (WGMMA layout) of key or value sub-operand m of a
+  block (`key_pairs`; the value codes and scales of `mosaic_layout`'s "wgmma" layout share
+  the key layout's register order)."""
+  # pylint: disable=import-outside-toplevel
+  import jax.experimental.mosaic.gpu as mgpu
+  from jax.experimental.mosaic.gpu import fragmented_array as fa
+  # pylint: enable=import-outside-toplevel
+  _, ir, _, vector = _ctx()
+  ft = ir.F16Type.get() if dtype == "float16" else ir.BF16Type.get()
+  v2 = ir.VectorType.get([2], ft)
+  i32 = ir.IntegerType.get_signless(32)
   layout = fa.WGMMA_LAYOUT
   shape = layout.registers_shape((64, 128))
   assert shape == (1, 16, 1, 1, 2, 1, 1, 1, 1), shape  # (j, rh) of the m64 fragments
   regs = np.empty(shape, dtype=object)
-  for (rh, j), val in pairs.items():
-    regs[0, j, 0, 0, rh, 0, 0, 0, 0] = val
+  _, _, arith, _ = _ctx()
+  _, warp, _ = thread_coords()
+  group = arith.addi(arith.divui(warp, const_i32(2)), const_i32(2 * m))
+  srows = key_scale_rows(scales_ref, group, dtype)
+  for (rh, j), val in key_pairs(codes_ref, m, srows, dtype).items():
+    regs[0, j, 0, 0, rh, 0, 0, 0, 0] = vector.bitcast(
+        v2, vector.from_elements(ir.VectorType.get([1], i32), [val]))
   return mgpu.FragmentedArray(_registers=regs, _layout=layout, _is_signed=None)

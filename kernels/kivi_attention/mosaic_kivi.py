@@ -24,6 +24,8 @@ Grid (B * K, num_splits); a CTA streams one (batch, KV head)'s chunk of 128-toke
     (bf16, `window_implementation`: XLA by default) in one LSE combine.
 NP = the KV head's query heads, zero-padded to 8 or 16 (the N of every product).
 
+`mosaic_kivi_warp` (warp-level mma.sync, no warpgroup exchanges in the loop) is 1.14-1.24x
+faster and the dispatcher's default; this kernel stays as kernel="wgmma" for comparison.
 Measured (H200, interleaved rounds, BENCHMARKS.md "ninth session"): 1.8-2.5x the cuDNN
 dense kernel and 1.0-1.3x the Triton KIVI kernel at 16K/64K, B = 8/32; warpgroups=3 (the
 default) was 5-9% faster than 2 in 6 of 8 configurations. About a third of the call at

@@ -1,4 +1,4 @@
-"""KIVI codes and scales in the register order of the Mosaic GPU kernel's wgmma A operands.
+"""KIVI codes and scales in the register order of the Mosaic GPU kernels' MMA A operands.
 
 `to_mosaic(keys, values)` is a lossless relayout of a planar KIVI cache (`packing`): the
 same 2-bit codes and the same scale/zero numbers, permuted so that each thread of a
@@ -24,7 +24,18 @@ tokens 128 n + 8 j + 2 (l % 4) + e, scale of channel group gv = 2 m + w // 2.
 Why these bit fields: a pair's two codes are the same field of the two 16-bit halves, so
 one mask-and-or puts both into the low mantissa bits of an fp16/bf16 pair (a magic number
 M + c 2^P, exact) and the kernel needs no byte shuffles (`mosaic_dequant`).
-Restrictions (the kernel's): 2-bit codes, key and value groups of 32, head dim 128,
+
+The "warp" layout (`mosaic_kivi_warp`: each warp owns 32 tokens of a block and multiplies
+with m16n8k16 `mma.sync`, whose per-warp A fragment is the wgmma one's) keeps the key words
+and both scale rows' formats but moves tokens: warp w owns tokens 32 w .. 32 w + 31 (one key
+group), key sub-tile m = its tokens 32 w + 16 m + l // 4 + 8 rh. Values (V^T as A, channel
+tiles t of 16, k-steps kk of the warp's 16-token halves):
+  value codes vc [1024] uint32 = [128 threads tau, 8 words u = 4 kk + gq]; slot k of word u
+      is fragment register reg = k % 4 = rh + 2 jh of channel tile t = 2 gq + k // 4: channel
+      16 t + l // 4 + 8 rh, tokens 32 w + 16 kk + 8 jh + 2 (l % 4) + e
+  value scales vs [1024] = [4 warps, 8 chunks c = u, 4 quads, 2 jh, (scale, zero), e]: the
+      pair of tokens 32 w + 16 (c // 4) + 8 jh + 2 quad + e, channel group c % 4
+Restrictions (the kernels'): 2-bit codes, key and value groups of 32, head dim 128,
 capacity a multiple of 128.
 """
 
@@ -45,45 +56,76 @@ GROUP = 32
 BITS = 2
 
 
-@jax.tree_util.register_dataclass
+LAYOUTS = ("wgmma", "warp")
+
+
 @dataclasses.dataclass(frozen=True)
 class KiviMosaic:
-  """A KIVI-2bit cache in the Mosaic kernel's layout (module docstring); capacity S.
+  """A KIVI-2bit cache in a Mosaic kernel's layout (module docstring); capacity S.
 
-  kc, vc: uint32 [B, K, S / 128, 4, 256]; ks, vs: fp16 or bf16 [B, K, S / 128, 4, 256].
+  kc, vc: uint32 [B, K, S / 128, 4, 256]; ks, vs: fp16 or bf16 [B, K, S / 128, 4, 256];
+  layout: "wgmma" (`mosaic_kivi`) or "warp" (`mosaic_kivi_warp`; values differ).
   """
 
   kc: jax.Array
   ks: jax.Array
   vc: jax.Array
   vs: jax.Array
+  layout: str = "wgmma"
 
   @property
   def capacity(self) -> int:
     return self.kc.shape[2] * BLOCK
 
 
+jax.tree_util.register_dataclass(KiviMosaic, data_fields=["kc", "ks", "vc", "vs"],
+                                 meta_fields=["layout"])
+
+
 @functools.lru_cache(maxsize=None)
-def _maps():
-  """(tokens, channels) of every (m, tau, u, k, e) code, for keys and for values."""
+def _code_maps(layout: str):
+  """(token in block, channel) of every code, for keys and for values, as int arrays
+  [1024 words (stored order), 8 slots k, 2 elements e]."""
   m, tau, u, k, e = np.meshgrid(np.arange(2), np.arange(128), np.arange(4), np.arange(8),
                                 np.arange(2), indexing="ij")
   w, lane = tau // 32, tau % 32
   rh, j = u // 2, (u % 2) * 8 + k
   row = 16 * w + lane // 4 + 8 * rh     # M index within the m64 operand
   col = 8 * j + 2 * (lane % 4) + e      # K index
-  keys = (64 * m + row, col)            # (token in block, channel)
-  values = (col, 64 * m + row)
-  return keys, values
+  flat = lambda x: x.reshape(1024, 8, 2)
+  if layout == "wgmma":
+    return (flat(64 * m + row), flat(col)), (flat(col), flat(64 * m + row))
+  # warp: warp w owns tokens 32 w .. 32 w + 31 (one key group); key sub-tile m is its
+  # tokens 32 w + 16 m .., in the m16n8k16 A fragment order (the same per-thread order)
+  keys = (flat(32 * w + 16 * m + lane // 4 + 8 * rh), flat(col))
+  # warp: thread tau's 8 words u = 4 kk + gq; slot k = 4 (t % 2) + reg, t = 2 gq + k // 4,
+  # reg = rh + 2 jh (the m16n8k16 A fragment order a0..a3)
+  tau, u, k, e = np.meshgrid(np.arange(128), np.arange(8), np.arange(8), np.arange(2),
+                             indexing="ij")
+  w, lane = tau // 32, tau % 32
+  kk, gq = u // 4, u % 4
+  t, reg = 2 * gq + k // 4, k % 4
+  rh, jh = reg % 2, reg // 2
+  chan = 16 * t + lane // 4 + 8 * rh
+  tok = 32 * w + 16 * kk + 8 * jh + 2 * (lane % 4) + e
+  return keys, (flat(tok), flat(chan))
 
 
-def _scale_maps():
-  """(index a, index b) of every (g, r, quad, j % 2, e) scale: keys (group, channel), values
-  (token in block, group)."""
+@functools.lru_cache(maxsize=None)
+def _scale_maps(layout: str):
+  """(index a, index b) of every scale, as int arrays [4, 8, 4, 2, 2] (the stored order
+  without the (scale, zero) axis, which sits before the last): keys (group, channel),
+  values (token in block, group)."""
   g, r, quad, jj, e = np.meshgrid(np.arange(4), np.arange(8), np.arange(4), np.arange(2),
                                   np.arange(2), indexing="ij")
   x = 8 * (2 * r + jj) + 2 * quad + e
-  return (g, x), (x, g)
+  keys = (g, x)
+  if layout == "wgmma":
+    return keys, (x, g)
+  # warp: [warp w, chunk c = 4 kk + gq, quad, jh, (scale, zero), e]
+  w, c, quad, jh, e = g, r, quad, jj, e
+  tok = 32 * w + 16 * (c // 4) + 8 * jh + 2 * quad + e
+  return keys, (tok, c % 4)
 
 
 def _pack_words(c):
@@ -115,10 +157,12 @@ def _check(keys: KiviKeys, values: KiviValues):
                      f"float16 or bfloat16; got {keys.scale.dtype}, {values.scale.dtype}")
 
 
-def to_mosaic(keys: KiviKeys, values: KiviValues) -> KiviMosaic:
-  """Planar KIVI-2bit keys/values (`packing`) -> the kernel's layout; lossless."""
+def to_mosaic(keys: KiviKeys, values: KiviValues, layout: str = "wgmma") -> KiviMosaic:
+  """Planar KIVI-2bit keys/values (`packing`) -> a kernel's layout; lossless."""
+  if layout not in LAYOUTS:
+    raise ValueError(f"mosaic KIVI layout: layout must be one of {LAYOUTS}, got {layout!r}")
   _check(keys, values)
-  (kt, kd), (vt, vd) = _maps()
+  (kt, kd), (vt, vd) = _code_maps(layout)
   b, kh, s, _ = keys.codes.shape
   nb = s // BLOCK
   kcodes = unpack_planar(keys.codes, BITS, keys.plane_width).reshape(b, kh, nb, BLOCK, HEAD_DIM)
@@ -126,7 +170,7 @@ def to_mosaic(keys: KiviKeys, values: KiviValues) -> KiviMosaic:
   vcodes = vcodes.reshape(b, kh, nb, BLOCK, HEAD_DIM)
   kc = _pack_words(kcodes[:, :, :, kt, kd]).reshape(b, kh, nb, 4, 256)
   vc = _pack_words(vcodes[:, :, :, vt, vd]).reshape(b, kh, nb, 4, 256)
-  (kg, kx), (vx, vg) = _scale_maps()
+  (kg, kx), (vx, vg) = _scale_maps(layout)
 
   def key_scales(a):  # [B, K, S / 32, H] -> [B, K, nb, 4, 8, 4, 2, 2]
     return a.reshape(b, kh, nb, 4, HEAD_DIM)[:, :, :, kg, kx]
@@ -137,18 +181,18 @@ def to_mosaic(keys: KiviKeys, values: KiviValues) -> KiviMosaic:
   ks = jnp.stack([key_scales(keys.scale), key_scales(keys.zero)], -2)
   vs = jnp.stack([value_scales(values.scale), value_scales(values.zero)], -2)
   return KiviMosaic(kc=kc, ks=ks.reshape(b, kh, nb, 4, 256), vc=vc,
-                    vs=vs.reshape(b, kh, nb, 4, 256))
+                    vs=vs.reshape(b, kh, nb, 4, 256), layout=layout)
 
 
 def dequantize_mosaic(cache: KiviMosaic):
   """(keys, values) float32 [B, S, K, H] from the kernel's layout (inverse maps of
   `to_mosaic`, for the tests and the reference path)."""
-  (kt, kd), (vt, vd) = _maps()
+  (kt, kd), (vt, vd) = _code_maps(cache.layout)
   b, kh, nb = cache.kc.shape[:3]
-  (kg, kx), (vx, vg) = _scale_maps()
+  (kg, kx), (vx, vg) = _scale_maps(cache.layout)
 
   def codes(words, rows, cols):
-    c = _unpack_words(words.reshape(b, kh, nb, 2, 128, 4))
+    c = _unpack_words(words.reshape(b, kh, nb, 1024))
     out = jnp.zeros((b, kh, nb, BLOCK, HEAD_DIM), jnp.int32)
     return out.at[:, :, :, rows, cols].set(c).astype(jnp.float32)
 

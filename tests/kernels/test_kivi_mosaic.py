@@ -9,6 +9,8 @@ the 128-token block) against the float32 reference, every partial finite, bitwis
 and a negative control.
 """
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -16,41 +18,26 @@ jax = pytest.importorskip("jax")
 import jax.numpy as jnp  # noqa: E402
 
 from closeness import assert_close  # noqa: E402  (tests/kernels, on sys.path)
-from kvlowrank_kernels.decode_attention import shapes as dshapes  # noqa: E402
+from kivi_cases import SHAPES, case  # noqa: E402
 from kvlowrank_kernels.decode_attention import triton_backend  # noqa: E402
 from kvlowrank_kernels.kivi_attention import kivi_attention  # noqa: E402
 from kvlowrank_kernels.kivi_attention import (  # noqa: E402
     mosaic_dequant, mosaic_kivi, mosaic_layout)
-from kvlowrank_kernels.kivi_attention import packing, shapes  # noqa: E402
+from kvlowrank_kernels.kivi_attention import packing  # noqa: E402
 from kvlowrank_kernels.kivi_attention.reference import kivi_attention_reference  # noqa: E402
 
 F32 = jnp.float32
-KS = shapes.KiviShape
-
-# Llama-3-like GQA 4, MHA, GQA 8 and GQA 16; fp16 (KIVI's format) and bf16 scale/zero.
-SHAPES = (
-    KS(batch=3, capacity=640, window=128, n_heads=8, n_kv_heads=2, scale_dtype="float16"),
-    KS(batch=2, capacity=384, window=37, n_heads=4, n_kv_heads=4, scale_dtype="float16"),
-    KS(batch=2, capacity=512, window=128, n_heads=16, n_kv_heads=2, scale_dtype="bfloat16"),
-    KS(batch=2, capacity=256, window=5, n_heads=16, n_kv_heads=1, scale_dtype="float16"),
-)
 
 
-def _case(idx, seed, ragged=True):
-  shape = SHAPES[idx]
-  rng = np.random.default_rng(seed)
-  lens = dshapes.ragged_lengths(shape.batch, shape.capacity, rng) if ragged else None
-  wl = rng.integers(0, shape.window + 1, shape.batch).astype(np.int32)
-  return shape, shapes.make_inputs(shape, jax.random.key(seed), q_len=lens, w_len=wl)
-
-
+@pytest.mark.parametrize("layout", mosaic_layout.LAYOUTS)
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
-def test_relayout_is_lossless(dtype):
+def test_relayout_is_lossless(dtype, layout):
   k = jax.random.normal(jax.random.key(0), (2, 256, 3, 128)).astype(jnp.bfloat16)
   v = jax.random.normal(jax.random.key(1), (2, 256, 3, 128)).astype(jnp.bfloat16)
   kq = packing.quantize_keys(k, 2, 32, jnp.dtype(dtype))
   vq = packing.quantize_values(v, 2, 32, jnp.dtype(dtype))
-  cache = mosaic_layout.to_mosaic(kq, vq)
+  cache = mosaic_layout.to_mosaic(kq, vq, layout=layout)
+  assert cache.layout == layout
   assert cache.kc.dtype == jnp.uint32 and cache.ks.dtype == jnp.dtype(dtype)
   # Same bytes as the planar cache: codes 2 bits, scale/zero unchanged in number.
   assert cache.kc.size * 4 == kq.codes.size and cache.ks.size == 2 * kq.scale.size
@@ -58,8 +45,7 @@ def test_relayout_is_lossless(dtype):
   np.testing.assert_array_equal(np.asarray(kf), np.asarray(packing.dequantize_keys(kq, 128)))
   np.testing.assert_array_equal(np.asarray(vf), np.asarray(packing.dequantize_values(vq, 128)))
   # Negative control: one flipped code bit changes exactly one element.
-  bad = mosaic_layout.KiviMosaic(kc=cache.kc.at[0, 0, 0, 1, 22].set(cache.kc[0, 0, 0, 1, 22] ^ 1),
-                                 ks=cache.ks, vc=cache.vc, vs=cache.vs)
+  bad = dataclasses.replace(cache, kc=cache.kc.at[0, 0, 0, 1, 22].set(cache.kc[0, 0, 0, 1, 22] ^ 1))
   kb, _ = mosaic_layout.dequantize_mosaic(bad)
   assert int((np.asarray(kb) != np.asarray(kf)).sum()) == 1
 
@@ -146,13 +132,16 @@ def test_layout_rejects():
   with pytest.raises(ValueError, match="2-bit with groups of 32"):
     mosaic_layout.to_mosaic(packing.quantize_keys(k, 4, 32, jnp.float16),
                             packing.quantize_values(k, 2, 32, jnp.float16))
+  with pytest.raises(ValueError, match="layout must be one of"):
+    mosaic_layout.to_mosaic(packing.quantize_keys(k, 2, 32, jnp.float16),
+                            packing.quantize_values(k, 2, 32, jnp.float16), layout="tiles")
 
 
 @pytest.mark.parametrize("idx", range(len(SHAPES)))
 @pytest.mark.parametrize("opts", [dict(), dict(warpgroups=1, stages=2),
                                   dict(warpgroups=3, num_splits=2)])
 def test_mosaic_kivi_lowers_for_cuda(idx, opts):
-  _, (q, kq, vq, kw, vw, ql, wl) = _case(idx, 10 + idx)
+  _, (q, kq, vq, kw, vw, ql, wl) = case(idx, 10 + idx)
   cache = mosaic_layout.to_mosaic(kq, vq)
   f = jax.jit(lambda *a: mosaic_kivi.kivi_attention_mosaic(*a, **opts))
   text = f.trace(q, cache, kw, vw, ql, wl).lower(lowering_platforms=("cuda",)).as_text()
@@ -170,7 +159,7 @@ def test_mosaic_kivi_lowers_for_cuda(idx, opts):
 def test_mosaic_kivi_matches_reference(idx, opts):
   if not triton_backend.gpu_available():
     pytest.skip("needs a GPU")
-  shape, (q, kq, vq, kw, vw, ql, wl) = _case(idx, 900 + idx)
+  shape, (q, kq, vq, kw, vw, ql, wl) = case(idx, 900 + idx)
   cache = mosaic_layout.to_mosaic(kq, vq)
   ref, ref_lse = kivi_attention_reference(q, kq, vq, kw, vw, ql, wl, out_dtype=F32)
   run = jax.jit(lambda *a: mosaic_kivi.kivi_attention_mosaic(*a, out_dtype=F32,
@@ -188,7 +177,7 @@ def test_mosaic_kivi_matches_reference(idx, opts):
 def test_mosaic_kivi_dispatcher_and_negative_control():
   if not triton_backend.gpu_available():
     pytest.skip("needs a GPU")
-  _, (q, kq, vq, kw, vw, ql, wl) = _case(0, 950)
+  _, (q, kq, vq, kw, vw, ql, wl) = case(0, 950)
   ref, _ = kivi_attention_reference(q, kq, vq, kw, vw, ql, wl, out_dtype=F32)
   out, _ = kivi_attention(q, kq, vq, kw, vw, ql, wl, out_dtype=F32, implementation="mosaic")
   assert_close(out, ref, 2e-2, 2e-2, "dispatcher")

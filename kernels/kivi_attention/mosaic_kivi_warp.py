@@ -1,0 +1,272 @@
+"""KIVI-2bit decode attention in Pallas Mosaic GPU with warp-level tensor-core products.
+
+Why next to `mosaic_kivi` (wgmma): there, each 128-token block costs 32 m64n8k16 wgmmas
+(N = 8 query columns: the tensor pipe runs them at a small fraction of its rate) and two
+warpgroup-wide exchanges (the column max through shared memory, p^T as the value products'
+B operand). Measured: ~1,650 cycles per block and SM against ~810 for its bytes. Here each
+warp owns 32 tokens of every block it sees, end to end, with `mma.sync` m16n8k16 products
+whose operands are registers, so nothing in the loop is shared between warps:
+  s [32 tokens, NP]  = dequant(K codes) @ q^T     (A: keys, the same register order as the
+                                                   wgmma kernel; B: q, held in registers)
+  per-head max over the warp's tokens: 3 butterfly shuffles; p = 2^(s - m)
+  p -> B operand: one `movmatrix` transpose per 8 x 8 (the score fragment's rows are tokens,
+                  the value product's B wants tokens along K)
+  o^T [128 ch, NP]  += dequant(V^T codes of the warp's tokens) @ p   (values: the "warp"
+                                                   layout of `mosaic_layout`)
+Each warp keeps its own online-softmax state; after the loop the 4 W warps' partials are
+merged in shared memory into one (o, lse) per CTA, and the wrapper merges the splits with the
+exact window's partial in one LSE combine (as `mosaic_kivi`).
+
+Grid (B * K, num_splits); warpgroup W is the TMA producer (the ring of `mosaic_kivi`:
+codes and scales of keys and values per 128-token block), warpgroup w < W takes blocks
+w, w + W, ... Instructions are PTX through `mosaic_ptx` inside `plgpu.inline_mgpu`.
+
+Measured (H200, interleaved rounds, BENCHMARKS.md "tenth session"): 1.99-3.15x the cuDNN
+dense kernel and 1.14-1.24x `mosaic_kivi` at 16K/64K, B = 8/32; warpgroups 2 (the default)
+and 3 are within 4% of each other everywhere. The loop is 629 SASS instructions per warp and
+block (256 HFMA2 and 137 LOP3 of dequantization, 32 HMMA); with constant key operands
+(skip=2) the call is 20-32% shorter, so the dequantization instructions are the limit.
+
+Choices (as `mosaic_kivi`): q unscaled in the scales' 16-bit type, scores scaled in f32,
+p rounded to the 16-bit type for the value product, dequantized elements rounded once,
+tokens in [length, capacity) read and masked. Restrictions: `mosaic_layout`'s (2-bit,
+groups of 32, H = 128, capacity a multiple of 128), QPK <= 16.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from ..decode_attention import splitk
+from ..decode_attention.xla import decode_attention_xla
+from ..latent_attention.mosaic_plan import SMEM_LIMIT, num_sms, query_columns
+from . import mosaic_warp_step as ws
+from .mosaic_layout import BLOCK, HEAD_DIM, KiviMosaic
+
+LOG2E = 1.4426950408889634
+
+
+def _smem_bytes(w, stages, np_):
+  kib = lambda n: -(-n // 1024) * 1024
+  slot = 2 * (256 * 4 * 4) + 2 * (128 * 8 * 2)   # codes + scales of keys and values
+  return (stages * slot + kib(np_ * HEAD_DIM * 2)          # ring, q
+          + kib(4 * w * HEAD_DIM * np_ * 4) + kib(4 * w * 2 * np_ * 4)  # warp partials
+          + kib(HEAD_DIM * np_ * 4) + kib(np_ * 4) + 512)  # merged partial, barriers
+
+
+def plan(q_shape, cache_shape, *, warpgroups=2, stages=None, num_splits=None, skip=0):
+  """Launch geometry (dict) with ValueErrors naming the bad argument. skip: timing ablation
+  (wrong output; `mosaic_warp_step.block_step`): 1 no value path, 2 / 3 constant key / value
+  operands."""
+  if skip not in (0, 1, 2, 3):
+    raise ValueError(f"mosaic KIVI (warp): skip must be 0, 1, 2 or 3, got {skip}")
+  b, n, h = q_shape
+  cb, kh, nb = cache_shape[:3]
+  if h != HEAD_DIM:
+    raise ValueError(f"mosaic KIVI (warp): head dim must be {HEAD_DIM}, got q.shape={q_shape}")
+  if cb != b:
+    raise ValueError(f"mosaic KIVI (warp): cache batch {cb} != q batch {b}")
+  if n % kh:
+    raise ValueError(f"mosaic KIVI (warp): query heads ({n}) must be a multiple of KV heads "
+                     f"({kh})")
+  qpk = n // kh
+  if qpk > 16:
+    raise ValueError(f"mosaic KIVI (warp): at most 16 query heads per KV head, got {qpk}")
+  if warpgroups not in (1, 2, 3):
+    raise ValueError(f"mosaic KIVI (warp): warpgroups must be 1, 2 or 3, got {warpgroups}")
+  np_ = query_columns(qpk)
+  if stages is None:
+    stages = warpgroups
+    while (_smem_bytes(warpgroups, stages + warpgroups, np_) <= SMEM_LIMIT
+           and stages + warpgroups <= 4 * warpgroups):
+      stages += warpgroups
+  if stages < 1 or stages % warpgroups:
+    raise ValueError(f"mosaic KIVI (warp): stages ({stages}) must be a positive multiple of "
+                     f"warpgroups ({warpgroups})")
+  if _smem_bytes(warpgroups, stages, np_) > SMEM_LIMIT:
+    raise ValueError(f"mosaic KIVI (warp): {stages} stages need "
+                     f"{_smem_bytes(warpgroups, stages, np_)} bytes of shared memory, over "
+                     f"{SMEM_LIMIT}")
+  if num_splits is None:
+    num_splits = splitk.wave_balanced_splits(b * kh, nb * BLOCK, BLOCK, num_sms(),
+                                             min_tiles=2 * warpgroups)
+  num_splits = max(1, min(int(num_splits), nb))
+  regs = min(232, (512 - 40) // warpgroups // 8 * 8)
+  return dict(b=b, n=n, kh=kh, qpk=qpk, np=np_, nb=nb, w=warpgroups, stages=stages,
+              num_splits=num_splits, regs=regs, grid=(b * kh, num_splits), skip=skip)
+
+
+def _kernel(p, dtype, sm_scale, q_ref, kc_ref, ks_ref, vc_ref, vs_ref, len_ref, o_ref,
+            lse_ref, smem, bars):
+  import jax.experimental.pallas as pl  # pylint: disable=import-outside-toplevel
+  import jax.experimental.pallas.mosaic_gpu as plgpu  # pylint: disable=import-outside-toplevel
+  nw, stages, np_, ns, kh = p["w"], p["stages"], p["np"], p["num_splits"], p["kh"]
+  nt = np_ // 8
+  q_s, kc_s, ks_s, vc_s, vs_s, wo_s, wml_s, o_s, lse_s = smem
+  q_bar, kc_bar, ks_bar, vc_bar, vs_bar, free, done = bars
+  layout = plgpu.Layout.WGMMA
+  sds = lambda cols, dt: plgpu.ShapeDtypeStruct((64, cols), dt, layout=layout)
+  acc_t, ml_t, qb_t = sds(64 * nt, jnp.float32), sds(8 * nt, jnp.float32), sds(32 * nt,
+                                                                               jnp.int32)
+  ref = plgpu.RefType()
+  pid = lax.axis_index("p")
+  sid = lax.axis_index("s")
+  wg = lax.axis_index("wg")
+  b, head = pid // kh, pid % kh
+  start, end, n_blocks = splitk.split_bounds(len_ref[b], ns, sid, BLOCK)
+  scale2 = sm_scale * LOG2E
+
+  @plgpu.inline_mgpu(arg_types=(ref,), return_type=qb_t)
+  def load_q(_, q):
+    return ws.query_fragments(q, nt, dtype)
+
+  @plgpu.inline_mgpu(return_type=(acc_t, ml_t))
+  def init(_):
+    return ws.initial_state(nt)
+
+  @plgpu.inline_mgpu(arg_types=(ref, ref, ref, ref, layout, layout, layout, layout),
+                     return_type=(acc_t, ml_t))
+  def step(_, kc, ks, vc, vs, qb, acc, ml, valid):
+    return ws.block_step(kc, ks, vc, vs, qb, acc, ml, valid, nt=nt, dtype=dtype,
+                         scale2=scale2, skip=p["skip"])
+
+  @plgpu.inline_mgpu(arg_types=(layout, layout, ref, ref))
+  def publish(_, acc, ml, wo, wml):
+    ws.publish_partial(acc, ml, wo, wml, nt)
+
+  @plgpu.inline_mgpu(arg_types=(ref, ref, ref, ref))
+  def merge(_, wo, wml, o, lse):
+    ws.merge_partials(wo, wml, o, lse, 4 * nw, np_)
+
+  def compute(w):
+    plgpu.set_max_registers(p["regs"], action="increase")
+    plgpu.barrier_wait(q_bar)
+    qb = load_q(q_s)
+    mine = jnp.maximum(n_blocks - w + nw - 1, 0) // nw
+
+    def body(ii, carry):
+      acc, ml = carry
+      i = w + ii * nw
+      slot = lax.rem(i, stages)
+      for bar in (kc_bar, ks_bar, vc_bar, vs_bar):
+        plgpu.barrier_wait(bar.at[slot])
+      valid = plgpu.layout_cast(jnp.full((64, 8), end - (start + i * BLOCK), jnp.int32),
+                                layout)
+      acc, ml = step(kc_s.at[slot], ks_s.at[slot], vc_s.at[slot], vs_s.at[slot], qb, acc, ml,
+                     valid)
+      plgpu.barrier_arrive(free.at[slot])
+      return acc, ml
+
+    acc, ml = lax.fori_loop(0, mine, body, init())
+    publish(acc, ml, wo_s, wml_s)
+    plgpu.barrier_arrive(done)
+    if w == 0:
+      plgpu.barrier_wait(done)
+      merge(wo_s, wml_s, o_s, lse_s)
+      plgpu.commit_smem()
+      plgpu.copy_smem_to_gmem(o_s, o_ref.at[pid, sid])
+      plgpu.copy_smem_to_gmem(lse_s, lse_ref.at[pid, sid])
+      plgpu.wait_smem_to_gmem(0)
+
+  for w in range(nw):
+    pl.when(wg == w)(functools.partial(compute, w))
+
+  @pl.when(wg == nw)
+  def _producer():
+    plgpu.set_max_registers(40, action="decrease")
+    plgpu.copy_gmem_to_smem(q_ref.at[pid], q_s, q_bar)
+    blk0 = start // BLOCK
+
+    def load(i, slot):
+      for src, dst, bar in ((kc_ref, kc_s, kc_bar), (ks_ref, ks_s, ks_bar),
+                            (vc_ref, vc_s, vc_bar), (vs_ref, vs_s, vs_bar)):
+        plgpu.copy_gmem_to_smem(src.at[b, head, blk0 + i], dst.at[slot], bar.at[slot])
+
+    for i in range(stages):
+      pl.when(i < n_blocks)(functools.partial(load, i, i))
+
+    @pl.loop(0, n_blocks)
+    def _(i):
+      slot = lax.rem(i, stages)
+
+      @pl.when(i + stages < n_blocks)
+      def _():
+        plgpu.barrier_wait(free.at[slot])
+        load(i + stages, slot)
+
+
+def _call(p, dtype, sm_scale, qt, cache: KiviMosaic, lengths):
+  import jax.experimental.pallas as pl  # pylint: disable=import-outside-toplevel
+  import jax.experimental.pallas.mosaic_gpu as plgpu  # pylint: disable=import-outside-toplevel
+  nw, stages, np_, ns = p["w"], p["stages"], p["np"], p["num_splits"]
+  jdt = jnp.dtype(dtype)
+
+  def entry(q_ref, kc_ref, ks_ref, vc_ref, vs_ref, len_ref, o_ref, lse_ref):
+    scratch = [
+        plgpu.SMEM((np_, HEAD_DIM), jdt),
+        plgpu.SMEM((stages, 4, 256), jnp.uint32),
+        plgpu.SMEM((stages, 4, 256), jdt),
+        plgpu.SMEM((stages, 4, 256), jnp.uint32),
+        plgpu.SMEM((stages, 4, 256), jdt),
+        plgpu.SMEM((4 * nw, HEAD_DIM, np_), jnp.float32),
+        plgpu.SMEM((4 * nw, 2, np_), jnp.float32),
+        plgpu.SMEM((HEAD_DIM, np_), jnp.float32),
+        plgpu.SMEM((np_,), jnp.float32),
+    ]
+    bars = (
+        plgpu.Barrier(num_barriers=1),
+        *(plgpu.Barrier(num_barriers=stages) for _ in range(4)),
+        plgpu.Barrier(num_arrivals=1, num_barriers=stages),
+        plgpu.Barrier(num_arrivals=nw, num_barriers=1),
+    )
+    pl.run_scoped(
+        lambda *refs: _kernel(p, dtype, sm_scale, q_ref, kc_ref, ks_ref, vc_ref, vs_ref,
+                              len_ref, o_ref, lse_ref, refs[:9], refs[9:]),
+        *scratch, *bars, collective_axes="wg")
+
+  kvh = p["b"] * p["kh"]
+  out_types = (jax.ShapeDtypeStruct((kvh, ns, HEAD_DIM, np_), jnp.float32),
+               jax.ShapeDtypeStruct((kvh, ns, np_), jnp.float32))
+  return plgpu.kernel(
+      entry, out_type=out_types, grid=p["grid"], grid_names=("p", "s"),
+      num_threads=nw + 1, thread_name="wg",
+  )(qt, cache.kc, cache.ks, cache.vc, cache.vs, lengths)
+
+
+def kivi_attention_mosaic_warp(q, cache: KiviMosaic, k_win, v_win, q_len, w_len, *,
+                               scale=None, out_dtype=None, warpgroups=2, stages=None,
+                               num_splits=None, window_implementation="xla",
+                               return_partials=False, skip=0):
+  """KIVI-2bit decode attention over a `KiviMosaic` cache in the "warp" layout plus the
+  exact window; Args/Returns as `mosaic_kivi.kivi_attention_mosaic` (knobs: `plan`)."""
+  from ..decode_attention import decode_attention  # pylint: disable=import-outside-toplevel
+  if cache.layout != "warp":
+    raise ValueError("mosaic KIVI (warp): the cache must be in the 'warp' layout "
+                     f"(mosaic_layout.to_mosaic(..., layout='warp')), got {cache.layout!r}")
+  b, n, h = q.shape
+  dtype = jnp.dtype(cache.ks.dtype).name
+  if dtype not in ("float16", "bfloat16") or cache.vs.dtype != cache.ks.dtype:
+    raise ValueError("mosaic KIVI (warp): scales must be float16 or bfloat16, got "
+                     f"{cache.ks.dtype} / {cache.vs.dtype}")
+  p = plan(q.shape, cache.kc.shape, warpgroups=warpgroups, stages=stages,
+           num_splits=num_splits, skip=skip)
+  sm_scale = h ** -0.5 if scale is None else float(scale)
+  kh, qpk, np_ = p["kh"], p["qpk"], p["np"]
+  qt = jnp.pad(q.reshape(b * kh, qpk, h), ((0, 0), (0, np_ - qpk), (0, 0))).astype(dtype)
+  o_t, lse_t = _call(p, dtype, sm_scale, qt, cache, q_len.astype(jnp.int32))
+  parts = p["num_splits"]
+  o = o_t[..., :qpk].reshape(b, kh, parts, h, qpk).transpose(0, 1, 4, 2, 3)
+  lse = lse_t[..., :qpk].reshape(b, kh, parts, qpk).transpose(0, 1, 3, 2)
+  o, lse = o.reshape(b, n, parts, h), lse.reshape(b, n, parts)
+  if window_implementation == "xla":
+    ow, lw = decode_attention_xla(q, k_win, v_win, w_len, scale=scale, out_dtype=jnp.float32)
+  else:
+    ow, lw = decode_attention(q, k_win, v_win, w_len, scale=scale, out_dtype=jnp.float32,
+                              implementation=window_implementation)
+  o = jnp.concatenate([o, ow[:, :, None].astype(jnp.float32)], -2)
+  lse = jnp.concatenate([lse, lw[:, :, None]], -1)
+  return splitk.combine_result(o, lse, out_dtype or q.dtype, return_partials)

@@ -1,0 +1,268 @@
+"""The per-thread bodies of `mosaic_kivi_warp` (run inside `plgpu.inline_mgpu`).
+
+State crosses the Pallas loop as WGMMA-layout arrays used as plain register files (a
+[64, C] f32/i32 array is C / 2 scalars per thread, in the order `_scalars` lists them):
+  qb  [64, 32 NT] i32: q's B fragments, (n-tile, k-step kk, b0/b1)
+  acc [64, 64 NT] f32: o^T's D fragments, (n-tile, channel tile t, c0..c3)
+  ml  [64, 8 NT]  f32: (n-tile, [max e0, max e1, sum e0, sum e1]) of the thread's two
+                       query columns 8 nt + 2 (lane % 4) + e (log2 units; the sum is the
+                       thread's share, reduced across the warp at the end)
+Fragment coordinates (PTX m16n8k16; r = lane // 4, q = lane % 4): A rows r (+ 8), columns
+2 q (+ 8); B rows 2 q (+ 8), column r; C/D rows r (+ 8), columns 2 q + {0, 1}.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from . import mosaic_ptx as ptx
+from .mosaic_dequant import (const_i32, dequant_words, extract, key_pairs, key_scale_rows,
+                             load16, thread_coords)
+
+
+def _mlir():
+  # pylint: disable=import-outside-toplevel
+  import jax.experimental.mosaic.gpu as mgpu
+  from jax.experimental.mosaic.gpu import fragmented_array as fa
+  from jax.experimental.mosaic.gpu import utils as mgpu_utils
+  from jax._src.lib.mlir import ir
+  from jax._src.lib.mlir.dialects import arith, vector
+  # pylint: enable=import-outside-toplevel
+  return mgpu, fa, mgpu_utils, ir, arith, vector
+
+
+def _f32(v: float):
+  _, _, _, ir, arith, _ = _mlir()
+  return arith.constant(ir.F32Type.get(), v)
+
+
+def _scalars(arr):
+  """A WGMMA-layout FragmentedArray's per-thread scalars, in register order."""
+  return [extract(reg, e) for reg in arr.registers.flat for e in range(2)]
+
+
+def _array(vals, elem, signed):
+  """The inverse of `_scalars`: a [64, 2 len(vals)] WGMMA-layout FragmentedArray."""
+  mgpu, fa, _, ir, _, vector = _mlir()
+  layout = fa.WGMMA_LAYOUT
+  regs = np.empty(layout.registers_shape((64, 2 * len(vals))), dtype=object)
+  v2 = ir.VectorType.get([2], elem)
+  for i in range(regs.size):
+    regs.flat[i] = vector.from_elements(v2, [vals[2 * i], vals[2 * i + 1]])
+  return mgpu.FragmentedArray(_registers=regs, _layout=layout, _is_signed=signed)
+
+
+def _fmax(a, b):
+  _, _, _, _, arith, _ = _mlir()
+  return arith.maxnumf(a, b)
+
+
+def _is_neg_inf(x):
+  _, _, _, _, arith, _ = _mlir()
+  return arith.cmpf(arith.CmpFPredicate.OEQ, x, _f32(-math.inf))
+
+
+def _lane_parts():
+  _, _, _, _, arith, _ = _mlir()
+  tid, warp, lane = thread_coords()
+  return tid, warp, arith.divui(lane, const_i32(4)), arith.remui(lane, const_i32(4))
+
+
+def query_fragments(q_ref, nt: int, dtype: str):
+  """qb (module docstring) from q [NP, 128] (16-bit, shared memory, unswizzled)."""
+  _, _, _, ir, arith, vector = _mlir()
+  ft = ir.F16Type.get() if dtype == "float16" else ir.BF16Type.get()
+  i32 = ir.IntegerType.get_signless(32)
+  index = ir.IndexType.get()
+  _, _, r, q = _lane_parts()
+  vals = []
+  for n in range(nt):
+    row = arith.index_cast(index, arith.addi(r, const_i32(8 * n)))
+    for kk in range(8):
+      for half in range(2):
+        col = arith.index_cast(index, arith.addi(arith.muli(q, const_i32(2)),
+                                                 const_i32(16 * kk + 8 * half)))
+        pair = vector.load(ir.VectorType.get([2], ft), q_ref, [row, col])
+        vals.append(extract(vector.bitcast(ir.VectorType.get([1], i32), pair), 0))
+  return _array(vals, i32, True)
+
+
+def initial_state(nt: int):
+  """(acc, ml) before the first block: zeros, maxima -inf, sums 0."""
+  _, _, _, ir, _, _ = _mlir()
+  f32 = ir.F32Type.get()
+  acc = [_f32(0.0)] * (32 * nt)
+  ml = [_f32(v) for _ in range(nt) for v in (-math.inf, -math.inf, 0.0, 0.0)]
+  return _array(acc, f32, None), _array(ml, f32, None)
+
+
+def block_step(kc, ks, vc, vs, qb_arr, acc_arr, ml_arr, valid_arr, *, nt: int, dtype: str,
+               scale2: float, skip: int = 0):
+  """One 128-token block for this thread's warp (its 32 tokens): returns (acc, ml).
+
+  kc, ks, vc, vs: the ring slot's [4, 256] codes and scales (`mosaic_layout`, "warp");
+  valid: the block's number of valid tokens (every element); scale2: softmax scale * log2 e;
+  skip: timing ablation (wrong results): 1 no value path, 2 / 3 constant key / value
+  operands (no loads or dequantization; the products run).
+  """
+  _, _, _, ir, arith, _ = _mlir()
+  f32 = ir.F32Type.get()
+  ft = ir.F16Type.get() if dtype == "float16" else ir.BF16Type.get()
+  tid, warp, r, q = _lane_parts()
+  qb, acc, ml = _scalars(qb_arr), _scalars(acc_arr), _scalars(ml_arr)
+  valid = _scalars(valid_arr)[0]
+  zero4 = [_f32(0.0)] * 4
+
+  # Scores s [m][n] (4 f32: D fragment of tokens 32 warp + 16 m + r (+ 8)); two
+  # accumulation chains per product halve the dependent-MMA latency.
+  scores = {}
+  const_pairs = lambda keys: {kk: const_i32(0x3C003C00) for kk in keys}
+  srows = None if skip == 2 else key_scale_rows(ks, warp, dtype)  # the warp's token group
+  for m in range(2):
+    if skip == 2:
+      kp = const_pairs([(rh, j) for rh in range(2) for j in range(16)])
+    else:
+      kp = key_pairs(kc, m, srows, dtype)
+    for n in range(nt):
+      chains = [zero4, zero4]
+      for kk in range(8):
+        a = [kp[(0, 2 * kk)], kp[(1, 2 * kk)], kp[(0, 2 * kk + 1)], kp[(1, 2 * kk + 1)]]
+        b = qb[16 * n + 2 * kk: 16 * n + 2 * kk + 2]
+        chains[kk % 2] = ptx.mma_16816(a, b, chains[kk % 2], dtype)
+      scores[m, n] = [arith.addf(x, y) for x, y in zip(*chains)]
+
+  row0 = arith.addi(arith.muli(warp, const_i32(32)), r)
+  neg_inf, scale = _f32(-math.inf), _f32(scale2)
+  for (m, n), s in scores.items():
+    for c in range(4):
+      row = arith.addi(row0, const_i32(16 * m + 8 * (c // 2)))
+      ok = arith.cmpi(arith.CmpIPredicate.slt, row, valid)
+      s[c] = arith.select(ok, arith.mulf(s[c], scale), neg_inf)
+
+  # Online softmax per query column (n, e); the max spans the warp's 32 tokens.
+  new_ml = []
+  alphas = {}
+  for n in range(nt):
+    for e in range(2):
+      bmax = _fmax(_fmax(scores[0, n][e], scores[0, n][2 + e]),
+                   _fmax(scores[1, n][e], scores[1, n][2 + e]))
+      for mask in (4, 8, 16):
+        bmax = _fmax(bmax, ptx.shfl_xor(bmax, mask))
+      m_old = ml[4 * n + e]
+      m_new = _fmax(m_old, bmax)
+      m_use = arith.select(_is_neg_inf(m_new), _f32(0.0), m_new)
+      alphas[n, e] = ptx.ex2(arith.subf(m_old, m_use))
+      tot = None
+      for m in range(2):
+        for c in (e, 2 + e):
+          scores[m, n][c] = ptx.ex2(arith.subf(scores[m, n][c], m_use))
+          tot = scores[m, n][c] if tot is None else arith.addf(tot, scores[m, n][c])
+      l_new = arith.addf(arith.mulf(ml[4 * n + 2 + e], alphas[n, e]), tot)
+      new_ml.append((m_new, l_new))
+  ml_out = []
+  for n in range(nt):
+    (m0, l0), (m1, l1) = new_ml[2 * n], new_ml[2 * n + 1]
+    ml_out += [m0, m1, l0, l1]
+  acc = [arith.mulf(v, alphas[i // 32, i % 2]) for i, v in enumerate(acc)]
+  if skip == 1:
+    return _array(acc, f32, None), _array(ml_out, f32, None)
+
+  # p -> the value products' B fragments: rows (tokens) 2 q (+ 8), column (head) r.
+  pb = {}
+  for (m, n), p in scores.items():
+    pb[m, n] = [ptx.movmatrix_t(ptx.pack2(p[0], p[1], dtype)),
+                ptx.movmatrix_t(ptx.pack2(p[2], p[3], dtype))]
+
+  # Values: 8 words (word u = 4 kk + channel group), 8 scale chunks (chunk u: [jh][s, z]).
+  words = [] if skip == 3 else load16(vc, arith.muli(tid, const_i32(8))) + load16(
+      vc, arith.addi(arith.muli(tid, const_i32(8)), const_i32(4)))
+  sbase = arith.muli(arith.addi(arith.muli(warp, const_i32(32)), q), const_i32(8))
+  chunks = [] if skip == 3 else [load16(vs, arith.addi(sbase, const_i32(32 * c)), ft)
+                                 for c in range(8)]
+
+  def scale_of(u, k):
+    jh = (k % 4) // 2
+    return chunks[u][2 * jh], chunks[u][2 * jh + 1]
+
+  if skip == 3:
+    vp = const_pairs([(u, k) for u in range(8) for k in range(8)])
+  else:
+    vp = dequant_words(words, scale_of, dtype)
+  for t in range(8):
+    for kk in range(2):
+      u = 4 * kk + t // 2
+      a = [vp[(u, 4 * (t % 2) + reg)] for reg in range(4)]
+      for n in range(nt):
+        i = 32 * n + 4 * t
+        acc[i:i + 4] = ptx.mma_16816(a, pb[kk, n], acc[i:i + 4], dtype)
+  return _array(acc, f32, None), _array(ml_out, f32, None)
+
+
+def publish_partial(acc_arr, ml_arr, wo, wml, nt: int):
+  """Writes the warp's unnormalised o^T to wo [4 W, 128, NP] and its (max, sum) per query
+  column to wml [4 W, 2, NP] (f32, shared memory; row: the warp's index in the CTA)."""
+  _, _, mgpu_utils, ir, arith, vector = _mlir()
+  f32 = ir.F32Type.get()
+  index = ir.IndexType.get()
+  _, _, r, q = _lane_parts()
+  gw = arith.index_cast(index, arith.divui(mgpu_utils.thread_idx(), const_i32(32)))
+  idx = lambda v: arith.index_cast(index, v)
+  acc, ml = _scalars(acc_arr), _scalars(ml_arr)
+  v2 = ir.VectorType.get([2], f32)
+  for n in range(nt):
+    col = idx(arith.addi(arith.muli(q, const_i32(2)), const_i32(8 * n)))
+    m_pair = ml[4 * n: 4 * n + 2]
+    l_pair = []
+    for e in range(2):
+      tot = ml[4 * n + 2 + e]
+      for mask in (4, 8, 16):
+        tot = arith.addf(tot, ptx.shfl_xor(tot, mask))
+      l_pair.append(tot)
+    for which, pair in ((0, m_pair), (1, l_pair)):
+      vector.store(vector.from_elements(v2, pair), wml,
+                   [gw, arith.constant(index, which), col])
+    for t in range(8):
+      for half in range(2):
+        row = idx(arith.addi(r, const_i32(16 * t + 8 * half)))
+        i = 32 * n + 4 * t + 2 * half
+        vector.store(vector.from_elements(v2, acc[i:i + 2]), wo, [gw, row, col])
+
+
+def merge_partials(wo, wml, o, lse, n_warps: int, np_: int):
+  """One warpgroup merges the n_warps partials: thread tau writes o [128, NP] row tau
+  (normalised) and lse [NP] (natural log; -inf and o = 0 where no token was seen)."""
+  _, _, _, ir, arith, vector = _mlir()
+  f32 = ir.F32Type.get()
+  index = ir.IndexType.get()
+  tid, _, _, _ = _lane_parts()
+  ci = lambda v: arith.constant(index, v)
+  row = arith.index_cast(index, tid)
+  vec = ir.VectorType.get([np_], f32)
+
+  def load_vec(ref, idxs):
+    v = vector.load(vec, ref, idxs)
+    return [extract(v, h) for h in range(np_)]
+
+  maxima = [load_vec(wml, [ci(j), ci(0), ci(0)]) for j in range(n_warps)]
+  sums = [load_vec(wml, [ci(j), ci(1), ci(0)]) for j in range(n_warps)]
+  big = list(maxima[0])
+  for j in range(1, n_warps):
+    big = [_fmax(x, y) for x, y in zip(big, maxima[j])]
+  use = [arith.select(_is_neg_inf(x), _f32(0.0), x) for x in big]
+  tot = [_f32(0.0)] * np_
+  out = [_f32(0.0)] * np_
+  for j in range(n_warps):
+    vals = load_vec(wo, [ci(j), row, ci(0)])
+    for h in range(np_):
+      wgt = ptx.ex2(arith.subf(maxima[j][h], use[h]))
+      tot[h] = arith.addf(tot[h], arith.mulf(wgt, sums[j][h]))
+      out[h] = arith.addf(out[h], arith.mulf(wgt, vals[h]))
+  has = [arith.cmpf(arith.CmpFPredicate.OGT, x, _f32(0.0)) for x in tot]
+  safe = [arith.select(hh, x, _f32(1.0)) for hh, x in zip(has, tot)]
+  o_row = [arith.divf(x, s) for x, s in zip(out, safe)]
+  lse_row = [arith.select(hh, arith.mulf(arith.addf(u, ptx.lg2(s)), _f32(math.log(2.0))),
+                          _f32(-math.inf)) for hh, u, s in zip(has, use, safe)]
+  vector.store(vector.from_elements(vec, o_row), o, [row, ci(0)])
+  vector.store(vector.from_elements(vec, lse_row), lse, [ci(0)])
