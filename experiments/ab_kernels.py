@@ -100,8 +100,9 @@ def main():
   ap.add_argument("--context", type=int, default=16384)
   ap.add_argument("--batch", type=int, default=8)
   ap.add_argument("--family", default="palu", choices=("palu", "kivi"))
-  ap.add_argument("--variants", required=True, help="JSON list of Mosaic kernel option dicts (kivi: the key "
-                  "'kernel' picks 'wgmma' (default) or 'warp')")
+  ap.add_argument("--variants", required=True,
+                  help="JSON list of Mosaic kernel option dicts (kivi: the key 'kernel' picks "
+                  "'wgmma' (default) or 'warp')")
   ap.add_argument("--rounds", type=int, default=30)
   ap.add_argument("--fixed_cost", action="store_true",
                   help="also time the first variant with 1-token sequences")

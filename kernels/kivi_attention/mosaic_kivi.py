@@ -295,8 +295,7 @@ def kivi_attention_mosaic(q, cache: KiviMosaic, k_win, v_win, q_len, w_len, *, s
   Returns:
     (out [B, N, H], lse [B, N]) (+ the raw partials if return_partials).
   """
-  from ..decode_attention import decode_attention  # pylint: disable=import-outside-toplevel
-  b, n, h = q.shape
+  b, _, h = q.shape
   dtype = jnp.dtype(cache.ks.dtype).name
   if dtype not in ("float16", "bfloat16") or cache.vs.dtype != cache.ks.dtype:
     raise ValueError(f"mosaic KIVI: scales must be float16 or bfloat16, got {cache.ks.dtype}"
@@ -307,7 +306,19 @@ def kivi_attention_mosaic(q, cache: KiviMosaic, k_win, v_win, q_len, w_len, *, s
   kh, qpk, np_ = p["kh"], p["qpk"], p["np"]
   qt = jnp.pad(q.reshape(b * kh, qpk, h), ((0, 0), (0, np_ - qpk), (0, 0))).astype(dtype)
   o_t, lse_t = _call(p, dtype, sm_scale, qt, cache, q_len.astype(jnp.int32))
-  parts = p["num_splits"] * p["w"]
+  return merge_with_window(q, o_t, lse_t, p["num_splits"] * p["w"], p, k_win, v_win, w_len,
+                           scale=scale, out_dtype=out_dtype,
+                           window_implementation=window_implementation,
+                           return_partials=return_partials)
+
+
+def merge_with_window(q, o_t, lse_t, parts, p, k_win, v_win, w_len, *, scale, out_dtype,
+                      window_implementation, return_partials):
+  """The Mosaic KIVI kernels' partials (o_t [B K, parts, H, NP], lse_t [B K, parts, NP]) and
+  the exact window's (attended by `window_implementation`) merged in one LSE combine."""
+  from ..decode_attention import decode_attention  # pylint: disable=import-outside-toplevel
+  b, n, h = q.shape
+  kh, qpk = p["kh"], p["qpk"]
   o = o_t[..., :qpk].reshape(b, kh, parts, h, qpk).transpose(0, 1, 4, 2, 3)
   lse = lse_t[..., :qpk].reshape(b, kh, parts, qpk).transpose(0, 1, 3, 2)
   o, lse = o.reshape(b, n, parts, h), lse.reshape(b, n, parts)

@@ -42,9 +42,9 @@ import jax.numpy as jnp
 from jax import lax
 
 from ..decode_attention import splitk
-from ..decode_attention.xla import decode_attention_xla
 from ..latent_attention.mosaic_plan import SMEM_LIMIT, num_sms, query_columns
 from . import mosaic_warp_step as ws
+from .mosaic_kivi import merge_with_window
 from .mosaic_layout import BLOCK, HEAD_DIM, KiviMosaic
 
 LOG2E = 1.4426950408889634
@@ -243,11 +243,10 @@ def kivi_attention_mosaic_warp(q, cache: KiviMosaic, k_win, v_win, q_len, w_len,
                                return_partials=False, skip=0):
   """KIVI-2bit decode attention over a `KiviMosaic` cache in the "warp" layout plus the
   exact window; Args/Returns as `mosaic_kivi.kivi_attention_mosaic` (knobs: `plan`)."""
-  from ..decode_attention import decode_attention  # pylint: disable=import-outside-toplevel
   if cache.layout != "warp":
     raise ValueError("mosaic KIVI (warp): the cache must be in the 'warp' layout "
                      f"(mosaic_layout.to_mosaic(..., layout='warp')), got {cache.layout!r}")
-  b, n, h = q.shape
+  b, _, h = q.shape
   dtype = jnp.dtype(cache.ks.dtype).name
   if dtype not in ("float16", "bfloat16") or cache.vs.dtype != cache.ks.dtype:
     raise ValueError("mosaic KIVI (warp): scales must be float16 or bfloat16, got "
@@ -258,15 +257,7 @@ def kivi_attention_mosaic_warp(q, cache: KiviMosaic, k_win, v_win, q_len, w_len,
   kh, qpk, np_ = p["kh"], p["qpk"], p["np"]
   qt = jnp.pad(q.reshape(b * kh, qpk, h), ((0, 0), (0, np_ - qpk), (0, 0))).astype(dtype)
   o_t, lse_t = _call(p, dtype, sm_scale, qt, cache, q_len.astype(jnp.int32))
-  parts = p["num_splits"]
-  o = o_t[..., :qpk].reshape(b, kh, parts, h, qpk).transpose(0, 1, 4, 2, 3)
-  lse = lse_t[..., :qpk].reshape(b, kh, parts, qpk).transpose(0, 1, 3, 2)
-  o, lse = o.reshape(b, n, parts, h), lse.reshape(b, n, parts)
-  if window_implementation == "xla":
-    ow, lw = decode_attention_xla(q, k_win, v_win, w_len, scale=scale, out_dtype=jnp.float32)
-  else:
-    ow, lw = decode_attention(q, k_win, v_win, w_len, scale=scale, out_dtype=jnp.float32,
-                              implementation=window_implementation)
-  o = jnp.concatenate([o, ow[:, :, None].astype(jnp.float32)], -2)
-  lse = jnp.concatenate([lse, lw[:, :, None]], -1)
-  return splitk.combine_result(o, lse, out_dtype or q.dtype, return_partials)
+  return merge_with_window(q, o_t, lse_t, p["num_splits"], p, k_win, v_win, w_len,
+                           scale=scale, out_dtype=out_dtype,
+                           window_implementation=window_implementation,
+                           return_partials=return_partials)
