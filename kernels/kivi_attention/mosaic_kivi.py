@@ -49,64 +49,35 @@ import jax.numpy as jnp
 from jax import lax
 
 from ..decode_attention import splitk
-from ..decode_attention.xla import decode_attention_xla
 from ..latent_attention import mosaic_fragments as frag
-from ..latent_attention.mosaic_plan import RED_PER_COL, SMEM_LIMIT, num_sms, query_columns
+from ..latent_attention.mosaic_plan import RED_PER_COL
 from . import mosaic_dequant
+from . import mosaic_ring as ring
 from .mosaic_layout import BLOCK, HEAD_DIM, KiviMosaic
 
 T = 64  # rows of one m64 product (tokens of a key sub-operand, channels of a value one)
 LOG2E = 1.4426950408889634
 
 
+NAME = "mosaic KIVI"
+
+
 def _smem_bytes(w, stages, np_):
   kib = lambda n: -(-n // 1024) * 1024
-  slot = 2 * (256 * 4 * 4) + 2 * (128 * 8 * 2)   # codes + scales of keys and values
-  return (stages * slot + kib(np_ * HEAD_DIM * 2) + kib(w * np_ * BLOCK * 2)
+  return (stages * ring.SLOT_BYTES + kib(np_ * HEAD_DIM * 2) + kib(w * np_ * BLOCK * 2)
           + kib(w * RED_PER_COL * np_ * 4) + 512)
 
 
 def plan(q_shape, cache_shape, *, warpgroups=3, stages=None, num_splits=None,
          async_values=False, skip=0):
-  """Launch geometry (dict) with ValueErrors naming the bad argument. async_values: leave
-  the value products in flight into the next block (else waited for at the block's end).
-  skip: timing ablation (wrong output): 1 no value path, 2 constant key operands, 3 constant
-  value operands (the products run, the dequantization does not)."""
-  if skip not in (0, 1, 2, 3):
-    raise ValueError(f"mosaic KIVI: skip must be 0, 1, 2 or 3, got {skip}")
-  b, n, h = q_shape
-  cb, kh, nb = cache_shape[:3]
-  if h != HEAD_DIM:
-    raise ValueError(f"mosaic KIVI: head dim must be {HEAD_DIM}, got q.shape={q_shape}")
-  if cb != b:
-    raise ValueError(f"mosaic KIVI: cache batch {cb} != q batch {b}")
-  if n % kh:
-    raise ValueError(f"mosaic KIVI: query heads ({n}) must be a multiple of KV heads ({kh})")
-  qpk = n // kh
-  if qpk > 16:
-    raise ValueError(f"mosaic KIVI: at most 16 query heads per KV head, got {qpk}")
-  if warpgroups not in (1, 2, 3):
-    raise ValueError(f"mosaic KIVI: warpgroups must be 1, 2 or 3, got {warpgroups}")
-  np_ = query_columns(qpk)
-  if stages is None:
-    stages = warpgroups
-    while (_smem_bytes(warpgroups, stages + warpgroups, np_) <= SMEM_LIMIT
-           and stages + warpgroups <= 4 * warpgroups):
-      stages += warpgroups
-  if stages < 1 or stages % warpgroups:
-    raise ValueError(f"mosaic KIVI: stages ({stages}) must be a positive multiple of "
-                     f"warpgroups ({warpgroups})")
-  if _smem_bytes(warpgroups, stages, np_) > SMEM_LIMIT:
-    raise ValueError(f"mosaic KIVI: {stages} stages need {_smem_bytes(warpgroups, stages, np_)}"
-                     f" bytes of shared memory, over {SMEM_LIMIT}")
-  if num_splits is None:
-    num_splits = splitk.wave_balanced_splits(b * kh, nb * BLOCK, BLOCK, num_sms(),
-                                             min_tiles=2 * warpgroups)
-  num_splits = max(1, min(int(num_splits), nb))
-  regs = min(232, (512 - 40) // warpgroups // 8 * 8)
-  return dict(b=b, n=n, kh=kh, qpk=qpk, np=np_, nb=nb, w=warpgroups, stages=stages,
-              num_splits=num_splits, regs=regs, grid=(b * kh, num_splits),
-              async_values=bool(async_values), skip=skip)
+  """Launch geometry (dict) with ValueErrors naming the bad argument (`ring.plan_ring`).
+  async_values: leave the value products in flight into the next block (else waited for at
+  the block's end). skip: timing ablation (wrong output): 1 no value path, 2 constant key
+  operands, 3 constant value operands (the products run, the dequantization does not)."""
+  return dict(ring.plan_ring(NAME, q_shape, cache_shape, warpgroups=warpgroups,
+                             stages=stages, num_splits=num_splits, skip=skip,
+                             smem_bytes=_smem_bytes),
+              async_values=bool(async_values))
 
 
 def _kernel(p, dtype, sm_scale, q_ref, kc_ref, ks_ref, vc_ref, vs_ref, len_ref, o_ref,
@@ -219,28 +190,11 @@ def _kernel(p, dtype, sm_scale, q_ref, kc_ref, ks_ref, vc_ref, vs_ref, len_ref, 
   for w in range(nw):
     pl.when(wg == w)(functools.partial(compute, w))
 
-  @pl.when(wg == nw)
-  def _producer():
-    plgpu.set_max_registers(40, action="decrease")
-    plgpu.copy_gmem_to_smem(q_ref.at[pid], q_s, q_bar)
-    blk0 = start // BLOCK
-
-    def load(i, slot):
-      for src, dst, bar in ((kc_ref, kc_s, kc_bar), (ks_ref, ks_s, ks_bar),
-                            (vc_ref, vc_s, vc_bar), (vs_ref, vs_s, vs_bar)):
-        plgpu.copy_gmem_to_smem(src.at[b, head, blk0 + i], dst.at[slot], bar.at[slot])
-
-    for i in range(stages):
-      pl.when(i < n_blocks)(functools.partial(load, i, i))
-
-    @pl.loop(0, n_blocks)
-    def _(i):
-      slot = lax.rem(i, stages)
-
-      @pl.when(i + stages < n_blocks)
-      def _():
-        plgpu.barrier_wait(free.at[slot])
-        load(i + stages, slot)
+  pl.when(wg == nw)(functools.partial(
+      ring.produce, q_ref.at[pid], q_s, q_bar,
+      ((kc_ref, kc_s, kc_bar), (ks_ref, ks_s, ks_bar), (vc_ref, vc_s, vc_bar),
+       (vs_ref, vs_s, vs_bar)), free, b=b, head=head, start=start, n_blocks=n_blocks,
+      stages=stages))
 
 
 def _call(p, dtype, sm_scale, qt, cache: KiviMosaic, lengths):
@@ -295,38 +249,13 @@ def kivi_attention_mosaic(q, cache: KiviMosaic, k_win, v_win, q_len, w_len, *, s
   Returns:
     (out [B, N, H], lse [B, N]) (+ the raw partials if return_partials).
   """
-  b, _, h = q.shape
-  dtype = jnp.dtype(cache.ks.dtype).name
-  if dtype not in ("float16", "bfloat16") or cache.vs.dtype != cache.ks.dtype:
-    raise ValueError(f"mosaic KIVI: scales must be float16 or bfloat16, got {cache.ks.dtype}"
-                     f" / {cache.vs.dtype}")
+  dtype = ring.scale_dtype(NAME, cache, "wgmma")
   p = plan(q.shape, cache.kc.shape, warpgroups=warpgroups, stages=stages,
            num_splits=num_splits, async_values=async_values, skip=skip)
-  sm_scale = h ** -0.5 if scale is None else float(scale)
-  kh, qpk, np_ = p["kh"], p["qpk"], p["np"]
-  qt = jnp.pad(q.reshape(b * kh, qpk, h), ((0, 0), (0, np_ - qpk), (0, 0))).astype(dtype)
+  sm_scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
+  qt = ring.query_operand(q, p, dtype)
   o_t, lse_t = _call(p, dtype, sm_scale, qt, cache, q_len.astype(jnp.int32))
-  return merge_with_window(q, o_t, lse_t, p["num_splits"] * p["w"], p, k_win, v_win, w_len,
-                           scale=scale, out_dtype=out_dtype,
-                           window_implementation=window_implementation,
-                           return_partials=return_partials)
-
-
-def merge_with_window(q, o_t, lse_t, parts, p, k_win, v_win, w_len, *, scale, out_dtype,
-                      window_implementation, return_partials):
-  """The Mosaic KIVI kernels' partials (o_t [B K, parts, H, NP], lse_t [B K, parts, NP]) and
-  the exact window's (attended by `window_implementation`) merged in one LSE combine."""
-  from ..decode_attention import decode_attention  # pylint: disable=import-outside-toplevel
-  b, n, h = q.shape
-  kh, qpk = p["kh"], p["qpk"]
-  o = o_t[..., :qpk].reshape(b, kh, parts, h, qpk).transpose(0, 1, 4, 2, 3)
-  lse = lse_t[..., :qpk].reshape(b, kh, parts, qpk).transpose(0, 1, 3, 2)
-  o, lse = o.reshape(b, n, parts, h), lse.reshape(b, n, parts)
-  if window_implementation == "xla":
-    ow, lw = decode_attention_xla(q, k_win, v_win, w_len, scale=scale, out_dtype=jnp.float32)
-  else:
-    ow, lw = decode_attention(q, k_win, v_win, w_len, scale=scale, out_dtype=jnp.float32,
-                              implementation=window_implementation)
-  o = jnp.concatenate([o, ow[:, :, None].astype(jnp.float32)], -2)
-  lse = jnp.concatenate([lse, lw[:, :, None]], -1)
-  return splitk.combine_result(o, lse, out_dtype or q.dtype, return_partials)
+  return ring.merge_with_window(q, o_t, lse_t, p["num_splits"] * p["w"], p, k_win, v_win,
+                                w_len, scale=scale, out_dtype=out_dtype,
+                                window_implementation=window_implementation,
+                                return_partials=return_partials)

@@ -42,62 +42,29 @@ import jax.numpy as jnp
 from jax import lax
 
 from ..decode_attention import splitk
-from ..latent_attention.mosaic_plan import SMEM_LIMIT, num_sms, query_columns
+from . import mosaic_ring as ring
 from . import mosaic_warp_step as ws
-from .mosaic_kivi import merge_with_window
 from .mosaic_layout import BLOCK, HEAD_DIM, KiviMosaic
 
 LOG2E = 1.4426950408889634
 
 
+NAME = "mosaic KIVI (warp)"
+
+
 def _smem_bytes(w, stages, np_):
   kib = lambda n: -(-n // 1024) * 1024
-  slot = 2 * (256 * 4 * 4) + 2 * (128 * 8 * 2)   # codes + scales of keys and values
-  return (stages * slot + kib(np_ * HEAD_DIM * 2)          # ring, q
+  return (stages * ring.SLOT_BYTES + kib(np_ * HEAD_DIM * 2)          # ring, q
           + kib(4 * w * HEAD_DIM * np_ * 4) + kib(4 * w * 2 * np_ * 4)  # warp partials
           + kib(HEAD_DIM * np_ * 4) + kib(np_ * 4) + 512)  # merged partial, barriers
 
 
 def plan(q_shape, cache_shape, *, warpgroups=2, stages=None, num_splits=None, skip=0):
-  """Launch geometry (dict) with ValueErrors naming the bad argument. skip: timing ablation
-  (wrong output; `mosaic_warp_step.block_step`): 1 no value path, 2 / 3 constant key / value
-  operands."""
-  if skip not in (0, 1, 2, 3):
-    raise ValueError(f"mosaic KIVI (warp): skip must be 0, 1, 2 or 3, got {skip}")
-  b, n, h = q_shape
-  cb, kh, nb = cache_shape[:3]
-  if h != HEAD_DIM:
-    raise ValueError(f"mosaic KIVI (warp): head dim must be {HEAD_DIM}, got q.shape={q_shape}")
-  if cb != b:
-    raise ValueError(f"mosaic KIVI (warp): cache batch {cb} != q batch {b}")
-  if n % kh:
-    raise ValueError(f"mosaic KIVI (warp): query heads ({n}) must be a multiple of KV heads "
-                     f"({kh})")
-  qpk = n // kh
-  if qpk > 16:
-    raise ValueError(f"mosaic KIVI (warp): at most 16 query heads per KV head, got {qpk}")
-  if warpgroups not in (1, 2, 3):
-    raise ValueError(f"mosaic KIVI (warp): warpgroups must be 1, 2 or 3, got {warpgroups}")
-  np_ = query_columns(qpk)
-  if stages is None:
-    stages = warpgroups
-    while (_smem_bytes(warpgroups, stages + warpgroups, np_) <= SMEM_LIMIT
-           and stages + warpgroups <= 4 * warpgroups):
-      stages += warpgroups
-  if stages < 1 or stages % warpgroups:
-    raise ValueError(f"mosaic KIVI (warp): stages ({stages}) must be a positive multiple of "
-                     f"warpgroups ({warpgroups})")
-  if _smem_bytes(warpgroups, stages, np_) > SMEM_LIMIT:
-    raise ValueError(f"mosaic KIVI (warp): {stages} stages need "
-                     f"{_smem_bytes(warpgroups, stages, np_)} bytes of shared memory, over "
-                     f"{SMEM_LIMIT}")
-  if num_splits is None:
-    num_splits = splitk.wave_balanced_splits(b * kh, nb * BLOCK, BLOCK, num_sms(),
-                                             min_tiles=2 * warpgroups)
-  num_splits = max(1, min(int(num_splits), nb))
-  regs = min(232, (512 - 40) // warpgroups // 8 * 8)
-  return dict(b=b, n=n, kh=kh, qpk=qpk, np=np_, nb=nb, w=warpgroups, stages=stages,
-              num_splits=num_splits, regs=regs, grid=(b * kh, num_splits), skip=skip)
+  """Launch geometry (dict) with ValueErrors naming the bad argument (`ring.plan_ring`).
+  skip: timing ablation (wrong output; `mosaic_warp_step.block_step`): 1 no value path,
+  2 / 3 constant key / value operands."""
+  return ring.plan_ring(NAME, q_shape, cache_shape, warpgroups=warpgroups, stages=stages,
+                        num_splits=num_splits, skip=skip, smem_bytes=_smem_bytes)
 
 
 def _kernel(p, dtype, sm_scale, q_ref, kc_ref, ks_ref, vc_ref, vs_ref, len_ref, o_ref,
@@ -175,28 +142,11 @@ def _kernel(p, dtype, sm_scale, q_ref, kc_ref, ks_ref, vc_ref, vs_ref, len_ref, 
   for w in range(nw):
     pl.when(wg == w)(functools.partial(compute, w))
 
-  @pl.when(wg == nw)
-  def _producer():
-    plgpu.set_max_registers(40, action="decrease")
-    plgpu.copy_gmem_to_smem(q_ref.at[pid], q_s, q_bar)
-    blk0 = start // BLOCK
-
-    def load(i, slot):
-      for src, dst, bar in ((kc_ref, kc_s, kc_bar), (ks_ref, ks_s, ks_bar),
-                            (vc_ref, vc_s, vc_bar), (vs_ref, vs_s, vs_bar)):
-        plgpu.copy_gmem_to_smem(src.at[b, head, blk0 + i], dst.at[slot], bar.at[slot])
-
-    for i in range(stages):
-      pl.when(i < n_blocks)(functools.partial(load, i, i))
-
-    @pl.loop(0, n_blocks)
-    def _(i):
-      slot = lax.rem(i, stages)
-
-      @pl.when(i + stages < n_blocks)
-      def _():
-        plgpu.barrier_wait(free.at[slot])
-        load(i + stages, slot)
+  pl.when(wg == nw)(functools.partial(
+      ring.produce, q_ref.at[pid], q_s, q_bar,
+      ((kc_ref, kc_s, kc_bar), (ks_ref, ks_s, ks_bar), (vc_ref, vc_s, vc_bar),
+       (vs_ref, vs_s, vs_bar)), free, b=b, head=head, start=start, n_blocks=n_blocks,
+      stages=stages))
 
 
 def _call(p, dtype, sm_scale, qt, cache: KiviMosaic, lengths):
@@ -243,21 +193,13 @@ def kivi_attention_mosaic_warp(q, cache: KiviMosaic, k_win, v_win, q_len, w_len,
                                return_partials=False, skip=0):
   """KIVI-2bit decode attention over a `KiviMosaic` cache in the "warp" layout plus the
   exact window; Args/Returns as `mosaic_kivi.kivi_attention_mosaic` (knobs: `plan`)."""
-  if cache.layout != "warp":
-    raise ValueError("mosaic KIVI (warp): the cache must be in the 'warp' layout "
-                     f"(mosaic_layout.to_mosaic(..., layout='warp')), got {cache.layout!r}")
-  b, _, h = q.shape
-  dtype = jnp.dtype(cache.ks.dtype).name
-  if dtype not in ("float16", "bfloat16") or cache.vs.dtype != cache.ks.dtype:
-    raise ValueError("mosaic KIVI (warp): scales must be float16 or bfloat16, got "
-                     f"{cache.ks.dtype} / {cache.vs.dtype}")
+  dtype = ring.scale_dtype(NAME, cache, "warp")
   p = plan(q.shape, cache.kc.shape, warpgroups=warpgroups, stages=stages,
            num_splits=num_splits, skip=skip)
-  sm_scale = h ** -0.5 if scale is None else float(scale)
-  kh, qpk, np_ = p["kh"], p["qpk"], p["np"]
-  qt = jnp.pad(q.reshape(b * kh, qpk, h), ((0, 0), (0, np_ - qpk), (0, 0))).astype(dtype)
+  sm_scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
+  qt = ring.query_operand(q, p, dtype)
   o_t, lse_t = _call(p, dtype, sm_scale, qt, cache, q_len.astype(jnp.int32))
-  return merge_with_window(q, o_t, lse_t, p["num_splits"], p, k_win, v_win, w_len,
-                           scale=scale, out_dtype=out_dtype,
-                           window_implementation=window_implementation,
-                           return_partials=return_partials)
+  return ring.merge_with_window(q, o_t, lse_t, p["num_splits"], p, k_win, v_win, w_len,
+                                scale=scale, out_dtype=out_dtype,
+                                window_implementation=window_implementation,
+                                return_partials=return_partials)

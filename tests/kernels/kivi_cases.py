@@ -2,6 +2,7 @@
 
 import jax
 import numpy as np
+import pytest
 
 from kvlowrank_kernels.decode_attention import shapes as dshapes
 from kvlowrank_kernels.kivi_attention import shapes
@@ -23,3 +24,23 @@ def case(idx, seed, ragged=True):
   lens = dshapes.ragged_lengths(shape.batch, shape.capacity, rng) if ragged else None
   wl = rng.integers(0, shape.window + 1, shape.batch).astype(np.int32)
   return shape, shapes.make_inputs(shape, jax.random.key(seed), q_len=lens, w_len=wl)
+
+
+# (change to a valid plan request, the ValueError's expected words), for both kernels' `plan`.
+PLAN_REJECTS = (
+    (dict(q_shape=(2, 8, 64)), "head dim"),
+    (dict(q_shape=(3, 8, 128)), "batch"),
+    (dict(q_shape=(2, 6, 128), cache_shape=(2, 4, 2)), "multiple of KV heads"),
+    (dict(q_shape=(2, 34, 128), cache_shape=(2, 2, 2)), "at most 16"),
+    (dict(warpgroups=4), "warpgroups"),
+    (dict(stages=3), "multiple of warpgroups"),
+    (dict(stages=40), "shared memory"),
+    (dict(skip=4), "skip"),
+)
+
+
+def assert_plan_rejects(plan, change, match):
+  args = dict(q_shape=(2, 8, 128), cache_shape=(2, 2, 4), warpgroups=2)
+  args.update(change)
+  with pytest.raises(ValueError, match=match):
+    plan(args.pop("q_shape"), args.pop("cache_shape"), **args)

@@ -18,7 +18,7 @@ jax = pytest.importorskip("jax")
 import jax.numpy as jnp  # noqa: E402
 
 from closeness import assert_close  # noqa: E402  (tests/kernels, on sys.path)
-from kivi_cases import SHAPES, case  # noqa: E402
+from kivi_cases import PLAN_REJECTS, SHAPES, assert_plan_rejects, case  # noqa: E402
 from kvlowrank_kernels.decode_attention import triton_backend  # noqa: E402
 from kvlowrank_kernels.kivi_attention import kivi_attention  # noqa: E402
 from kvlowrank_kernels.kivi_attention import (  # noqa: E402
@@ -97,21 +97,9 @@ def test_fragments_rebuild_the_cache(dtype, what):
   assert not np.allclose(assemble(lambda u: 1 - u // 2), want)
 
 
-@pytest.mark.parametrize("change, match", [
-    (dict(q_shape=(2, 8, 64)), "head dim"),
-    (dict(q_shape=(3, 8, 128)), "batch"),
-    (dict(q_shape=(2, 6, 128), cache_shape=(2, 4, 2)), "multiple of KV heads"),
-    (dict(q_shape=(2, 34, 128), cache_shape=(2, 2, 2)), "at most 16"),
-    (dict(warpgroups=4), "warpgroups"),
-    (dict(stages=3), "multiple of warpgroups"),
-    (dict(stages=40), "shared memory"),
-    (dict(skip=4), "skip"),
-])
+@pytest.mark.parametrize("change, match", PLAN_REJECTS)
 def test_plan_rejects(change, match):
-  args = dict(q_shape=(2, 8, 128), cache_shape=(2, 2, 4), warpgroups=2)
-  args.update(change)
-  with pytest.raises(ValueError, match=match):
-    mosaic_kivi.plan(args.pop("q_shape"), args.pop("cache_shape"), **args)
+  assert_plan_rejects(mosaic_kivi.plan, change, match)
 
 
 def test_plan_defaults():
@@ -132,6 +120,10 @@ def test_layout_rejects():
   with pytest.raises(ValueError, match="2-bit with groups of 32"):
     mosaic_layout.to_mosaic(packing.quantize_keys(k, 4, 32, jnp.float16),
                             packing.quantize_values(k, 2, 32, jnp.float16))
+  _, (q, kq2, vq2, kw, vw, ql, wl) = case(0, 1)
+  with pytest.raises(ValueError, match="'wgmma' layout"):
+    mosaic_kivi.kivi_attention_mosaic(q, mosaic_layout.to_mosaic(kq2, vq2, layout="warp"), kw,
+                                      vw, ql, wl)
   with pytest.raises(ValueError, match="layout must be one of"):
     mosaic_layout.to_mosaic(packing.quantize_keys(k, 2, 32, jnp.float16),
                             packing.quantize_values(k, 2, 32, jnp.float16), layout="tiles")

@@ -17,7 +17,7 @@ jax = pytest.importorskip("jax")
 import jax.numpy as jnp  # noqa: E402
 
 from closeness import assert_close  # noqa: E402  (tests/kernels, on sys.path)
-from kivi_cases import SHAPES, case  # noqa: E402
+from kivi_cases import PLAN_REJECTS, SHAPES, assert_plan_rejects, case  # noqa: E402
 from kvlowrank_kernels.decode_attention import triton_backend  # noqa: E402
 from kvlowrank_kernels.kivi_attention import kivi_attention  # noqa: E402
 from kvlowrank_kernels.kivi_attention import (  # noqa: E402
@@ -89,21 +89,9 @@ def test_warp_fragments_rebuild_the_cache(dtype, what):
   assert not np.allclose(assemble([0, 1, 4, 5, 2, 3, 6, 7]), want)
 
 
-@pytest.mark.parametrize("change, match", [
-    (dict(q_shape=(2, 8, 64)), "head dim"),
-    (dict(q_shape=(3, 8, 128)), "batch"),
-    (dict(q_shape=(2, 6, 128), cache_shape=(2, 4, 2)), "multiple of KV heads"),
-    (dict(q_shape=(2, 34, 128), cache_shape=(2, 2, 2)), "at most 16"),
-    (dict(warpgroups=4), "warpgroups"),
-    (dict(stages=3), "multiple of warpgroups"),
-    (dict(stages=40), "shared memory"),
-    (dict(skip=4), "skip"),
-])
+@pytest.mark.parametrize("change, match", PLAN_REJECTS)
 def test_plan_rejects(change, match):
-  args = dict(q_shape=(2, 8, 128), cache_shape=(2, 2, 4), warpgroups=2)
-  args.update(change)
-  with pytest.raises(ValueError, match=match):
-    mosaic_kivi_warp.plan(args.pop("q_shape"), args.pop("cache_shape"), **args)
+  assert_plan_rejects(mosaic_kivi_warp.plan, change, match)
 
 
 def test_plan_defaults_and_layout_check():
