@@ -10,9 +10,10 @@ or bf16), per register pair of elements:
   v = c * s + z                                        packed FMA, one rounding.
 MANT is 10 (fp16) or 7 (bf16). A word's 8 pair slots sit at bits 2k: fp16 takes slots 0-4
 unshifted and 5-7 after one shift by 10; bf16 slots 0-2, then 3-5 (shift 6) and 6-7
-(shift 12). Why not fold the scales into the other MMA operand or the zero into a
-pre-offset (z - M s): see `triton_kivi` (per-tile operand rebuilds; a rounded group-wide
-offset is a correlated error); here the scales of a pair are shared by the thread's two
+(shift 12). `upto="codes"` stops at c, for a kernel that folds the scales into its other
+operand (`mosaic_warp_step`, whose warps each own one key group per block). Why not fold
+the zero into a pre-offset (z - M s): see `triton_kivi` (a rounded group-wide offset is a
+correlated error). In the wgmma kernel the scales of a pair are shared by the thread's two
 rows, so they cost one 16-byte load per four pairs.
 The CPU test `tests/kernels/test_kivi_mosaic.py` checks the same arithmetic in numpy
 (`dequant_pairs_numpy`); the GPU tests check the kernel against the float32 reference.
@@ -114,9 +115,11 @@ def extract(vec, e: int):
   return vector.extract(vec, dynamic_position=[], static_position=ir.DenseI64ArrayAttr.get([e]))
 
 
-def dequant_words(words, scale_of, dtype: str):
+def dequant_words(words, scale_of, dtype: str, upto: str = "scaled"):
   """{(u, k): i32 pair c * s + z} for the 8 pair slots k of each i32 word u in `words`
-  (module docstring); scale_of(u, k) -> (scale pair, zero pair), i32 each."""
+  (module docstring); scale_of(u, k) -> (scale pair, zero pair), i32 each. upto="codes"
+  returns the exact codes c (scale_of unused: a kernel that folds the scales into its other
+  operand); "bits" the lop3's x alone (a timing ablation: wrong values)."""
   _, _, arith, _ = _ctx()
   one, mant = _ONE[dtype], _MANT[dtype]
 
@@ -132,8 +135,14 @@ def dequant_words(words, scale_of, dtype: str):
         shifted[(u, shift)] = arith.shrui(w, const_i32(shift)) if shift else w
       mask = (3 << f) | (3 << (16 + f))
       x = ptx.lop3_and_or(shifted[(u, shift)], const_i32(mask), const_i32(one | (one << 16)))
+      if upto == "bits":
+        pairs[(u, k)] = x
+        continue
       kk = float(2 ** (mant - f))
       c = ptx.hfma2(x, pair_bits(kk), pair_bits(-kk), dtype)
+      if upto == "codes":
+        pairs[(u, k)] = c
+        continue
       s, z = scale_of(u, k)
       pairs[(u, k)] = ptx.hfma2(c, s, z, dtype)
   return pairs
@@ -154,7 +163,7 @@ def key_scale_rows(scales_ref, group, dtype: str):
           for r in range(8)]
 
 
-def key_pairs(codes_ref, m: int, srows, dtype: str):
+def key_pairs(codes_ref, m: int, srows, dtype: str, upto: str = "scaled"):
   """{(rh, j): i32 pair} of the thread's share of key sub-operand m of a block (the A
   fragment rows 16 warp + lane // 4 + 8 rh, columns 8 j + 2 (lane % 4) + e).
 
@@ -170,7 +179,7 @@ def key_pairs(codes_ref, m: int, srows, dtype: str):
     row = srows[j // 2]
     return row[(j % 2) * 2], row[(j % 2) * 2 + 1]
 
-  pairs = dequant_words(words, scale_of, dtype)
+  pairs = dequant_words(words, scale_of, dtype, upto)
   return {(u // 2, (u % 2) * 8 + k): v for (u, k), v in pairs.items()}
 
 

@@ -21,16 +21,26 @@ Grid (B * K, num_splits); warpgroup W is the TMA producer (the ring of `mosaic_k
 codes and scales of keys and values per 128-token block), warpgroup w < W takes blocks
 w, w + W, ... Instructions are PTX through `mosaic_ptx` inside `plgpu.inline_mgpu`.
 
-Measured (H200, interleaved rounds, BENCHMARKS.md "tenth session"): 1.99-3.15x the cuDNN
-dense kernel and 1.14-1.24x `mosaic_kivi` at 16K/64K, B = 8/32; warpgroups 2 (the default)
-and 3 are within 4% of each other everywhere. The loop is 629 SASS instructions per warp and
-block (256 HFMA2 and 137 LOP3 of dequantization, 32 HMMA); with constant key operands
-(skip=2) the call is 20-32% shorter, so the dequantization instructions are the limit.
+Dequantization (`dequant`): "fold", the default, multiplies the key scales into q's B
+fragments (a warp's 32 tokens are one key group) and the value scales into p's (per channel
+group), so the codes enter the products as exact small integers (a lop3 and one packed FMA
+per pair), and adds the zero points through one m16n8k16 product per k-step whose A operand
+is the scale/zero chunk as loaded (`mosaic_warp_step`); "fma" dequantizes every element,
+c * s + z (two packed FMAs per pair).
+
+Measured (H200, interleaved rounds, BENCHMARKS.md "tenth" and "eleventh session"): with
+"fold", 2.15-3.15x the cuDNN dense kernel at 16K/64K, B = 8/32, and 0.89-1.005x the time of
+"fma" (geometric mean 0.96); warpgroups 2 (the default) and 3 are within 4% of each other.
+The loop is 568 SASS instructions per warp and block with "fold" (137 LOP3, 128 HFMA2,
+32 HMUL2, 42 HMMA), 630 with "fma" (256 HFMA2). Ablations (`skip`): no dequantization at all
+(skip=4) takes 0.61x the "fma" call, so the dequantization still bounds the kernel.
 
 Choices (as `mosaic_kivi`): q unscaled in the scales' 16-bit type, scores scaled in f32,
-p rounded to the 16-bit type for the value product, dequantized elements rounded once,
-tokens in [length, capacity) read and masked. Restrictions: `mosaic_layout`'s (2-bit,
-groups of 32, H = 128, capacity a multiple of 128), QPK <= 16.
+p rounded to the 16-bit type for the value product, tokens in [length, capacity) read and
+masked. "fma" rounds each dequantized element once; "fold" rounds q * s and p * s once each
+(p twice in all) and sums the zero points exactly in f32 (measured error against the
+float32 reference: the same as "fma" with fp16 scales, up to 2x with bf16). Restrictions:
+`mosaic_layout`'s (2-bit, groups of 32, H = 128, capacity a multiple of 128), QPK <= 16.
 """
 
 from __future__ import annotations
@@ -59,12 +69,25 @@ def _smem_bytes(w, stages, np_):
           + kib(HEAD_DIM * np_ * 4) + kib(np_ * 4) + 512)  # merged partial, barriers
 
 
-def plan(q_shape, cache_shape, *, warpgroups=2, stages=None, num_splits=None, skip=0):
+DEQUANT = ("fold", "fma", "fold-keys", "fold-values")
+
+
+def plan(q_shape, cache_shape, *, warpgroups=2, stages=None, num_splits=None,
+         dequant="fold", skip=0):
   """Launch geometry (dict) with ValueErrors naming the bad argument (`ring.plan_ring`).
-  skip: timing ablation (wrong output; `mosaic_warp_step.block_step`): 1 no value path,
-  2 / 3 constant key / value operands."""
-  return ring.plan_ring(NAME, q_shape, cache_shape, warpgroups=warpgroups, stages=stages,
-                        num_splits=num_splits, skip=skip, smem_bytes=_smem_bytes)
+  dequant: "fold" (scales folded into q and p, zero points by small products) or "fma"
+  (every element dequantized, two HFMA2 per pair), or "fold-keys" / "fold-values" (one side
+  folded); `mosaic_warp_step.block_step`.
+  skip: timing ablation (wrong output): 1 no value path, 2 / 3 / 4 constant key / value /
+  both operands, 5 / 6 ("fma" only) dequantization without the scale FMA / as the bare lop3."""
+  if dequant not in DEQUANT:
+    raise ValueError(f"{NAME}: dequant must be one of {DEQUANT}, got {dequant!r}")
+  if skip in (5, 6) and dequant != "fma":
+    raise ValueError(f"{NAME}: skip={skip} is an ablation of dequant='fma'")
+  p = ring.plan_ring(NAME, q_shape, cache_shape, warpgroups=warpgroups, stages=stages,
+                     num_splits=num_splits, skip=skip, smem_bytes=_smem_bytes,
+                     skips=tuple(range(7)))
+  return dict(p, fold=(dequant in ("fold", "fold-keys"), dequant in ("fold", "fold-values")))
 
 
 def _kernel(p, dtype, sm_scale, q_ref, kc_ref, ks_ref, vc_ref, vs_ref, len_ref, o_ref,
@@ -91,19 +114,19 @@ def _kernel(p, dtype, sm_scale, q_ref, kc_ref, ks_ref, vc_ref, vs_ref, len_ref, 
   def load_q(_, q):
     return ws.query_fragments(q, nt, dtype)
 
-  @plgpu.inline_mgpu(return_type=(acc_t, ml_t))
+  @plgpu.inline_mgpu(return_type=(acc_t, ml_t, ml_t))
   def init(_):
     return ws.initial_state(nt)
 
-  @plgpu.inline_mgpu(arg_types=(ref, ref, ref, ref, layout, layout, layout, layout),
-                     return_type=(acc_t, ml_t))
-  def step(_, kc, ks, vc, vs, qb, acc, ml, valid):
-    return ws.block_step(kc, ks, vc, vs, qb, acc, ml, valid, nt=nt, dtype=dtype,
-                         scale2=scale2, skip=p["skip"])
+  @plgpu.inline_mgpu(arg_types=(ref, ref, ref, ref) + (layout,) * 5,
+                     return_type=(acc_t, ml_t, ml_t))
+  def step(_, kc, ks, vc, vs, qb, acc, ml, zacc, valid):
+    return ws.block_step(kc, ks, vc, vs, qb, acc, ml, zacc, valid, nt=nt, dtype=dtype,
+                         scale2=scale2, fold=p["fold"], skip=p["skip"])
 
-  @plgpu.inline_mgpu(arg_types=(layout, layout, ref, ref))
-  def publish(_, acc, ml, wo, wml):
-    ws.publish_partial(acc, ml, wo, wml, nt)
+  @plgpu.inline_mgpu(arg_types=(layout, layout, layout, ref, ref))
+  def publish(_, acc, ml, zacc, wo, wml):
+    ws.publish_partial(acc, ml, zacc, wo, wml, nt, p["fold"][1])
 
   @plgpu.inline_mgpu(arg_types=(ref, ref, ref, ref))
   def merge(_, wo, wml, o, lse):
@@ -116,20 +139,18 @@ def _kernel(p, dtype, sm_scale, q_ref, kc_ref, ks_ref, vc_ref, vs_ref, len_ref, 
     mine = jnp.maximum(n_blocks - w + nw - 1, 0) // nw
 
     def body(ii, carry):
-      acc, ml = carry
       i = w + ii * nw
       slot = lax.rem(i, stages)
       for bar in (kc_bar, ks_bar, vc_bar, vs_bar):
         plgpu.barrier_wait(bar.at[slot])
       valid = plgpu.layout_cast(jnp.full((64, 8), end - (start + i * BLOCK), jnp.int32),
                                 layout)
-      acc, ml = step(kc_s.at[slot], ks_s.at[slot], vc_s.at[slot], vs_s.at[slot], qb, acc, ml,
-                     valid)
+      carry = step(kc_s.at[slot], ks_s.at[slot], vc_s.at[slot], vs_s.at[slot], qb, *carry,
+                   valid)
       plgpu.barrier_arrive(free.at[slot])
-      return acc, ml
+      return carry
 
-    acc, ml = lax.fori_loop(0, mine, body, init())
-    publish(acc, ml, wo_s, wml_s)
+    publish(*lax.fori_loop(0, mine, body, init()), wo_s, wml_s)
     plgpu.barrier_arrive(done)
     if w == 0:
       plgpu.barrier_wait(done)
@@ -190,12 +211,12 @@ def _call(p, dtype, sm_scale, qt, cache: KiviMosaic, lengths):
 def kivi_attention_mosaic_warp(q, cache: KiviMosaic, k_win, v_win, q_len, w_len, *,
                                scale=None, out_dtype=None, warpgroups=2, stages=None,
                                num_splits=None, window_implementation="xla",
-                               return_partials=False, skip=0):
+                               return_partials=False, dequant="fold", skip=0):
   """KIVI-2bit decode attention over a `KiviMosaic` cache in the "warp" layout plus the
   exact window; Args/Returns as `mosaic_kivi.kivi_attention_mosaic` (knobs: `plan`)."""
   dtype = ring.scale_dtype(NAME, cache, "warp")
   p = plan(q.shape, cache.kc.shape, warpgroups=warpgroups, stages=stages,
-           num_splits=num_splits, skip=skip)
+           num_splits=num_splits, dequant=dequant, skip=skip)
   sm_scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
   qt = ring.query_operand(q, p, dtype)
   o_t, lse_t = _call(p, dtype, sm_scale, qt, cache, q_len.astype(jnp.int32))

@@ -43,6 +43,17 @@ def hfma2(a, b, c, dtype: str):
               "=r,r,r,r")
 
 
+def hmul2(a, b, dtype: str):
+  """Packed a * b (one rounding each), as an FMA with -0 (which keeps a * b = -0 exact)."""
+  return hfma2(a, b, _const_i32(0x80008000), dtype)
+
+
+def _const_i32(v: int):
+  ir, _ = _mlir()
+  from jax._src.lib.mlir.dialects import arith  # pylint: disable=import-outside-toplevel
+  return arith.constant(i32_type(), v if v < 2 ** 31 else v - 2 ** 32)
+
+
 def lop3_and_or(a, b, c):
   """(a & b) | c in one LOP3 (plain and/or gave two: a LOP3 takes one immediate)."""
   return _asm(i32_type(), [a, b, c], "lop3.b32 $0, $1, $2, $3, 0xEA;", "=r,r,r,r")
@@ -69,6 +80,14 @@ def shfl_xor(x, mask: int):
   kind = "f" if str(ty) == "f32" else "r"
   return _asm(ty, [x], f"shfl.sync.bfly.b32 $0, $1, {mask}, 0x1f, 0xffffffff;",
               f"={kind},{kind}", side_effects=True)
+
+
+def shfl_idx(x, lane):
+  """The f32 or i32 x of lane `lane` (an i32 value) in this warp (all 32 lanes take part)."""
+  ty = x.type
+  kind = "f" if str(ty) == "f32" else "r"
+  return _asm(ty, [x, lane], "shfl.sync.idx.b32 $0, $1, $2, 0x1f, 0xffffffff;",
+              f"={kind},{kind},r", side_effects=True)
 
 
 def movmatrix_t(x):

@@ -24,12 +24,13 @@ SLOT_BYTES = 2 * (256 * 4 * 4) + 2 * (128 * 8 * 2)   # codes + scales of keys an
 
 
 def plan_ring(name, q_shape, cache_shape, *, warpgroups, stages, num_splits, skip,
-              smem_bytes):
+              smem_bytes, skips=(0, 1, 2, 3)):
   """The shared launch geometry (dict), with ValueErrors prefixed by `name` naming the bad
   argument. smem_bytes(w, stages, np): the kernel's shared memory; stages None picks the
-  deepest multiple of `warpgroups` that fits, up to 4 per warpgroup."""
-  if skip not in (0, 1, 2, 3):
-    raise ValueError(f"{name}: skip must be 0, 1, 2 or 3, got {skip}")
+  deepest multiple of `warpgroups` that fits, up to 4 per warpgroup; skips: the kernel's
+  timing ablations (0: none)."""
+  if skip not in skips:
+    raise ValueError(f"{name}: skip must be one of {tuple(skips)}, got {skip}")
   b, n, h = q_shape
   cb, kh, nb = cache_shape[:3]
   if h != HEAD_DIM:

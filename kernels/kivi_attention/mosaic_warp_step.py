@@ -7,6 +7,9 @@ State crosses the Pallas loop as WGMMA-layout arrays used as plain register file
   ml  [64, 8 NT]  f32: (n-tile, [max e0, max e1, sum e0, sum e1]) of the thread's two
                        query columns 8 nt + 2 (lane % 4) + e (log2 units; the sum is the
                        thread's share, reduced across the warp at the end)
+  zacc [64, 8 NT] f32: ("fold" only) (n-tile, c0..c3) D fragments of [S; Z] [16, 8], the
+                       running sums of p s (rows r < 8) and p z (rows 8 + r) of value
+                       channel group r % 4 (`_value_products`)
 Fragment coordinates (PTX m16n8k16; r = lane // 4, q = lane % 4): A rows r (+ 8), columns
 2 q (+ 8); B rows 2 q (+ 8), column r; C/D rows r (+ 8), columns 2 q + {0, 1}.
 """
@@ -90,49 +93,60 @@ def query_fragments(q_ref, nt: int, dtype: str):
 
 
 def initial_state(nt: int):
-  """(acc, ml) before the first block: zeros, maxima -inf, sums 0."""
+  """(acc, ml, zacc) before the first block: zeros, maxima -inf, sums 0, zeros."""
   _, _, _, ir, _, _ = _mlir()
   f32 = ir.F32Type.get()
   acc = [_f32(0.0)] * (32 * nt)
   ml = [_f32(v) for _ in range(nt) for v in (-math.inf, -math.inf, 0.0, 0.0)]
-  return _array(acc, f32, None), _array(ml, f32, None)
+  return _array(acc, f32, None), _array(ml, f32, None), _array(acc[:4 * nt], f32, None)
 
 
-def block_step(kc, ks, vc, vs, qb_arr, acc_arr, ml_arr, valid_arr, *, nt: int, dtype: str,
-               scale2: float, skip: int = 0):
-  """One 128-token block for this thread's warp (its 32 tokens): returns (acc, ml).
-
-  kc, ks, vc, vs: the ring slot's [4, 256] codes and scales (`mosaic_layout`, "warp");
-  valid: the block's number of valid tokens (every element); scale2: softmax scale * log2 e;
-  skip: timing ablation (wrong results): 1 no value path, 2 / 3 constant key / value
-  operands (no loads or dequantization; the products run).
-  """
-  _, _, _, ir, arith, _ = _mlir()
-  f32 = ir.F32Type.get()
-  ft = ir.F16Type.get() if dtype == "float16" else ir.BF16Type.get()
-  tid, warp, r, q = _lane_parts()
-  qb, acc, ml = _scalars(qb_arr), _scalars(acc_arr), _scalars(ml_arr)
-  valid = _scalars(valid_arr)[0]
+def _key_scores(kc, ks, qb, *, nt, dtype, const_k, upto, fold):
+  """{(m, n): 4 f32}: the scores of the warp's 32 tokens (D fragments of tokens
+  32 warp + 16 m + r (+ 8)), unscaled. fold: the key scales multiply q (B = q * s, one HMUL2
+  per B register), the key codes go into the products as exact small integers, and the zero
+  points enter as beta = z . q: one m16n8k16 product per k-step whose A fragment is the
+  thread's scale row as loaded, [s, z, s, z] (A rows r hold s, rows r + 8 hold z: no register
+  copies), so D rows 8-15 are beta, in the scores' column layout."""
+  _, _, _, _, arith, _ = _mlir()
+  _, warp, _, _ = _lane_parts()
   zero4 = [_f32(0.0)] * 4
-
-  # Scores s [m][n] (4 f32: D fragment of tokens 32 warp + 16 m + r (+ 8)); two
-  # accumulation chains per product halve the dependent-MMA latency.
-  scores = {}
-  const_pairs = lambda keys: {kk: const_i32(0x3C003C00) for kk in keys}
-  srows = None if skip == 2 else key_scale_rows(ks, warp, dtype)  # the warp's token group
-  for m in range(2):
-    if skip == 2:
-      kp = const_pairs([(rh, j) for rh in range(2) for j in range(16)])
-    else:
-      kp = key_pairs(kc, m, srows, dtype)
+  srows = None if const_k else key_scale_rows(ks, warp, dtype)  # the warp's token group
+  bq, beta = qb, None
+  if fold and not const_k:
+    bq = [ptx.hmul2(qb[16 * n + 2 * kk + h], srows[kk][2 * h], dtype)
+          for n in range(nt) for kk in range(8) for h in range(2)]
+    beta = {}
     for n in range(nt):
       chains = [zero4, zero4]
       for kk in range(8):
+        chains[kk % 2] = ptx.mma_16816(srows[kk], qb[16 * n + 2 * kk:16 * n + 2 * kk + 2],
+                                       chains[kk % 2], dtype)
+      beta[n] = [arith.addf(chains[0][c], chains[1][c]) for c in (2, 3)]
+  scores = {}
+  for m in range(2):
+    if const_k:
+      kp = {(rh, j): const_i32(0x3C003C00) for rh in range(2) for j in range(16)}
+    else:
+      kp = key_pairs(kc, m, srows, dtype, "codes" if fold else upto)
+    for n in range(nt):
+      # two accumulation chains per product halve the dependent-MMA latency
+      chains = [zero4, zero4]
+      for kk in range(8):
         a = [kp[(0, 2 * kk)], kp[(1, 2 * kk)], kp[(0, 2 * kk + 1)], kp[(1, 2 * kk + 1)]]
-        b = qb[16 * n + 2 * kk: 16 * n + 2 * kk + 2]
+        b = bq[16 * n + 2 * kk: 16 * n + 2 * kk + 2]
         chains[kk % 2] = ptx.mma_16816(a, b, chains[kk % 2], dtype)
       scores[m, n] = [arith.addf(x, y) for x, y in zip(*chains)]
+      if beta is not None:  # added last: the products do not wait for beta's
+        scores[m, n] = [arith.addf(x, beta[n][c % 2]) for c, x in enumerate(scores[m, n])]
+  return scores
 
+
+def _softmax(scores, ml, valid, *, nt, scale2):
+  """Masks and scales the scores, then the online softmax per query column (n, e) over the
+  warp's 32 tokens: returns (p {(m, n): 4 f32}, alphas {(n, e)}, new ml scalars)."""
+  _, _, _, _, arith, _ = _mlir()
+  _, warp, r, _ = _lane_parts()
   row0 = arith.addi(arith.muli(warp, const_i32(32)), r)
   neg_inf, scale = _f32(-math.inf), _f32(scale2)
   for (m, n), s in scores.items():
@@ -140,9 +154,7 @@ def block_step(kc, ks, vc, vs, qb_arr, acc_arr, ml_arr, valid_arr, *, nt: int, d
       row = arith.addi(row0, const_i32(16 * m + 8 * (c // 2)))
       ok = arith.cmpi(arith.CmpIPredicate.slt, row, valid)
       s[c] = arith.select(ok, arith.mulf(s[c], scale), neg_inf)
-
-  # Online softmax per query column (n, e); the max spans the warp's 32 tokens.
-  new_ml = []
+  ml_out = [None] * (4 * nt)
   alphas = {}
   for n in range(nt):
     for e in range(2):
@@ -159,57 +171,105 @@ def block_step(kc, ks, vc, vs, qb_arr, acc_arr, ml_arr, valid_arr, *, nt: int, d
         for c in (e, 2 + e):
           scores[m, n][c] = ptx.ex2(arith.subf(scores[m, n][c], m_use))
           tot = scores[m, n][c] if tot is None else arith.addf(tot, scores[m, n][c])
-      l_new = arith.addf(arith.mulf(ml[4 * n + 2 + e], alphas[n, e]), tot)
-      new_ml.append((m_new, l_new))
-  ml_out = []
-  for n in range(nt):
-    (m0, l0), (m1, l1) = new_ml[2 * n], new_ml[2 * n + 1]
-    ml_out += [m0, m1, l0, l1]
-  acc = [arith.mulf(v, alphas[i // 32, i % 2]) for i, v in enumerate(acc)]
-  if skip == 1:
-    return _array(acc, f32, None), _array(ml_out, f32, None)
+      ml_out[4 * n + e] = m_new
+      ml_out[4 * n + 2 + e] = arith.addf(arith.mulf(ml[4 * n + 2 + e], alphas[n, e]), tot)
+  return scores, alphas, ml_out
 
+
+def _value_products(vc, vs, p, acc, zacc, *, nt, dtype, const_v, upto, fold):
+  """acc (o^T D fragments) += V^T @ p for the warp's tokens; returns (acc, zacc). fold: the
+  value scales multiply p (B = p * s of the tile's channel group; 4 groups, one HMUL2 per B
+  register each) and the zero points go to zacc: per n the D fragment of [S; Z] [16, 8],
+  rows r < 8 / r + 8 the sums over tokens of p s / p z of channel group r % 4, from one
+  m16n8k16 per k-step whose A fragment is that group's scale chunk as loaded, [s, z, s, z]
+  (no register copies); `publish_partial` adds Z."""
+  _, _, _, ir, arith, _ = _mlir()
+  ft = ir.F16Type.get() if dtype == "float16" else ir.BF16Type.get()
+  tid, warp, r, q = _lane_parts()
   # p -> the value products' B fragments: rows (tokens) 2 q (+ 8), column (head) r.
   pb = {}
-  for (m, n), p in scores.items():
-    pb[m, n] = [ptx.movmatrix_t(ptx.pack2(p[0], p[1], dtype)),
-                ptx.movmatrix_t(ptx.pack2(p[2], p[3], dtype))]
-
-  # Values: 8 words (word u = 4 kk + channel group), 8 scale chunks (chunk u: [jh][s, z]).
-  words = [] if skip == 3 else load16(vc, arith.muli(tid, const_i32(8))) + load16(
-      vc, arith.addi(arith.muli(tid, const_i32(8)), const_i32(4)))
+  for (m, n), pv in p.items():
+    pb[m, n] = [ptx.movmatrix_t(ptx.pack2(pv[0], pv[1], dtype)),
+                ptx.movmatrix_t(ptx.pack2(pv[2], pv[3], dtype))]
+  # 8 words (word u = 4 kk + channel group), 8 scale chunks (chunk u: [jh][s, z]).
   sbase = arith.muli(arith.addi(arith.muli(warp, const_i32(32)), q), const_i32(8))
-  chunks = [] if skip == 3 else [load16(vs, arith.addi(sbase, const_i32(32 * c)), ft)
-                                 for c in range(8)]
-
-  def scale_of(u, k):
-    jh = (k % 4) // 2
-    return chunks[u][2 * jh], chunks[u][2 * jh + 1]
-
-  if skip == 3:
-    vp = const_pairs([(u, k) for u in range(8) for k in range(8)])
+  if const_v:
+    vp = {(u, k): const_i32(0x3C003C00) for u in range(8) for k in range(8)}
   else:
-    vp = dequant_words(words, scale_of, dtype)
+    words = load16(vc, arith.muli(tid, const_i32(8))) + load16(
+        vc, arith.addi(arith.muli(tid, const_i32(8)), const_i32(4)))
+    chunks = [load16(vs, arith.addi(sbase, const_i32(32 * c)), ft) for c in range(8)]
+    vp = dequant_words(words, lambda u, k: (chunks[u][2 * ((k % 4) // 2)],
+                                            chunks[u][2 * ((k % 4) // 2) + 1]),
+                       dtype, "codes" if fold else upto)
+  bv = {(g, kk, n): pb[kk, n] for g in range(4) for kk in range(2) for n in range(nt)}
+  if fold and not const_v:
+    bv = {(g, kk, n): [ptx.hmul2(pb[kk, n][jh], chunks[4 * kk + g][2 * jh], dtype)
+                       for jh in range(2)] for (g, kk, n) in bv}
+    rg = arith.remui(r, const_i32(4))
+    for kk in range(2):
+      chunk = load16(vs, arith.addi(sbase, arith.muli(arith.addi(rg, const_i32(4 * kk)),
+                                                      const_i32(32))), ft)
+      for n in range(nt):
+        zacc[4 * n: 4 * n + 4] = ptx.mma_16816(chunk, pb[kk, n], zacc[4 * n: 4 * n + 4], dtype)
   for t in range(8):
     for kk in range(2):
       u = 4 * kk + t // 2
       a = [vp[(u, 4 * (t % 2) + reg)] for reg in range(4)]
       for n in range(nt):
         i = 32 * n + 4 * t
-        acc[i:i + 4] = ptx.mma_16816(a, pb[kk, n], acc[i:i + 4], dtype)
-  return _array(acc, f32, None), _array(ml_out, f32, None)
+        acc[i:i + 4] = ptx.mma_16816(a, bv[t // 2, kk, n], acc[i:i + 4], dtype)
+  return acc, zacc
 
 
-def publish_partial(acc_arr, ml_arr, wo, wml, nt: int):
-  """Writes the warp's unnormalised o^T to wo [4 W, 128, NP] and its (max, sum) per query
-  column to wml [4 W, 2, NP] (f32, shared memory; row: the warp's index in the CTA)."""
+def block_step(kc, ks, vc, vs, qb_arr, acc_arr, ml_arr, z_arr, valid_arr, *, nt: int,
+               dtype: str, scale2: float, fold=(True, True), skip: int = 0):
+  """One 128-token block for this thread's warp (its 32 tokens): returns (acc, ml, zacc).
+
+  kc, ks, vc, vs: the ring slot's [4, 256] codes and scales (`mosaic_layout`, "warp");
+  valid: the block's number of valid tokens (every element); scale2: softmax scale * log2 e;
+  fold (keys, values): the scales multiply q / p, the zero points enter by small products
+  (`_key_scores`, `_value_products`), else each element is dequantized (two HFMA2 per pair);
+  skip: timing ablation (wrong results): 1 no value path, 2 / 3 constant key / value
+  operands (no loads or dequantization; the products run), 4 both; 5 / 6 (fold=False) keys
+  and values dequantized without the scale FMA / as the bare lop3 (`dequant_words`).
+  """
+  _, _, _, ir, arith, _ = _mlir()
+  f32 = ir.F32Type.get()
+  qb, acc, ml, zacc = (_scalars(a) for a in (qb_arr, acc_arr, ml_arr, z_arr))
+  valid = _scalars(valid_arr)[0]
+  upto = {5: "codes", 6: "bits"}.get(skip, "scaled")
+  const_k, const_v = skip in (2, 4), skip in (3, 4)
+  fold_k, fold_v = fold
+  scores = _key_scores(kc, ks, qb, nt=nt, dtype=dtype, const_k=const_k, upto=upto,
+                       fold=fold_k)
+  p, alphas, ml_out = _softmax(scores, ml, valid, nt=nt, scale2=scale2)
+  acc = [arith.mulf(v, alphas[i // 32, i % 2]) for i, v in enumerate(acc)]
+  if fold_v:
+    zacc = [arith.mulf(v, alphas[i // 4, i % 2]) for i, v in enumerate(zacc)]
+  if skip != 1:
+    acc, zacc = _value_products(vc, vs, p, acc, zacc, nt=nt, dtype=dtype, const_v=const_v,
+                                upto=upto, fold=fold_v)
+  return _array(acc, f32, None), _array(ml_out, f32, None), _array(zacc, f32, None)
+
+
+def publish_partial(acc_arr, ml_arr, z_arr, wo, wml, nt: int, fold: bool):
+  """Writes the warp's unnormalised o^T (fold: plus the zero-point sums Z of its channel
+  group, `_value_products`) to wo [4 W, 128, NP] and its (max, sum) per query column to
+  wml [4 W, 2, NP] (f32, shared memory; row: the warp's index in the CTA)."""
   _, _, mgpu_utils, ir, arith, vector = _mlir()
   f32 = ir.F32Type.get()
   index = ir.IndexType.get()
   _, _, r, q = _lane_parts()
   gw = arith.index_cast(index, arith.divui(mgpu_utils.thread_idx(), const_i32(32)))
   idx = lambda v: arith.index_cast(index, v)
-  acc, ml = _scalars(acc_arr), _scalars(ml_arr)
+  acc, ml, zacc = _scalars(acc_arr), _scalars(ml_arr), _scalars(z_arr)
+  if fold:  # Z [g, 2 q + e]: lane 4 g + q, D row 8 + g; o^T rows 16 t + .. are group t // 2
+    for n in range(nt):
+      zg = [[ptx.shfl_idx(zacc[4 * n + 2 + e], arith.addi(q, const_i32(4 * g)))
+             for e in range(2)] for g in range(4)]
+      for i in range(32 * n, 32 * n + 32):
+        acc[i] = arith.addf(acc[i], zg[(i % 32) // 8][i % 2])
   v2 = ir.VectorType.get([2], f32)
   for n in range(nt):
     col = idx(arith.addi(arith.muli(q, const_i32(2)), const_i32(8 * n)))

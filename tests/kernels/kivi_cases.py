@@ -35,7 +35,7 @@ PLAN_REJECTS = (
     (dict(warpgroups=4), "warpgroups"),
     (dict(stages=3), "multiple of warpgroups"),
     (dict(stages=40), "shared memory"),
-    (dict(skip=4), "skip"),
+    (dict(skip=9), "skip"),
 )
 
 

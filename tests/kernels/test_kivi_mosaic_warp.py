@@ -94,9 +94,18 @@ def test_plan_rejects(change, match):
   assert_plan_rejects(mosaic_kivi_warp.plan, change, match)
 
 
+@pytest.mark.parametrize("change, match", [(dict(dequant="int"), "dequant must be"),
+                                           (dict(skip=5), "ablation of dequant='fma'"),
+                                           (dict(skip=7), "skip must be")])
+def test_plan_rejects_warp_options(change, match):
+  assert_plan_rejects(mosaic_kivi_warp.plan, change, match)
+
+
 def test_plan_defaults_and_layout_check():
   p = mosaic_kivi_warp.plan((8, 32, 128), (8, 8, 128), warpgroups=3)
   assert p["stages"] % 3 == 0 and p["np"] == 8 and (3 * p["regs"] + 40) * 128 <= 65536
+  assert p["fold"] == (True, True) and mosaic_kivi_warp.plan(
+      (8, 32, 128), (8, 8, 128), dequant="fma")["fold"] == (False, False)
   _, (q, kq, vq, kw, vw, ql, wl) = case(0, 1)
   with pytest.raises(ValueError, match="'warp' layout"):
     mosaic_kivi_warp.kivi_attention_mosaic_warp(q, mosaic_layout.to_mosaic(kq, vq), kw, vw,
@@ -120,7 +129,10 @@ def test_mosaic_kivi_warp_lowers_for_cuda(idx, opts):
                                   dict(warpgroups=1, stages=4, num_splits=1),
                                   dict(warpgroups=2, stages=2, num_splits=3),
                                   dict(warpgroups=2), dict(warpgroups=3, stages=3,
-                                                           num_splits=2)])
+                                                           num_splits=2),
+                                  dict(dequant="fma"),
+                                  dict(warpgroups=1, stages=2, num_splits=3, dequant="fma"),
+                                  dict(dequant="fold-keys"), dict(dequant="fold-values")])
 def test_mosaic_kivi_warp_matches_reference(idx, opts):
   if not triton_backend.gpu_available():
     pytest.skip("needs a GPU")
@@ -148,7 +160,9 @@ def test_mosaic_kivi_warp_dispatcher_and_negative_control():
   assert_close(out, ref, 2e-2, 2e-2, "dispatcher (warp kernel)")
   cache = mosaic_layout.to_mosaic(kq, vq, layout="warp")
   row = int(np.argmax(np.asarray(ql)))
-  bad = dataclasses.replace(cache, vs=cache.vs.at[row, 0, 0].multiply(9.0))
-  out, _ = mosaic_kivi_warp.kivi_attention_mosaic_warp(q, bad, kw, vw, ql, wl, out_dtype=F32)
-  with pytest.raises(AssertionError):
-    assert_close(out, ref, 2e-2, 2e-2, "corrupted value scales")
+  for what in ("ks", "vs"):  # the scale/zero rows of the first block, times 9
+    bad = dataclasses.replace(cache, **{what: getattr(cache, what).at[row, 0, 0].multiply(9.0)})
+    out, _ = mosaic_kivi_warp.kivi_attention_mosaic_warp(q, bad, kw, vw, ql, wl,
+                                                         out_dtype=F32)
+    with pytest.raises(AssertionError):
+      assert_close(out, ref, 2e-2, 2e-2, f"corrupted {what}")
