@@ -24,6 +24,7 @@ from __future__ import annotations
 import numpy as np
 
 from . import mosaic_ptx as ptx
+from .mosaic_ptx import const_i32
 
 _ONE = {"float16": 0x3C00, "bfloat16": 0x3F80}
 _MANT = {"float16": 10, "bfloat16": 7}
@@ -78,12 +79,6 @@ def _ctx():
   from jax._src.lib.mlir.dialects import arith, vector
   # pylint: enable=import-outside-toplevel
   return mgpu_utils, ir, arith, vector
-
-
-def const_i32(v: int):
-  """An i32 constant (v may be given as an unsigned 32-bit pattern)."""
-  _, ir, arith, _ = _ctx()
-  return arith.constant(ir.IntegerType.get_signless(32), v if v < 2 ** 31 else v - 2 ** 32)
 
 
 def thread_coords():

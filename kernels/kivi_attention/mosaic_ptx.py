@@ -43,15 +43,15 @@ def hfma2(a, b, c, dtype: str):
               "=r,r,r,r")
 
 
-def hmul2(a, b, dtype: str):
-  """Packed a * b (one rounding each), as an FMA with -0 (which keeps a * b = -0 exact)."""
-  return hfma2(a, b, _const_i32(0x80008000), dtype)
-
-
-def _const_i32(v: int):
-  ir, _ = _mlir()
+def const_i32(v: int):
+  """An i32 constant (v may be given as an unsigned 32-bit pattern)."""
   from jax._src.lib.mlir.dialects import arith  # pylint: disable=import-outside-toplevel
   return arith.constant(i32_type(), v if v < 2 ** 31 else v - 2 ** 32)
+
+
+def hmul2(a, b, dtype: str):
+  """Packed a * b (one rounding each), as an FMA with -0 (which keeps a * b = -0 exact)."""
+  return hfma2(a, b, const_i32(0x80008000), dtype)
 
 
 def lop3_and_or(a, b, c):

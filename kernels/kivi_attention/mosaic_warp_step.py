@@ -231,8 +231,8 @@ def block_step(kc, ks, vc, vs, qb_arr, acc_arr, ml_arr, z_arr, valid_arr, *, nt:
   fold (keys, values): the scales multiply q / p, the zero points enter by small products
   (`_key_scores`, `_value_products`), else each element is dequantized (two HFMA2 per pair);
   skip: timing ablation (wrong results): 1 no value path, 2 / 3 constant key / value
-  operands (no loads or dequantization; the products run), 4 both; 5 / 6 (fold=False) keys
-  and values dequantized without the scale FMA / as the bare lop3 (`dequant_words`).
+  operands (no loads or dequantization; the products run), 4 both; 5 / 6 (no fold) keys and
+  values dequantized without the scale FMA / as the bare lop3 (`dequant_words`).
   """
   _, _, _, ir, arith, _ = _mlir()
   f32 = ir.F32Type.get()
