@@ -6,10 +6,12 @@ One run measures, on the GPU it runs on:
   * for each model layer (Llama-2-7B MHA 32x128, Llama-3-8B GQA 32/8x128),
     context and batch: the dense baselines (XLA, cuDNN, Triton split-K), Palu
     at the paper's latency configuration (4-KV-head groups, rk = 128, rv = 384)
-    with bf16 and 4-bit value latents, and KIVI-2bit (G = 32, window 128 full).
-Times are medians of >= 50 samples after warm-up; each sample runs k calls back
-to back and blocks once (k sized so a sample lasts >= 1 ms), so host dispatch
-overhead is amortized. Roofline = max(bytes / best dense bandwidth in this run,
+    with bf16 latents (Triton and Mosaic GPU kernels) and 4-bit value latents (Triton),
+    and KIVI-2bit (G = 32, window 128 full; Triton, and the Mosaic GPU warp kernel on the
+    same cache stored in its layout). `--kernels` times a subset (KERNELS).
+Times are medians of 50 samples after warm-up; each sample is one executable of n
+chained calls (n sized so it runs >= 20 ms; `time_op`), so host dispatch overhead is
+amortized. Roofline = max(bytes / best dense bandwidth in this run,
 FLOPs / matmul rate); bytes are what each kernel must read (inputs once).
 
 Usage (on the GPU machine):
@@ -185,13 +187,16 @@ def chained(op, n):
   return jax.jit(run)
 
 
-def time_op(op, args, *, chain_s=2e-3, max_chain=32, samples=50):
+def time_op(op, args, *, chain_s=20e-3, max_chain=256, samples=50):
   """Device seconds per call of op(*args) (op: a jitted function).
 
   A single dispatch of a jitted decode kernel costs tens of microseconds of host time, more
   than many of the kernels themselves, and timing back-to-back dispatches then measures the
   host. So the call is timed inside `chained` executables of n calls (n sized so one
-  executable runs >= chain_s), median over `samples` timings, divided by n.
+  executable runs >= chain_s, at most max_chain calls), median over `samples` timings,
+  divided by n. Measured on an H200 (BENCHMARKS.md, twelfth session): 2 ms executables
+  (the earlier default) read 10-60% above 30 ms ones, 10 ms ones 1-10% above (25% where
+  64 calls were too few to reach 10 ms); hence 20 ms and up to 256 calls.
   """
   f1 = chained(op, 1)
   one, _ = time_fn(lambda: f1(*args), samples=5)
@@ -246,10 +251,11 @@ def kivi_fn(inp, opts):
 
 def kivi_mosaic_fn(inp, opts):
   """A Mosaic KIVI kernel on the same cache stored in its own layout (relaid out once,
-  outside the timing, as a cache kept in that layout would be). opts["kernel"]: "wgmma"
-  (`mosaic_kivi`, the default) or "warp" (`mosaic_kivi_warp`); the rest are its knobs."""
+  outside the timing, as a cache kept in that layout would be). opts["kernel"]: "warp"
+  (`mosaic_kivi_warp`, the default, as in `kivi_attention`) or "wgmma" (`mosaic_kivi`); the
+  rest are its knobs."""
   opts = dict(opts)
-  kernel = opts.pop("kernel", "wgmma")
+  kernel = opts.pop("kernel", "warp")
   fn = {"wgmma": kivi_attention_mosaic, "warp": kivi_attention_mosaic_warp}[kernel]
   cache = jax.jit(functools.partial(to_mosaic, layout=kernel))(inp["keys"], inp["values"])
   f = jax.jit(lambda *a: fn(*a, **opts))
@@ -302,6 +308,9 @@ def _try_time(name, fn, log):
 
 
 FAMILIES = ("dense", "palu", "kivi")
+# Rows of the main table (--kernels picks a subset; ablation rows follow their kernel).
+KERNELS = ("dense-xla", "dense-cudnn", "dense-triton", "palu-bf16", "palu-mosaic", "palu-v4",
+           "kivi-2bit", "kivi-mosaic")
 
 
 def sweep(model, s, b, log, families=FAMILIES):
@@ -365,8 +374,9 @@ def _opts_for(best, fam):
   return dict(best.get(fam, {}))
 
 
-def run_config(model, s, b, best, log, ablate=False, families=FAMILIES):
-  """All kernels on one (model, context, batch); returns records (times in us)."""
+def run_config(model, s, b, best, log, ablate=False, families=FAMILIES, kernels=KERNELS):
+  """The kernels named in `kernels` on one (model, context, batch); returns records (times
+  in us)."""
   m = MODELS[model]
   recs = []
   key = jax.random.key(s * 131 + b)
@@ -379,21 +389,25 @@ def run_config(model, s, b, best, log, ablate=False, families=FAMILIES):
   inp = dense_inputs(m, s, b, key)
   rd, fl = dense_cost(m, s, b, inp)
   for name, fn in dense_fns(inp, _opts_for(best, "dense")).items():
-    add(name, fn, rd, fl)
+    if name in kernels:
+      add(name, fn, rd, fl)
   del inp, fn
   gc.collect()
   for v_bits in (16, 4) if "palu" in families else ():
+    name = "palu-bf16" if v_bits == 16 else "palu-v4"
+    if name not in kernels and (v_bits == 4 or "palu-mosaic" not in kernels):
+      continue
     inp, sh = palu_inputs(m, s, b, key, v_bits)
     rd, fl = palu_cost(m, s, b, inp, sh)
-    name = "palu-bf16" if v_bits == 16 else "palu-v4"
-    add(name, palu_fn(inp, _opts_for(best, "palu")), rd, fl)
-    if v_bits == 16:  # the Mosaic GPU kernel takes bf16 latents
+    if name in kernels:
+      add(name, palu_fn(inp, _opts_for(best, "palu")), rd, fl)
+    if v_bits == 16 and "palu-mosaic" in kernels:  # the Mosaic GPU kernel takes bf16 latents
       add("palu-mosaic", palu_fn(inp, _opts_for(best, "palu_mosaic"), "mosaic"), rd, fl)
       if ablate:
         for o in MOSAIC_ABLATIONS:
           add("palu-mosaic:" + ",".join(f"{k}={v}" for k, v in o.items()),
               palu_fn(inp, o, "mosaic"), rd, fl, ablation=True)
-    if ablate:
+    if ablate and name in kernels:
       for skip, tag in ((1, "no-V"), (2, "no-K")):
         add(f"{name}:{tag}", palu_fn(inp, dict(_opts_for(best, "palu"), skip=skip)), rd, fl,
             ablation=True)
@@ -403,10 +417,16 @@ def run_config(model, s, b, best, log, ablate=False, families=FAMILIES):
           ablation=True)
     del inp
     gc.collect()
-  if "kivi" not in families:
+  if "kivi" not in families or not {"kivi-2bit", "kivi-mosaic"} & set(kernels):
     return recs
   inp = kivi_inputs(m, s, b, key)
-  rd, fl = kivi_cost(m, s, b, inp)
+  rd, fl = kivi_cost(m, s, b, inp)  # the Mosaic layouts hold the same bytes (lossless)
+  if "kivi-mosaic" in kernels:
+    add("kivi-mosaic", kivi_mosaic_fn(inp, _opts_for(best, "kivi_mosaic")), rd, fl)
+  if "kivi-2bit" not in kernels:
+    del inp
+    gc.collect()
+    return recs
   add("kivi-2bit", kivi_fn(inp, _opts_for(best, "kivi")), rd, fl)
   if ablate:
     for skip, tag in ((1, "no-V"), (2, "no-K")):
@@ -477,11 +497,17 @@ def main(argv=None):
   ap.add_argument("--options", default=None, help="JSON file of per-model best options")
   ap.add_argument("--families", default=",".join(FAMILIES),
                   help="kernel families to sweep (dense,palu,kivi)")
+  ap.add_argument("--kernels", default=",".join(KERNELS),
+                  help=f"main-table rows to time (of {','.join(KERNELS)})")
   ap.add_argument("--ablate", action="store_true",
                   help="also time Palu/KIVI with the value or key path skipped (16K, B=8)")
   ap.add_argument("--time_budget", type=float, default=1e9,
                   help="stop starting new configs after this many seconds")
   args = ap.parse_args(argv)
+  kernels = tuple(args.kernels.split(","))
+  unknown = sorted(set(kernels) - set(KERNELS))
+  if unknown:
+    raise SystemExit(f"--kernels: unknown {unknown}; known: {','.join(KERNELS)}")
   dev = jax.devices()[0]
   if dev.platform != "gpu":
     raise SystemExit("bench_kernels.py needs a GPU")
@@ -530,10 +556,11 @@ def main(argv=None):
       if not fits(model, s, b, mem):
         log(f"skip {model} S={s} B={b}: does not fit")
         continue
+      t_cfg = time.time()
       recs += run_config(model, s, b, best.get(model, {}), log,
                          ablate=args.ablate and s == 16384 and b == 8,
-                         families=args.families.split(","))
-      log(f"done {model} S={s} B={b}")
+                         families=args.families.split(","), kernels=kernels)
+      log(f"done {model} S={s} B={b} in {time.time() - t_cfg:.0f} s")
       out["records"] = recs
       with open(args.out, "w", encoding="utf-8") as f:
         json.dump(out, f, indent=1)

@@ -11,7 +11,9 @@ Implementations:
   "mosaic"     the warp-specialised Pallas Mosaic GPU kernel in `mosaic_latent`
                (Hopper; bf16 latents, H = 128, ranks multiple of 64, no key bias;
                1.00-1.16x cuDNN dense on an H200, BENCHMARKS.md).
-None picks "triton" on a GPU with jax-triton, else "reference".
+None picks "mosaic" on a Hopper GPU when the inputs fit it with its default knobs and no
+kernel options are passed (`mosaic_fit`: bf16 latents, H = 128, ranks multiple of 64, no
+key bias, ...), else "triton" on a GPU with jax-triton, else "reference".
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import warnings
 
 import jax.numpy as jnp
 
-from ..decode_attention import triton_backend
+from ..decode_attention import platform, triton_backend
 from ..decode_attention.xla import decode_attention_xla, matmul_dtype
 from .packing import PackedLatent, dequantize_latent, quantize_latent  # noqa: F401
 from .reference import check_shapes, latent_attention_reference, rope_angles, rope_inv_freq
@@ -28,8 +30,40 @@ from .reference import check_shapes, latent_attention_reference, rope_angles, ro
 IMPLEMENTATIONS = ("reference", "xla", "triton", "mosaic")
 
 
-def resolve_implementation(implementation=None) -> str:
-  """The implementation that `latent_attention` will run for this request."""
+def mosaic_fit(q, hk, hv, b_k, lengths, k_bias=None) -> str | None:
+  """None when the Mosaic kernel takes these inputs with its default knobs, else why not.
+
+  Pure shape/dtype checks (the kernel's own `mosaic_plan.plan`), no device needed.
+  """
+  if k_bias is not None:
+    return "k_bias is given"
+  for name, x in (("hk", hk), ("hv", hv)):
+    if isinstance(x, PackedLatent):
+      return f"{name} is a PackedLatent"
+    if jnp.dtype(x.dtype) != jnp.bfloat16:
+      return f"{name} is {jnp.dtype(x.dtype).name}, not bfloat16"
+  from .mosaic_plan import plan  # pylint: disable=import-outside-toplevel
+  try:
+    plan(q.shape, hk.shape, hv.shape, b_k.shape)
+  except ValueError as e:
+    return str(e)
+  del lengths
+  return None
+
+
+def resolve_implementation(implementation=None, *, args=None, options=None) -> str:
+  """The implementation that `latent_attention` will run for this request.
+
+  Args:
+    implementation: None or one of IMPLEMENTATIONS.
+    args: (q, hk, hv, b_k, lengths, k_bias) of the call; with implementation None on a
+      Hopper GPU, "mosaic" is picked when they fit it (`mosaic_fit`) and `options` is empty
+      (kernel knobs name one backend's parameters, so a call passing any keeps "triton").
+    options: the call's kernel knobs.
+  """
+  if (implementation is None and args is not None and not options
+      and platform.hopper_available() and mosaic_fit(*args) is None):
+    return "mosaic"
   return triton_backend.resolve(implementation, known=IMPLEMENTATIONS, default_gpu="triton",
                                 needs_gpu=("triton", "mosaic"), needs_triton=("triton",),
                                 op="latent_attention")
@@ -61,13 +95,15 @@ def latent_attention(q, hk, hv, b_k, lengths, *, rope_theta=10000.0, inv_freq=No
   """Palu decode attention; see `reference.latent_attention_reference` for Args/Returns.
 
   Args:
-    implementation: None | "reference" | "xla" | "triton" | "mosaic".
+    implementation: None (the fastest that fits here: see `resolve_implementation`) |
+      "reference" | "xla" | "triton" | "mosaic".
     **options: kernel knobs (triton: block_s, num_splits, absorb, num_warps, num_stages,
       poison; mosaic: heads_per_program, stages, v_stages, num_splits, target_programs,
       rope_math, layout, values, overlap, profile_dir, profile_space; see
       `latent_attention_mosaic`).
   """
-  impl = resolve_implementation(implementation)
+  impl = resolve_implementation(implementation, args=(q, hk, hv, b_k, lengths, k_bias),
+                                options=options)
   if implementation not in (None, impl):
     warnings.warn(f"latent_attention: {implementation!r} unavailable here, running {impl!r}")
   if impl == "reference":

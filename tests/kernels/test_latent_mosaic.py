@@ -8,6 +8,8 @@ tile) against the float32 reference, bitwise determinism across two runs, every
 split partial finite, and a negative control.
 """
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -16,7 +18,9 @@ import jax.numpy as jnp  # noqa: E402
 
 from closeness import assert_close  # noqa: E402  (tests/kernels, on sys.path)
 from kvlowrank_kernels.decode_attention import shapes as dshapes  # noqa: E402
-from kvlowrank_kernels.decode_attention import triton_backend  # noqa: E402
+from kvlowrank_kernels.decode_attention import platform, triton_backend  # noqa: E402
+from kvlowrank_kernels.latent_attention import (  # noqa: E402
+    latent_attention, mosaic_fit, quantize_latent, resolve_implementation)
 from kvlowrank_kernels.latent_attention import mosaic_latent as ml  # noqa: E402
 from kvlowrank_kernels.latent_attention import shapes as lshapes  # noqa: E402
 from kvlowrank_kernels.latent_attention.reference import (  # noqa: E402
@@ -218,6 +222,45 @@ def test_query_columns():
 
 # ----------------------------------------------------------------------------- GPU
 
+def test_hopper_detection_is_false_off_a_gpu():
+  if jax.default_backend() == "gpu":
+    pytest.skip("CPU check")
+  assert not platform.hopper_available()
+
+
+def _fit_case(**change):
+  shape = dataclasses.replace(SHAPES[1], **change)
+  q, hk, hv, bk, lens = _zeros(shape)
+  return q, hk, hv, bk, lens, None
+
+
+@pytest.mark.parametrize("hopper", [True, False])
+def test_default_implementation_picks_mosaic_only_where_it_fits(monkeypatch, hopper):
+  """None -> "mosaic" on a Hopper GPU for inputs the kernel takes with its default knobs;
+  everything else keeps the previous default (triton on a GPU, reference elsewhere).
+  The hopper=False case is the negative control of the platform gate."""
+  monkeypatch.setattr(platform, "hopper_available", lambda: hopper)
+  fallback = resolve_implementation(None)
+  assert fallback != "mosaic"
+  args = _fit_case()
+  assert mosaic_fit(*args) is None
+  assert resolve_implementation(None, args=args) == ("mosaic" if hopper else fallback)
+  # Explicit choices and calls carrying kernel knobs are never rerouted.
+  assert resolve_implementation("xla", args=args) == "xla"
+  assert resolve_implementation(None, args=args, options={"block_s": 64}) == fallback
+  q, hk, hv, bk, lens, _ = args
+  misfits = {
+      "k_bias": (q, hk, hv, bk, lens, jnp.zeros((bk.shape[0], bk.shape[2]), F32)),
+      "PackedLatent": (q, hk, quantize_latent(hv, 4), bk, lens, None),
+      "float16": (q, hk.astype(jnp.float16), hv, bk, lens, None),
+      "head dim must be 128": _fit_case(head_dim=64),
+      "rv must be a multiple of 64": _fit_case(rv=96),
+  }
+  for why, bad in misfits.items():
+    assert why in mosaic_fit(*bad), why
+    assert resolve_implementation(None, args=bad) == fallback, why
+
+
 def _case(idx, seed):
   shape = SHAPES[idx]
   rng = np.random.default_rng(seed)
@@ -305,3 +348,23 @@ def test_mosaic_profile_trace(tmp_path):
   for scope in ("key_mma", "key_rope", "score_mma", "softmax", "value_mma"):
     assert summary["compute"]["scopes"][scope]["calls_per_wg"] >= 1, scope
   assert "wait_key_slot" not in summary["compute"]["scopes"]
+
+
+@pytest.mark.gpu
+def test_default_implementation_on_hopper():
+  """implementation=None runs the Mosaic kernel on a Hopper GPU (bitwise equal to asking
+  for it, close to the reference) and the Triton kernel for packed latents."""
+  if not platform.hopper_available():
+    pytest.skip("needs a Hopper GPU")
+  shape, (q, hk, hv, b_k, _, lens) = _case(1, 731)
+  assert resolve_implementation(None, args=(q, hk, hv, b_k, lens, None)) == "mosaic"
+  ref, _ = latent_attention_reference(q, hk, hv, b_k, lens, out_dtype=F32)
+  run = lambda impl, hv: jax.jit(lambda *a: latent_attention(  # noqa: E731
+      *a, out_dtype=F32, implementation=impl))(q, hk, hv, b_k, lens)[0]
+  out = run(None, hv)
+  assert np.array_equal(np.asarray(out), np.asarray(run("mosaic", hv)))
+  assert_close(out, ref, 2e-2, 2e-2, f"default on {shape}")
+  hv4 = quantize_latent(hv, 4)
+  assert resolve_implementation(None, args=(q, hk, hv4, b_k, lens, None)) != "mosaic"
+  if triton_backend.available():
+    assert np.array_equal(np.asarray(run(None, hv4)), np.asarray(run("triton", hv4)))
