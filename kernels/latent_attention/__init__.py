@@ -1,16 +1,18 @@
 """Palu fused latent decode attention (G-LRD key/value latents, RoPE keys, split-K).
 
 `latent_attention(q, hk, hv, b_k, lengths, ...)` returns (out [B, N, rv], lse)
-with the semantics of `reference.latent_attention_reference`; latents are bf16
+with the semantics of `reference.latent_attention_reference`; latents are bf16 or fp16
 arrays or `PackedLatent` (2/3/4-bit, per-token scale/zero, `bitpack` layout).
 Implementations:
   "reference"  plain jnp float32 (runs anywhere; also what prefill uses: it
                reconstructs K for all tokens and runs dense attention);
   "xla"        the same reconstruction path on the input dtypes (bf16 einsums);
-  "triton"     the fused kernel in `triton_latent` (all latent formats);
+  "triton"     the fused kernel in `triton_latent` (all latent formats; fp16 latents
+               are computed in fp16, other float arrays are rounded to bf16);
   "mosaic"     the warp-specialised Pallas Mosaic GPU kernel in `mosaic_latent`
                (Hopper; bf16 latents, H = 128, ranks multiple of 64, no key bias;
-               1.00-1.16x cuDNN dense on an H200, BENCHMARKS.md).
+               0.97-1.07x the best dense kernel at >= 16K tokens, batch >= 8, on an
+               H200: BENCHMARKS.md).
 None picks "mosaic" on a Hopper GPU when the inputs fit it with its default knobs and no
 kernel options are passed (`mosaic_fit`: bf16 latents, H = 128, ranks multiple of 64, no
 key bias, ...), else "triton" on a GPU with jax-triton, else "reference".

@@ -49,6 +49,10 @@ configurations (experiments/ptx_stats.py), so register pressure is what this
 kernel is designed around. The GQA path rotates the reconstructed keys by the
 full angle and scores them against the unrotated (already RoPE'd) queries.
 
+16-bit latents enter the products in their stored type: bf16, or fp16 (B_k then travels
+as fp16 and the probabilities are rounded to fp16 for the value product), so fp16 latents
+are never rounded to bf16.
+
 Ranks need not be powers of two: each rank is split into a power-of-two piece
 A and a remainder B padded to a power of two (384 = 256 + 128 exactly).
 
@@ -73,12 +77,12 @@ from . import triton_unpack as tu
 @triton.jit
 def _key_piece(hk_ptr, hks_ptr, hkz_ptr, tok, t_ok, C0: tl.constexpr, CP: tl.constexpr,
                CN: tl.constexpr, RK: tl.constexpr, T: tl.constexpr, KBITS: tl.constexpr):
-  """Key latent channels [C0, C0 + CP) of the tile [T, CP] (zeros past CN): bf16 as stored,
-  or dequantized to fp16 (finer than bf16; B_k is converted to match)."""
+  """Key latent channels [C0, C0 + CP) of the tile [T, CP] (zeros past CN): bf16 or fp16 as
+  stored, or dequantized to fp16 (finer than bf16; B_k is converted to match)."""
   cols = tl.arange(0, CP)[None, :]
   if KBITS == 16:
     return tl.load(hk_ptr + tok[:, None] * RK + C0 + cols,
-                   mask=t_ok[:, None] & (cols < CN), other=0.0).to(tl.bfloat16)
+                   mask=t_ok[:, None] & (cols < CN), other=0.0)
   else:
     KW: tl.constexpr = RK * KBITS // 8
     c = tu.load_codes(hk_ptr + tok[:, None] * KW, t_ok, C0, CP, CN, RK, T, KBITS)
@@ -93,11 +97,12 @@ def _key_piece(hk_ptr, hks_ptr, hkz_ptr, tok, t_ok, C0: tl.constexpr, CP: tl.con
 @triton.jit
 def _value_piece(hv_ptr, tok, t_ok, C0: tl.constexpr, CP: tl.constexpr, CN: tl.constexpr,
                  RV: tl.constexpr, T: tl.constexpr, VBITS: tl.constexpr):
-  """Value latent channels [C0, C0 + CP) [T, CP]: bf16 values, or fp16 1 + c / 2**b."""
+  """Value latent channels [C0, C0 + CP) [T, CP]: bf16 or fp16 values as stored, or fp16
+  1 + c / 2**b."""
   cols = tl.arange(0, CP)[None, :]
   if VBITS == 16:
     return tl.load(hv_ptr + tok[:, None] * RV + C0 + cols,
-                   mask=t_ok[:, None] & (cols < CN), other=0.0).to(tl.bfloat16)
+                   mask=t_ok[:, None] & (cols < CN), other=0.0)
   else:
     VW: tl.constexpr = RV * VBITS // 8
     c = tu.load_codes(hv_ptr + tok[:, None] * VW, t_ok, C0, CP, CN, RV, T, VBITS)
@@ -120,7 +125,10 @@ def _latent_body(q_ptr, hk_ptr, hks_ptr, hkz_ptr, hv_ptr, hvs_ptr, hvz_ptr, bk_p
   NQG: tl.constexpr = G * QPK
   N: tl.constexpr = GR * NQG
   GH: tl.constexpr = G * H
-  KDT: tl.constexpr = tl.bfloat16 if KBITS == 16 else tl.float16
+  # MMA operand types: 16-bit latents as stored (bf16 or fp16; B_k and p are converted to
+  # match), dequantized latents as fp16.
+  KDT: tl.constexpr = hk_ptr.dtype.element_ty if KBITS == 16 else tl.float16
+  VDT: tl.constexpr = hv_ptr.dtype.element_ty if VBITS == 16 else tl.float16
   pid = tl.program_id(0)
   sid = tl.program_id(1)
   b = pid // (GR * NPART)
@@ -278,7 +286,7 @@ def _latent_body(q_ptr, hk_ptr, hks_ptr, hkz_ptr, hv_ptr, hvs_ptr, hvz_ptr, bk_p
     p = tl.exp2(scores - m_new[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
     if VBITS == 16:
-      pw = p.to(tl.bfloat16)
+      pw = p.to(VDT)
     else:
       vs = tl.load(hvs_ptr + tok, mask=t_ok, other=0.0).to(tl.float32)
       vz = tl.load(hvz_ptr + tok, mask=t_ok, other=0.0).to(tl.float32)

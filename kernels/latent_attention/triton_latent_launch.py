@@ -124,12 +124,18 @@ def absorbed_queries(q, b_k, k_bias, scale, kdt):
 
 
 def _latent_args(x, dummy):
-  """(data, scale, zero, bits) for an array or PackedLatent."""
+  """(data, scale, zero, bits) for an array or PackedLatent. fp16 latents stay fp16 (the
+  kernel's products then run in fp16); any other float array is rounded to bf16."""
   if isinstance(x, PackedLatent):
     if x.bits not in (2, 3, 4):
       raise ValueError(f"triton latent attention supports 2/3/4-bit latents, got {x.bits}")
     return x.codes, x.scale, x.zero, x.bits
-  return x.astype(jnp.bfloat16), dummy, dummy, 16
+  return x.astype(_latent_dtype(x)), dummy, dummy, 16
+
+
+def _latent_dtype(x):
+  """Storage type of a 16-bit latent in the kernel: fp16 if given fp16, else bf16."""
+  return jnp.float16 if jnp.dtype(x.dtype) == jnp.float16 else jnp.bfloat16
 
 
 def latent_attention_triton(q, hk, hv, b_k, lengths, inv_freq, *, k_bias=None, scale=None,
@@ -164,13 +170,16 @@ def latent_attention_triton(q, hk, hv, b_k, lengths, inv_freq, *, k_bias=None, s
   bias = k_bias.astype(jnp.float32) if k_bias is not None else lengths
   rope = rope_table(inv_freq, int(hk.shape[1]), rope_dtype) if rope is None else rope
   pq, pqb = lengths, lengths
+  # The key product's operand type: the key latent's storage type (fp16 when dequantized).
+  # B_k travels as fp16 next to fp16 latents, else as bf16 (the kernel converts it to kdt).
+  kdt = _latent_dtype(hk_d) if kbits == 16 else jnp.float16
+  bk_dt = jnp.float16 if kbits == 16 and kdt == jnp.float16 else jnp.bfloat16
   if p["constexprs"]["ABSORB"]:
-    pq, pqb = absorbed_queries(q, b_k, k_bias, scale,
-                               jnp.bfloat16 if kbits == 16 else jnp.float16)
+    pq, pqb = absorbed_queries(q, b_k, k_bias, scale, kdt)
     pqb = lengths if pqb is None else pqb
   return triton_backend.launch_split_k(
       latent_kernel, latent_kernel_poisoned,
-      q.astype(jnp.bfloat16), hk_d, hks, hkz, hv_d, hvs, hvz, b_k.astype(jnp.bfloat16), bias,
+      q.astype(jnp.bfloat16), hk_d, hks, hkz, hv_d, hvs, hvz, b_k.astype(bk_dt), bias,
       pq, pqb, rope, lengths, int(hk.shape[1]), p["num_splits"], scale,
       out_shapes=p["out_shapes"], grid=p["grid"], num_warps=num_warps, num_stages=num_stages,
       poison=poison, out_dtype=out_dtype or q.dtype, return_partials=return_partials,

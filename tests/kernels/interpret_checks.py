@@ -104,6 +104,16 @@ def check_latent():
                                            out_dtype=F32, poison=True, **o)
       assert_close(out, ref, 2e-2, 2e-2, f"latent[{i}] {o} out")
       assert_close(lse, ref_lse, 2e-2, 1e-3, f"latent[{i}] {o} lse")
+    if shape.k_bits == shape.v_bits == 16:  # fp16 latents (computed in fp16)
+      h16, v16 = hk.astype(jnp.float16), hv.astype(jnp.float16)
+      ref, ref_lse = latent_attention_reference(q, h16, v16, b_k, lens, inv_freq=inv,
+                                                k_bias=bias, out_dtype=F32)
+      for o in variants:
+        with interpreted_launch():
+          out, lse = latent_attention_triton(q, h16, v16, b_k, lens, inv, k_bias=bias,
+                                             out_dtype=F32, poison=True, **o)
+        assert_close(out, ref, 2e-2, 2e-2, f"latent[{i}] fp16 {o} out")
+        assert_close(lse, ref_lse, 2e-2, 1e-3, f"latent[{i}] fp16 {o} lse")
 
 
 def _xq_rows(seed, b, s, c, bits, axis, group):

@@ -120,6 +120,34 @@ def test_latent_triton(idx, opts):
     assert_deterministic(run, f"latent {o}")
 
 
+@pytest.mark.parametrize("idx", [i for i, s in enumerate(lshapes.TEST_SHAPES)
+                                 if s.k_bits == s.v_bits == 16])
+@pytest.mark.parametrize("opts", [dict(), dict(block_s=32, num_warps=4, num_stages=2)])
+def test_latent_triton_fp16_latents(idx, opts):
+  """fp16 latents run in fp16: close to the float32 reference on the same fp16 latents and
+  at least twice as close as the same latents rounded to bf16 (the negative control: what
+  the kernel computed before it kept fp16)."""
+  from kvlowrank_kernels.latent_attention.triton_latent_launch import latent_attention_triton
+  shape, (q, hk, hv, b_k, k_bias, lens) = _latent_case(idx, 320 + idx)
+  hk, hv = hk.astype(jnp.float16), hv.astype(jnp.float16)
+  # Inputs with more mantissa than bf16 keeps (the test data are bf16 values otherwise).
+  hk = hk + (hk * 2.0 ** -9).astype(jnp.float16)
+  hv = hv + (hv * 2.0 ** -9).astype(jnp.float16)
+  inv = rope_inv_freq(shape.head_dim, 10000.0)
+  ref, ref_lse = latent_attention_reference(q, hk, hv, b_k, lens, k_bias=k_bias, out_dtype=F32)
+  run = lambda hk=hk, hv=hv: latent_attention_triton(  # noqa: E731
+      q, hk, hv, b_k, lens, inv, k_bias=k_bias, out_dtype=F32, poison=True,
+      return_partials=True, **opts)
+  out, lse, partials = run()
+  assert_partials_written(partials, f"latent fp16 {opts}")
+  err = assert_close(out, ref, 2e-2, 2e-2, f"latent fp16 out {opts}")
+  assert_close(lse, ref_lse, 2e-2, 2e-3, f"latent fp16 lse {opts}")
+  assert_deterministic(run, f"latent fp16 {opts}")
+  rounded = run(hk.astype(jnp.bfloat16), hv.astype(jnp.bfloat16))[0]
+  err_bf16 = float(np.abs(np.asarray(rounded, np.float64) - np.asarray(ref, np.float64)).max())
+  assert err < 0.5 * err_bf16, (err, err_bf16)
+
+
 def test_latent_triton_negative_control():
   """A corrupted key latent at a valid slot must break agreement with the clean reference."""
   from kvlowrank_kernels.latent_attention.triton_latent_launch import latent_attention_triton
