@@ -423,18 +423,16 @@ def run_config(model, s, b, best, log, ablate=False, families=FAMILIES, kernels=
   rd, fl = kivi_cost(m, s, b, inp)  # the Mosaic layouts hold the same bytes (lossless)
   if "kivi-mosaic" in kernels:
     add("kivi-mosaic", kivi_mosaic_fn(inp, _opts_for(best, "kivi_mosaic")), rd, fl)
-  if "kivi-2bit" not in kernels:
-    del inp
-    gc.collect()
-    return recs
-  add("kivi-2bit", kivi_fn(inp, _opts_for(best, "kivi")), rd, fl)
-  if ablate:
-    for skip, tag in ((1, "no-V"), (2, "no-K")):
-      add(f"kivi-2bit:{tag}", kivi_fn(inp, dict(_opts_for(best, "kivi"), skip=skip)), rd, fl,
+  if "kivi-2bit" in kernels:
+    add("kivi-2bit", kivi_fn(inp, _opts_for(best, "kivi")), rd, fl)
+    if ablate:
+      for skip, tag in ((1, "no-V"), (2, "no-K")):
+        add(f"kivi-2bit:{tag}", kivi_fn(inp, dict(_opts_for(best, "kivi"), skip=skip)), rd,
+            fl, ablation=True)
+      del inp
+      inp = kivi_inputs(m, s, b, key, scale_dtype=jnp.bfloat16)
+      add("kivi-2bit:bf16-scales", kivi_fn(inp, _opts_for(best, "kivi")), rd, fl,
           ablation=True)
-    del inp
-    inp = kivi_inputs(m, s, b, key, scale_dtype=jnp.bfloat16)
-    add("kivi-2bit:bf16-scales", kivi_fn(inp, _opts_for(best, "kivi")), rd, fl, ablation=True)
   del inp
   gc.collect()
   return recs

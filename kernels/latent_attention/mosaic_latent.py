@@ -71,9 +71,8 @@ from jax import lax
 from ..decode_attention import splitk
 from . import mosaic_fragments as frag
 from .mosaic_plan import (  # noqa: F401  (re-exported: the kernel's public planning API)
-    AUTO_STAGES, RED_PER_COL, SMEM_LIMIT, T, _smem_bytes, plan, query_columns, query_operand,
-    rope_tables, unpad_partials)
-from .packing import PackedLatent
+    AUTO_STAGES, RED_PER_COL, SMEM_LIMIT, T, _smem_bytes, check_inputs, plan, query_columns,
+    query_operand, rope_tables, unpad_partials)
 
 
 def _kernel(p, q_ref, hk_ref, hv_ref, bk_ref, cos_ref, sin_ref, base_ref, len_ref, o_ref,
@@ -463,13 +462,7 @@ def latent_attention_mosaic(q, hk, hv, b_k, lengths, inv_freq, *, k_bias=None, s
     per warpgroup, kept in shared memory: the rings may get shallower; summarised by
     `experiments/mosaic_trace.py`).
   """
-  if k_bias is not None:
-    raise ValueError("mosaic latent attention: k_bias is not supported; use the triton "
-                     "implementation")
-  for name, x in (("hk", hk), ("hv", hv)):
-    if isinstance(x, PackedLatent):
-      raise ValueError(f"mosaic latent attention: {name} must be a bf16 array (packed latents "
-                       "run on the triton implementation)")
+  check_inputs(hk, hv, k_bias)
   h = q.shape[-1]
   scale = h ** -0.5 if scale is None else float(scale)
   p = plan(q.shape, hk.shape, hv.shape, b_k.shape, heads_per_program=heads_per_program,

@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 
 from ..decode_attention import splitk
+from .packing import PackedLatent
 from .reference import rope_angles
 
 
@@ -39,6 +40,18 @@ def _smem_bytes(hpp, rk, rv, hh, np_, stages, v_stages, pairs=True, profile_spac
           + kib(hpp * RED_PER_COL * np_ * 4)  # reduction scratch
           + 256                           # barriers (8 B each)
           + (hpp + 1) * profile_space * 16 + (1024 if profile_space else 0))
+
+
+def check_inputs(hk, hv, k_bias) -> None:
+  """ValueError naming the argument where the kernel cannot take it: a key bias, or a
+  packed latent (both run on the triton implementation)."""
+  if k_bias is not None:
+    raise ValueError("mosaic latent attention: k_bias is not supported; use the triton "
+                     "implementation")
+  for name, x in (("hk", hk), ("hv", hv)):
+    if isinstance(x, PackedLatent):
+      raise ValueError(f"mosaic latent attention: {name} must be a bf16 array, not a "
+                       "PackedLatent (packed latents run on the triton implementation)")
 
 
 # Ring depths tried, deepest first, when `stages` / `v_stages` are not given.
