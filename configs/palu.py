@@ -11,7 +11,7 @@ of n_kv_heads <= 4, the paper's gs-4), ratio (fraction of the KV hidden dim remo
 rank_search (fisher|uniform), decomposition (whiten|svd), bits (0 = unquantized
 latents at the cache dtype, else 2|3|4|8 per-token latent quantization), hadamard
 (bool), seq_len, windows, smoke (stories260K, rank multiple 8, < 2 min).
-Other knobs via --config.palu.<field> (kvlowrank.palu.PaluSpec: rank_multiple,
+Other knobs via --config.palu.<field> (kvlowrank.methods.palu.PaluSpec: rank_multiple,
 fisher_reduce, window, fisher_samples, damping).
 
 get_sweep() reproduces the paper's ablation axes on this model (the measured table is
@@ -34,7 +34,7 @@ from kvlowrank.experiment.config import apply_smoke, base_config
 
 def palu_section(granularity="g", group_size=0, ratio=0.5, rank_search="fisher",
                  decomposition="whiten", bits=0, hadamard=True) -> ConfigDict:
-  """A `palu` config section (fields of kvlowrank.palu.PaluSpec)."""
+  """A `palu` config section (fields of kvlowrank.methods.palu.PaluSpec)."""
   return ConfigDict(dict(
       granularity=granularity, group_size=group_size, decomposition=decomposition,
       rank_search=rank_search, target_ratio=ratio,

@@ -35,13 +35,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kvlowrank_kernels.decode_attention import decode_attention
-from kvlowrank_kernels.kivi_attention import KiviKeys, KiviValues, kivi_attention
-from kvlowrank_kernels.kivi_attention.mosaic_kivi import kivi_attention_mosaic
-from kvlowrank_kernels.kivi_attention.mosaic_kivi_warp import kivi_attention_mosaic_warp
-from kvlowrank_kernels.kivi_attention.mosaic_layout import to_mosaic
-from kvlowrank_kernels.latent_attention import PackedLatent, latent_attention
-from kvlowrank_kernels.latent_attention.shapes import palu_50
+from kvlowrank_kernels.dense import decode_attention
+from kvlowrank_kernels.kivi import KiviKeys, KiviValues, kivi_attention
+from kvlowrank_kernels.kivi.mosaic_kivi import kivi_attention_mosaic
+from kvlowrank_kernels.kivi.mosaic_kivi_warp import kivi_attention_mosaic_warp
+from kvlowrank_kernels.kivi.mosaic_layout import to_mosaic
+from kvlowrank_kernels.palu import PackedLatent, palu_attention
+from kvlowrank_kernels.palu.shapes import palu_50
 
 MODELS = {
     "llama2-7b": dict(n_heads=32, n_kv_heads=32, head_dim=128),
@@ -237,7 +237,7 @@ def dense_fns(inp, triton_opts):
 
 
 def palu_fn(inp, opts, implementation="triton"):
-  f = jax.jit(lambda q, hk, hv, bk, l: latent_attention(q, hk, hv, bk, l,
+  f = jax.jit(lambda q, hk, hv, bk, l: palu_attention(q, hk, hv, bk, l,
                                                        implementation=implementation, **opts))
   return f, (inp["q"], inp["hk"], inp["hv"], inp["b_k"], inp["lengths"])
 

@@ -41,11 +41,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from kvlowrank.model.rope import rope_cos_sin
-from kvlowrank.quant import packed_words
+from kvlowrank_kernels.quant import packed_words
 from kvlowrank.spec import ModelSpec
-from kvlowrank_kernels.dequant_matmul import reference as ref
-from kvlowrank_kernels.dequant_matmul import triton_backend as tb
-from kvlowrank_kernels.dequant_matmul import xla as xq
+from kvlowrank_kernels.xquant import reference as ref
+from kvlowrank_kernels.xquant import triton_backend as tb
+from kvlowrank_kernels.xquant import xla as xq
 
 MODELS = {
     # name: (spec, path, weight params per layer)

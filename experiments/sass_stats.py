@@ -57,14 +57,14 @@ def compile_kivi(qpk, block_s, num_warps, num_stages, fp16, bits=2, head_dim=128
 
 
 def compile_palu(qpk, block_s, num_warps, num_stages, hpp=None, v_bits=16):
-  """(cubin, shared bytes) of `triton_latent.latent_kernel` for sm_90a at Palu's benchmark shape.
+  """(cubin, shared bytes) of `triton_palu.latent_kernel` for sm_90a at Palu's benchmark shape.
 
   32 query heads of 128, 32 // qpk KV heads in groups of 4, rk = 128, rv = 384 (the 50%
   G-LRD setting of `bench_kernels.py`), bf16 key latents, bf16 or packed value latents.
   """
-  from kernels.latent_attention import triton_latent  # pylint: disable=import-outside-toplevel
-  from kernels.latent_attention import triton_latent_launch as launch  # pylint: disable=import-outside-toplevel
-  fn = triton_latent.latent_kernel
+  from kernels.palu_attention import triton_palu  # pylint: disable=import-outside-toplevel
+  from kernels.palu_attention import triton_palu_launch as launch  # pylint: disable=import-outside-toplevel
+  fn = triton_palu.latent_kernel
   gr, rk, rv = 32 // qpk // 4, 128, 384
   const = launch.plan((8, 32, 128), (8, 16384, gr, rk), (8, 16384, gr, rv), (gr, rk, 512),
                       vbits=v_bits, block_s=block_s, heads_per_program=hpp)["constexprs"]

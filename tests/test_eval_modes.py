@@ -1,7 +1,7 @@
 """`prefill` vs `decode` evaluation modes: equal for an exact cache, and for KIVI different
 exactly where its residual window predicts.
 
-KIVI (kvlowrank.cache.kivi) at length L holds keys [0, floor(L/R) R) and values
+KIVI (kvlowrank.methods.kivi.cache) at length L holds keys [0, floor(L/R) R) and values
 [0, L - R) quantized, the rest exact. In decode mode the query at position p sees the
 cache at length p + 1, so nothing is quantized before the first flush at p = R - 1; in
 prefill mode every query sees the cache at length T.
@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from kvlowrank import ModelSpec
-from kvlowrank.cache import DenseSpec, KiviSpec
+from kvlowrank.methods import DenseSpec, KiviSpec
 from kvlowrank.eval.perplexity import window_nll
 from kvlowrank.model import forward
 

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from kvlowrank import ModelSpec
-from kvlowrank.cache import KiviCache, KiviSpec
+from kvlowrank.methods import KiviCache, KiviSpec
 from kvlowrank.experiment import config as config_lib
 from kvlowrank.experiment.spec import from_config
 from kvlowrank.methods import get_method
@@ -40,7 +40,7 @@ def test_valid_kivi_config():
   # scales/zeros (2 x 2 B x 64 channels / 32 tokens) + 8 B of V scales/zeros).
   kivi = get_method("kivi")
   assert kivi.kv_bytes_per_token(SMOL, exp.method_spec, None, None) == 7200.0
-  # Same as the cache's own accounting (independent code in kvlowrank.cache.kivi).
+  # Same as the cache's own accounting (independent code in kvlowrank.methods.kivi.cache).
   cache = KiviCache.init(exp.method_spec, SMOL, batch=1, capacity=32)
   assert cache.bytes_per_token() * SMOL.n_layers == 7200.0
   k2 = KiviSpec(bits=2)

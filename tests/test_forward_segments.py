@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from kvlowrank import ModelSpec
-from kvlowrank.cache import DenseSpec, KiviSpec, cache_methods, init_caches
+from kvlowrank.methods import DenseSpec, KiviSpec, cache_methods, init_caches
 from kvlowrank.model import forward
 from kvlowrank.model.segments import forward_segments, homogeneous, segment_runs
 from np_params import np_init_params
@@ -52,7 +52,7 @@ def _call_by_call(params, tokens, pos, caches, segments=SEGMENTS):
 def _methods():
   out = [("dense", DenseSpec()), ("kivi", KiviSpec(bits=4, group_size=8, residual=8))]
   if "xquant_cl" in cache_methods():
-    from kvlowrank.cache.xquant_cl import XQuantCLSpec  # pylint: disable=g-import-not-at-top
+    from kvlowrank.methods.xquant.cl import XQuantCLSpec  # pylint: disable=g-import-not-at-top
     out.append(("xquant_cl", XQuantCLSpec(bits=4, group_size=16, base_layer=0)))
   return out
 

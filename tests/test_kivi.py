@@ -5,12 +5,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from kvlowrank.cache import KiviCache, KiviSpec, init_caches
+from kvlowrank.methods import KiviCache, KiviSpec, init_caches
 from kvlowrank.cache.base import AttnInputs
 from kvlowrank.model.attention import dot_product_attention
 from kvlowrank.model.params import init_params
 from kvlowrank.model.transformer import forward
-from kvlowrank.quant import packing
+from kvlowrank_kernels.quant import packing
 from kvlowrank.spec import ModelSpec
 
 SPEC = ModelSpec(vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16,

@@ -13,7 +13,7 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from kvlowrank.cache import DenseSpec, init_caches
+from kvlowrank.methods import DenseSpec, init_caches
 from kvlowrank.loaders import load_model
 from kvlowrank.model import forward
 from kvlowrank.model.rope import permute_heads_to_half

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from kvlowrank import resources
-from kvlowrank.cache import DenseSpec, init_caches
+from kvlowrank.methods import DenseSpec, init_caches
 from kvlowrank.loaders import load_model
 from kvlowrank.model import forward
 

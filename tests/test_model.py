@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from kvlowrank import ModelSpec
-from kvlowrank.cache import DenseSpec, init_caches
+from kvlowrank.methods import DenseSpec, init_caches
 from kvlowrank.model import forward, init_params
 from kvlowrank.model.rope import permute_heads_to_half
 from np_reference import np_forward

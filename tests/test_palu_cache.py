@@ -8,10 +8,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-import kvlowrank.palu as palu
-from kvlowrank import quant
+import kvlowrank.methods.palu as palu
+from kvlowrank_kernels import quant
 from kvlowrank.cache import base, init_caches
-from kvlowrank.cache.latent import SCALE_DTYPE, LatentCache
+from kvlowrank.methods.palu.cache import SCALE_DTYPE, LatentCache
 from kvlowrank.model.attention import dot_product_attention
 from kvlowrank.model.params import layer_shapes
 from kvlowrank.model.transformer import forward

@@ -7,12 +7,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-import kvlowrank.palu as palu
+import kvlowrank.methods.palu as palu
 from kvlowrank import resources
-from kvlowrank.cache import init_caches
+from kvlowrank.methods import init_caches
 from kvlowrank.model.params import layer_shapes
 from kvlowrank.model.transformer import forward
-from kvlowrank.palu import calibration
+from kvlowrank.methods.palu import calibration
 from kvlowrank.spec import ModelSpec
 
 SPEC = ModelSpec(vocab_size=48, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8,
@@ -123,7 +123,7 @@ def test_stories260k_end_to_end():
 def test_method_statistics_cache_and_kv_bytes(tmp_path):
   """The registered method: statistics cached on disk, analytic bytes == cache storage."""
   from kvlowrank.methods import get_method
-  from kvlowrank.methods.palu import statistics
+  from kvlowrank.methods.palu.method import statistics
   method = get_method("palu")
   params = _params(SPEC)
   tokens = np.random.default_rng(3).integers(0, SPEC.vocab_size, (4, 12)).astype(np.int32)

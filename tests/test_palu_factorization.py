@@ -3,9 +3,9 @@
 import numpy as np
 import pytest
 
-from kvlowrank.palu import decompose, fold, rank_search
-from kvlowrank.palu.compress import hadamard_rotation
-from kvlowrank.palu.spec import PaluSpec, default_group_size, resolve_group_size
+from kvlowrank.methods.palu import decompose, fold, rank_search
+from kvlowrank.methods.palu.compress import hadamard_rotation
+from kvlowrank.methods.palu.spec import PaluSpec, default_group_size, resolve_group_size
 from kvlowrank.spec import ModelSpec
 
 

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from kvlowrank import ModelSpec
-from kvlowrank.cache import DenseSpec
+from kvlowrank.methods import DenseSpec
 from kvlowrank.data import text as text_lib
 from kvlowrank.eval.perplexity import perplexity, schedule
 from np_params import np_init_params

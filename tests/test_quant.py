@@ -8,8 +8,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from kvlowrank import quant
-from kvlowrank.quant import hadamard
+from kvlowrank_kernels import quant
+from kvlowrank.methods.palu import hadamard
 
 NP_SD = {"float16": np.float16, "float32": np.float32}
 
@@ -160,9 +160,9 @@ def test_hadamard_orthonormal_and_transform(n):
   np.testing.assert_allclose(h @ h.T, np.eye(n), atol=1e-6)
   np.testing.assert_allclose(np.abs(h), 1 / np.sqrt(n), rtol=1e-6)
   x = np.random.default_rng(n).standard_normal((3, n, 5)).astype(np.float32)
-  y = np.asarray(quant.hadamard_transform(jnp.asarray(x), axis=1), np.float64)
+  y = np.asarray(hadamard.hadamard_transform(jnp.asarray(x), axis=1), np.float64)
   np.testing.assert_allclose(y, np.einsum("anb,nm->amb", x.astype(np.float64), h), atol=1e-5)
-  back = quant.hadamard_transform(jnp.asarray(y, jnp.float32), axis=1, inverse=True)
+  back = hadamard.hadamard_transform(jnp.asarray(y, jnp.float32), axis=1, inverse=True)
   np.testing.assert_allclose(np.asarray(back), x, atol=1e-5)
   if n > 2:  # the rotation mixes every channel: not the identity
     assert np.abs(y - x).max() > 0.1

@@ -9,9 +9,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from kvlowrank.cache import init_caches, xquant
-from kvlowrank.cache.xquant import XQuantSpec, choose_path, fused_decode_backend, svd_factors
-from kvlowrank.cache.xquant_store import TokenStore
+from kvlowrank.methods import init_caches
+from kvlowrank.methods.xquant import cache as xquant
+from kvlowrank.methods.xquant.cache import XQuantSpec, choose_path, fused_decode_backend, svd_factors
+from kvlowrank.methods.xquant.store import TokenStore
 from kvlowrank.model.params import init_params
 from kvlowrank.model.transformer import forward
 from kvlowrank.spec import ModelSpec

@@ -8,12 +8,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from kvlowrank.cache import init_caches
-from kvlowrank.cache.xquant_cl import XCLCache, XQuantCLSpec, reconstruct_inputs
+from kvlowrank.methods import init_caches
+from kvlowrank.methods.xquant.cl import XCLCache, XQuantCLSpec, reconstruct_inputs
 from kvlowrank.methods import get_method
 from kvlowrank.model.params import init_params
 from kvlowrank.model.transformer import forward
-from kvlowrank.quant import fake_quant
+from kvlowrank_kernels.quant import fake_quant
 from kvlowrank.spec import ModelSpec
 
 GQA = ModelSpec(vocab_size=64, dim=64, n_layers=4, n_heads=4, n_kv_heads=2, head_dim=8,

@@ -1,8 +1,8 @@
-"""Cache protocol and the registered cache implementations."""
+"""The cache protocol (`base`): what every method's per-layer cache implements.
+
+The caches themselves live with their methods (`kvlowrank.methods.<name>.cache`);
+`init_caches` builds any registered one.
+"""
 
 from kvlowrank.cache.base import (AttnInputs, KVCache, cache_methods, caches_nbytes,
                                   init_caches, register_cache)
-from kvlowrank.cache.dense import DenseCache, DenseSpec
-from kvlowrank.cache.kivi import KiviCache, KiviSpec
-from kvlowrank.cache.xquant import XCache, XQuantSpec
-from kvlowrank.cache.xquant_cl import XCLCache, XQuantCLSpec

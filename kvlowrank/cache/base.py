@@ -131,6 +131,10 @@ def init_caches(method: str, method_spec, spec: ModelSpec, params, *, batch: int
                 capacity: int, dtype=jnp.bfloat16) -> tuple:
   """Builds the model-level cache (tuple of per-layer caches) for a registered method."""
   if method not in _REGISTRY:
+    # The built-in caches register themselves when their method packages are imported; a
+    # caller that reached this protocol module directly may not have imported them yet.
+    import kvlowrank.methods  # noqa: F401  pylint: disable=import-outside-toplevel
+  if method not in _REGISTRY:
     raise ValueError(f"unknown cache method {method!r}; known: {', '.join(cache_methods())}")
   if capacity <= 0 or batch <= 0:
     raise ValueError(f"cache capacity and batch must be positive, got {capacity}, {batch}")

@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kvlowrank.cache import DenseSpec, init_caches
+from kvlowrank.methods import DenseSpec, init_caches
 from kvlowrank.generate.sampling import Greedy, Sampler
 from kvlowrank.model.transformer import forward
 from kvlowrank.spec import ModelSpec

@@ -31,9 +31,9 @@ def assert_close(out, ref, atol, rtol, what):
 
 
 def check_dense():
-  from kvlowrank_kernels.decode_attention import shapes as ds  # pylint: disable=import-outside-toplevel
-  from kvlowrank_kernels.decode_attention.reference import decode_attention_reference  # pylint: disable=import-outside-toplevel
-  from kvlowrank_kernels.decode_attention.triton_decode import decode_attention_triton  # pylint: disable=import-outside-toplevel
+  from kvlowrank_kernels.dense import shapes as ds  # pylint: disable=import-outside-toplevel
+  from kvlowrank_kernels.dense.reference import decode_attention_reference  # pylint: disable=import-outside-toplevel
+  from kvlowrank_kernels.dense.triton_decode import decode_attention_triton  # pylint: disable=import-outside-toplevel
   for i, shape in enumerate(ds.TEST_SHAPES[:2]):
     lens = ds.ragged_lengths(shape.batch, shape.capacity, np.random.default_rng(i))
     args = ds.make_inputs(shape, jax.random.key(i), lengths=lens)
@@ -48,11 +48,11 @@ def check_kivi():
   """Every KIVI test shape (2/4-bit K and V, GQA 1/4/8, H = 64/128, 1-8 value groups, key groups
   8-64), ragged lengths (1, full, non-tile-multiples), windows full/1/0, several tilings;
   then a negative control (one corrupted key scale must break the agreement)."""
-  from kvlowrank_kernels.decode_attention import shapes as ds  # pylint: disable=import-outside-toplevel
-  from kvlowrank_kernels.kivi_attention import shapes as ks  # pylint: disable=import-outside-toplevel
-  from kvlowrank_kernels.kivi_attention.packing import KiviKeys  # pylint: disable=import-outside-toplevel
-  from kvlowrank_kernels.kivi_attention.reference import kivi_attention_reference  # pylint: disable=import-outside-toplevel
-  from kvlowrank_kernels.kivi_attention.triton_kivi import kivi_attention_triton  # pylint: disable=import-outside-toplevel
+  from kvlowrank_kernels.dense import shapes as ds  # pylint: disable=import-outside-toplevel
+  from kvlowrank_kernels.kivi import shapes as ks  # pylint: disable=import-outside-toplevel
+  from kvlowrank_kernels.kivi.planar import KiviKeys  # pylint: disable=import-outside-toplevel
+  from kvlowrank_kernels.kivi.reference import kivi_attention_reference  # pylint: disable=import-outside-toplevel
+  from kvlowrank_kernels.kivi.triton_kivi import kivi_attention_triton  # pylint: disable=import-outside-toplevel
   options = (dict(), dict(block_s=64, num_splits=2), dict(block_s=16, num_splits=5, block_w=16))
   for i, shape in enumerate(ks.TEST_SHAPES):
     q_len = ds.ragged_lengths(shape.batch, shape.capacity, np.random.default_rng(500 + i))
@@ -82,11 +82,11 @@ def check_kivi():
 
 
 def check_latent():
-  from kvlowrank_kernels.decode_attention import shapes as ds  # pylint: disable=import-outside-toplevel
-  from kvlowrank_kernels.latent_attention import shapes as ls  # pylint: disable=import-outside-toplevel
-  from kvlowrank_kernels.latent_attention.reference import (  # pylint: disable=import-outside-toplevel
-      latent_attention_reference, rope_inv_freq)
-  from kvlowrank_kernels.latent_attention.triton_latent_launch import latent_attention_triton  # pylint: disable=import-outside-toplevel
+  from kvlowrank_kernels.dense import shapes as ds  # pylint: disable=import-outside-toplevel
+  from kvlowrank_kernels.palu import shapes as ls  # pylint: disable=import-outside-toplevel
+  from kvlowrank_kernels.palu.reference import (  # pylint: disable=import-outside-toplevel
+      palu_attention_reference, rope_inv_freq)
+  from kvlowrank_kernels.palu.triton_palu_launch import palu_attention_triton  # pylint: disable=import-outside-toplevel
   for i, shape in enumerate(ls.TEST_SHAPES):
     lens = ds.ragged_lengths(shape.batch, shape.capacity, np.random.default_rng(300 + i))
     q, hk, hv, b_k, bias, lens = ls.make_inputs(shape, jax.random.key(300 + i), lengths=lens)
@@ -100,11 +100,11 @@ def check_latent():
     if shape.k_bits == shape.v_bits == 16:  # also fp16 latents (computed in fp16)
       latents.append(("fp16 ", hk.astype(jnp.float16), hv.astype(jnp.float16)))
     for tag, lk, lv in latents:
-      ref, ref_lse = latent_attention_reference(q, lk, lv, b_k, lens, inv_freq=inv,
+      ref, ref_lse = palu_attention_reference(q, lk, lv, b_k, lens, inv_freq=inv,
                                                 k_bias=bias, out_dtype=F32)
       for o in variants:
         with interpreted_launch():
-          out, lse = latent_attention_triton(q, lk, lv, b_k, lens, inv, k_bias=bias,
+          out, lse = palu_attention_triton(q, lk, lv, b_k, lens, inv, k_bias=bias,
                                              out_dtype=F32, poison=True, **o)
         assert_close(out, ref, 2e-2, 2e-2, f"latent[{i}] {tag}{o} out")
         assert_close(lse, ref_lse, 2e-2, 1e-3, f"latent[{i}] {tag}{o} lse")
@@ -112,8 +112,8 @@ def check_latent():
 
 def _xq_rows(seed, b, s, c, bits, axis, group):
   """Packed XQuant rows [B, S, C] of seeded normal data (kvlowrank.quant layout)."""
-  from kvlowrank.quant import pack, quantize_codes  # pylint: disable=import-outside-toplevel
-  from kvlowrank_kernels.dequant_matmul.reference import PackedRows  # pylint: disable=import-outside-toplevel
+  from kvlowrank_kernels.quant import pack, quantize_codes  # pylint: disable=import-outside-toplevel
+  from kvlowrank_kernels.xquant.reference import PackedRows  # pylint: disable=import-outside-toplevel
   x = jax.random.normal(jax.random.key(seed), (b, s, c), F32)
   codes, sc, zr = quantize_codes(x, bits=bits, axis=-1 if axis == "token" else 1,
                                  group_size=group)
@@ -122,15 +122,15 @@ def _xq_rows(seed, b, s, c, bits, axis, group):
 
 
 def check_xquant():
-  """XQuant kernels (kvlowrank_kernels.dequant_matmul): the GEMM-shaped fused decode kernel
+  """XQuant kernels (kvlowrank_kernels.xquant): the GEMM-shaped fused decode kernel
   on the X path (MHA, shared rows) and the latent path (GQA, K per channel, V per token) at
   2/3/4 bits with ragged lengths (1, full, non-multiples of BLOCK_M) and 1 or many splits,
   both mainloop paths (compact one-step-ahead loads where `fast_path` holds, per-element
   dequant otherwise), fewer V than K slots, fp32 weights (exact algebra: tight bound) and
   bf16 weights (bf16 MMA operands); the first fused kernel (v1); the plain dequant-matmul
   kernel at every bit width and both axes. Every partial is NaN-poisoned first."""
-  from kvlowrank_kernels.dequant_matmul import reference as ref  # pylint: disable=import-outside-toplevel
-  from kvlowrank_kernels.dequant_matmul import triton_dm, triton_remat, triton_remat_v1  # pylint: disable=import-outside-toplevel
+  from kvlowrank_kernels.xquant import reference as ref  # pylint: disable=import-outside-toplevel
+  from kvlowrank_kernels.xquant import triton_dm, triton_remat, triton_remat_v1  # pylint: disable=import-outside-toplevel
   theta = 10000.0
   # (name, shared, B, S, lens, N, KH, H, C, k (bits, axis, group), v (bits, axis, group), tuning)
   cases = [

@@ -4,8 +4,8 @@ import jax
 import numpy as np
 import pytest
 
-from kvlowrank_kernels.decode_attention import shapes as dshapes
-from kvlowrank_kernels.kivi_attention import shapes
+from kvlowrank_kernels.dense import shapes as dshapes
+from kvlowrank_kernels.kivi import shapes
 
 KS = shapes.KiviShape
 

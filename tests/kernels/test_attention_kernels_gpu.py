@@ -13,15 +13,15 @@ jax = pytest.importorskip("jax")
 import jax.numpy as jnp  # noqa: E402
 
 from closeness import assert_close  # noqa: E402  (tests/kernels, on sys.path)
-from kvlowrank_kernels.decode_attention import decode_attention  # noqa: E402
-from kvlowrank_kernels.decode_attention import shapes as dshapes  # noqa: E402
-from kvlowrank_kernels.decode_attention import triton_backend  # noqa: E402
-from kvlowrank_kernels.decode_attention.reference import decode_attention_reference  # noqa: E402
-from kvlowrank_kernels.kivi_attention import shapes as kshapes  # noqa: E402
-from kvlowrank_kernels.kivi_attention.reference import kivi_attention_reference  # noqa: E402
-from kvlowrank_kernels.latent_attention import shapes as lshapes  # noqa: E402
-from kvlowrank_kernels.latent_attention.reference import (  # noqa: E402
-    latent_attention_reference, rope_inv_freq)
+from kvlowrank_kernels.dense import decode_attention  # noqa: E402
+from kvlowrank_kernels.dense import shapes as dshapes  # noqa: E402
+from kvlowrank_kernels.common import triton_backend  # noqa: E402
+from kvlowrank_kernels.dense.reference import decode_attention_reference  # noqa: E402
+from kvlowrank_kernels.kivi import shapes as kshapes  # noqa: E402
+from kvlowrank_kernels.kivi.reference import kivi_attention_reference  # noqa: E402
+from kvlowrank_kernels.palu import shapes as lshapes  # noqa: E402
+from kvlowrank_kernels.palu.reference import (  # noqa: E402
+    palu_attention_reference, rope_inv_freq)
 
 pytestmark = [
     pytest.mark.gpu,
@@ -49,7 +49,7 @@ def assert_deterministic(run, what):
 @pytest.mark.parametrize("opts", [dict(block_s=16), dict(block_s=64, num_splits=3),
                                   dict(block_s=128, num_splits=1, num_warps=8)])
 def test_dense_triton(idx, opts):
-  from kvlowrank_kernels.decode_attention.triton_decode import decode_attention_triton
+  from kvlowrank_kernels.dense.triton_decode import decode_attention_triton
   shape = dshapes.TEST_SHAPES[idx]
   rng = np.random.default_rng(100 + idx)
   q, k, v, lens = dshapes.make_inputs(shape, jax.random.key(100 + idx),
@@ -95,11 +95,11 @@ def _latent_case(idx, seed):
                                   dict(block_s=64, num_splits=1, num_stages=1),
                                   dict(block_s=32, num_warps=4, num_stages=2)])
 def test_latent_triton(idx, opts):
-  from kvlowrank_kernels.latent_attention.triton_latent_launch import latent_attention_triton
+  from kvlowrank_kernels.palu.triton_palu_launch import palu_attention_triton
   shape, (q, hk, hv, b_k, k_bias, lens) = _latent_case(idx, 300 + idx)
   if opts.get("block_s", 32) < 32 and (shape.k_bits != 16 or shape.v_bits != 16):
     with pytest.raises(ValueError, match="block_s"):
-      latent_attention_triton(q, hk, hv, b_k, lens, rope_inv_freq(shape.head_dim), **opts)
+      palu_attention_triton(q, hk, hv, b_k, lens, rope_inv_freq(shape.head_dim), **opts)
     return
   inv = rope_inv_freq(shape.head_dim, 10000.0)
   variants = [dict(opts)]
@@ -108,9 +108,9 @@ def test_latent_triton(idx, opts):
   variants += [dict(v, trans=True) for v in variants if v.get("block_s", 128) <= 32]
   if shape.kv_per_group > 1:  # one KV head per program (group latent read per head)
     variants.append(dict(opts, heads_per_program=1))
-  ref, ref_lse = latent_attention_reference(q, hk, hv, b_k, lens, k_bias=k_bias, out_dtype=F32)
+  ref, ref_lse = palu_attention_reference(q, hk, hv, b_k, lens, k_bias=k_bias, out_dtype=F32)
   for o in variants:
-    run = lambda o=o: latent_attention_triton(q, hk, hv, b_k, lens, inv, k_bias=k_bias,
+    run = lambda o=o: palu_attention_triton(q, hk, hv, b_k, lens, inv, k_bias=k_bias,
                                               out_dtype=F32, poison=True, return_partials=True,
                                               **o)
     out, lse, partials = run()
@@ -127,15 +127,15 @@ def test_latent_triton_fp16_latents(idx, opts):
   """fp16 latents run in fp16: close to the float32 reference on the same fp16 latents and
   at least twice as close as the same latents rounded to bf16 (the negative control: what
   the kernel computed before it kept fp16)."""
-  from kvlowrank_kernels.latent_attention.triton_latent_launch import latent_attention_triton
+  from kvlowrank_kernels.palu.triton_palu_launch import palu_attention_triton
   shape, (q, hk, hv, b_k, k_bias, lens) = _latent_case(idx, 320 + idx)
   hk, hv = hk.astype(jnp.float16), hv.astype(jnp.float16)
   # Inputs with more mantissa than bf16 keeps (the test data are bf16 values otherwise).
   hk = hk + (hk * 2.0 ** -9).astype(jnp.float16)
   hv = hv + (hv * 2.0 ** -9).astype(jnp.float16)
   inv = rope_inv_freq(shape.head_dim, 10000.0)
-  ref, ref_lse = latent_attention_reference(q, hk, hv, b_k, lens, k_bias=k_bias, out_dtype=F32)
-  run = lambda hk=hk, hv=hv: latent_attention_triton(  # noqa: E731
+  ref, ref_lse = palu_attention_reference(q, hk, hv, b_k, lens, k_bias=k_bias, out_dtype=F32)
+  run = lambda hk=hk, hv=hv: palu_attention_triton(  # noqa: E731
       q, hk, hv, b_k, lens, inv, k_bias=k_bias, out_dtype=F32, poison=True,
       return_partials=True, **opts)
   out, lse, partials = run()
@@ -150,13 +150,13 @@ def test_latent_triton_fp16_latents(idx, opts):
 
 def test_latent_triton_negative_control():
   """A corrupted key latent at a valid slot must break agreement with the clean reference."""
-  from kvlowrank_kernels.latent_attention.triton_latent_launch import latent_attention_triton
+  from kvlowrank_kernels.palu.triton_palu_launch import palu_attention_triton
   shape, (q, hk, hv, b_k, k_bias, lens) = _latent_case(0, 399)
   inv = rope_inv_freq(shape.head_dim, 10000.0)
-  ref, _ = latent_attention_reference(q, hk, hv, b_k, lens, k_bias=k_bias, out_dtype=F32)
+  ref, _ = palu_attention_reference(q, hk, hv, b_k, lens, k_bias=k_bias, out_dtype=F32)
   # Batch row 1 attends its full capacity (row 0 has length 1, where any score gives p = 1).
   bad_hk = hk.at[1, 0].set(hk[1, 0] * 40.0)
-  out, _ = latent_attention_triton(q, bad_hk, hv, b_k, lens, inv, k_bias=k_bias, out_dtype=F32)
+  out, _ = palu_attention_triton(q, bad_hk, hv, b_k, lens, inv, k_bias=k_bias, out_dtype=F32)
   with pytest.raises(AssertionError):
     assert_close(out, ref, 2e-2, 2e-2, "corrupted latent")
 
@@ -178,7 +178,7 @@ def _kivi_case(idx, seed):
                                   dict(fast=False)])
 def test_kivi_triton(idx, opts):
   """Inline-PTX (default) and plain (fast=False) dequantization, every tiling path."""
-  from kvlowrank_kernels.kivi_attention.triton_kivi import kivi_attention_triton
+  from kvlowrank_kernels.kivi.triton_kivi import kivi_attention_triton
   args = _kivi_case(idx, 500 + idx)
   run = lambda: kivi_attention_triton(*args, out_dtype=F32, poison=True, return_partials=True,
                                       **opts)
@@ -192,8 +192,8 @@ def test_kivi_triton(idx, opts):
 
 def test_kivi_triton_negative_control():
   """Dropping the window, or one corrupted key-group scale, must break agreement."""
-  from kvlowrank_kernels.kivi_attention.packing import KiviKeys
-  from kvlowrank_kernels.kivi_attention.triton_kivi import kivi_attention_triton
+  from kvlowrank_kernels.kivi.planar import KiviKeys
+  from kvlowrank_kernels.kivi.triton_kivi import kivi_attention_triton
   shape = kshapes.TEST_SHAPES[0]
   args = kshapes.make_inputs(shape, jax.random.key(599))
   ref, _ = kivi_attention_reference(*args, out_dtype=F32)

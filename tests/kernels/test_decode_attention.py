@@ -8,9 +8,10 @@ import numpy as np
 import pytest
 
 from kvlowrank.model.attention import dot_product_attention
-from kvlowrank_kernels.decode_attention import decode_attention, resolve_implementation, splitk
-from kvlowrank_kernels.decode_attention import shapes
-from kvlowrank_kernels.decode_attention.reference import decode_attention_reference
+from kvlowrank_kernels.common import splitk
+from kvlowrank_kernels.dense import decode_attention, resolve_implementation
+from kvlowrank_kernels.dense import shapes
+from kvlowrank_kernels.dense.reference import decode_attention_reference
 
 F32 = jnp.float32
 

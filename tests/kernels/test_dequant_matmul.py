@@ -9,12 +9,12 @@ import numpy as np
 import pytest
 
 from kvlowrank.model.rope import rope_cos_sin
-from kvlowrank.quant import pack, quantize_codes
+from kvlowrank_kernels.quant import pack, quantize_codes
 from kvlowrank.spec import ModelSpec
-from kvlowrank_kernels import dequant_matmul as dm
-from kvlowrank_kernels.dequant_matmul import reference as ref
-from kvlowrank_kernels.dequant_matmul import xla as xq
-from kvlowrank_kernels.dequant_matmul import triton_backend
+from kvlowrank_kernels import xquant as dm
+from kvlowrank_kernels.xquant import reference as ref
+from kvlowrank_kernels.xquant import xla as xq
+from kvlowrank_kernels.xquant import triton_backend
 
 needs_gpu = pytest.mark.skipif(not triton_backend.available(),
                                reason="needs a CUDA GPU with jax-triton")

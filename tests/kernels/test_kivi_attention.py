@@ -8,13 +8,13 @@ import numpy as np
 import pytest
 
 from kvlowrank.model.attention import dot_product_attention
-from kvlowrank_kernels.decode_attention import shapes as dshapes
-from kvlowrank_kernels.kivi_attention import kivi_attention, shapes
-from kvlowrank_kernels.kivi_attention import packing
-from kvlowrank_kernels.kivi_attention.packing import (KiviKeys, KiviValues, dequantize_keys,
+from kvlowrank_kernels.dense import shapes as dshapes
+from kvlowrank_kernels.kivi import kivi_attention, shapes
+from kvlowrank_kernels.kivi import planar as packing
+from kvlowrank_kernels.kivi.planar import (KiviKeys, KiviValues, dequantize_keys,
                                                       dequantize_values, quantize_keys,
                                                       quantize_values)
-from kvlowrank_kernels.kivi_attention.reference import kivi_attention_reference
+from kvlowrank_kernels.kivi.reference import kivi_attention_reference
 
 F32 = jnp.float32
 
@@ -164,7 +164,7 @@ def test_public_fields_and_clear_errors():
 def test_triton_plan_constraints():
   """The Triton planner (importable without a GPU) refuses shapes the kernel cannot do."""
   pytest.importorskip("triton")
-  plan = importlib.import_module("kvlowrank_kernels.kivi_attention.triton_kivi").plan
+  plan = importlib.import_module("kvlowrank_kernels.kivi.triton_kivi").plan
   x = jax.random.normal(jax.random.key(5), (1, 64, 1, 64), jnp.bfloat16)
   kq, vq = quantize_keys(x, 4, 32), quantize_values(x, 2, 8)  # value planes of 8 channels
   with pytest.raises(ValueError, match="values.plane_width"):

@@ -18,11 +18,12 @@ import jax.numpy as jnp  # noqa: E402
 
 from closeness import assert_close  # noqa: E402  (tests/kernels, on sys.path)
 from kivi_cases import PLAN_REJECTS, SHAPES, assert_plan_rejects, case  # noqa: E402
-from kvlowrank_kernels.decode_attention import triton_backend  # noqa: E402
-from kvlowrank_kernels.kivi_attention import kivi_attention  # noqa: E402
-from kvlowrank_kernels.kivi_attention import (  # noqa: E402
-    mosaic_dequant, mosaic_kivi_warp, mosaic_layout, packing)
-from kvlowrank_kernels.kivi_attention.reference import kivi_attention_reference  # noqa: E402
+from kvlowrank_kernels.common import triton_backend  # noqa: E402
+from kvlowrank_kernels.kivi import kivi_attention  # noqa: E402
+from kvlowrank_kernels.kivi import (  # noqa: E402
+    mosaic_dequant, mosaic_kivi_warp, mosaic_layout)
+from kvlowrank_kernels.kivi import planar as packing  # noqa: E402
+from kvlowrank_kernels.kivi.reference import kivi_attention_reference  # noqa: E402
 
 F32 = jnp.float32
 

@@ -8,23 +8,23 @@ import pytest
 from kvlowrank.model.attention import dot_product_attention
 from kvlowrank.model.rope import apply_rope
 from kvlowrank.spec import ModelSpec
-from kvlowrank_kernels.decode_attention import shapes as dshapes
-from kvlowrank_kernels.latent_attention import bitpack, latent_attention, shapes
-from kvlowrank_kernels.latent_attention.packing import (dequantize_latent, latent_f32,
+from kvlowrank_kernels.dense import shapes as dshapes
+from kvlowrank_kernels.palu import bitpack, palu_attention, shapes
+from kvlowrank_kernels.palu.packed import (dequantize_latent, latent_f32,
                                                         quantize_latent)
-from kvlowrank_kernels.latent_attention.reference import latent_attention_reference
+from kvlowrank_kernels.palu.reference import palu_attention_reference
 
 F32 = jnp.float32
 
 
 @jax.jit
 def ref_fn(q, hk, hv, b_k, k_bias, lens):
-  return latent_attention_reference(q, hk, hv, b_k, lens, k_bias=k_bias, out_dtype=F32)
+  return palu_attention_reference(q, hk, hv, b_k, lens, k_bias=k_bias, out_dtype=F32)
 
 
 @jax.jit
 def xla_fn(q, hk, hv, b_k, k_bias, lens):
-  return latent_attention(q, hk, hv, b_k, lens, k_bias=k_bias, implementation="xla",
+  return palu_attention(q, hk, hv, b_k, lens, k_bias=k_bias, implementation="xla",
                           out_dtype=F32)
 
 
@@ -121,6 +121,6 @@ def test_quantize_latent_error_is_half_a_step(bits):
 def test_shape_errors_name_the_argument():
   _, (q, hk, hv, b_k, k_bias, lens) = case(0)
   with pytest.raises(ValueError, match="k_bias"):
-    latent_attention_reference(q, hk, hv, b_k, lens, k_bias=k_bias[:, :4])
+    palu_attention_reference(q, hk, hv, b_k, lens, k_bias=k_bias[:, :4])
   with pytest.raises(ValueError, match="b_k"):
-    latent_attention_reference(q, hk, hv, b_k[:, :8], lens)
+    palu_attention_reference(q, hk, hv, b_k[:, :8], lens)

@@ -1,4 +1,4 @@
-"""Palu Mosaic GPU kernel (`mosaic_latent`): lowering on CPU, numerics on the GPU.
+"""Palu Mosaic GPU kernel (`mosaic_palu`): lowering on CPU, numerics on the GPU.
 
 CPU (CI): the kernel is traced and lowered for CUDA (Pallas -> Mosaic GPU, which
 checks layouts, wgmma operand shapes and swizzles) for GQA 4/8/16 and MHA shapes,
@@ -17,14 +17,14 @@ jax = pytest.importorskip("jax")
 import jax.numpy as jnp  # noqa: E402
 
 from closeness import assert_close  # noqa: E402  (tests/kernels, on sys.path)
-from kvlowrank_kernels.decode_attention import shapes as dshapes  # noqa: E402
-from kvlowrank_kernels.decode_attention import platform, triton_backend  # noqa: E402
-from kvlowrank_kernels.latent_attention import (  # noqa: E402
-    latent_attention, mosaic_fit, quantize_latent, resolve_implementation)
-from kvlowrank_kernels.latent_attention import mosaic_latent as ml  # noqa: E402
-from kvlowrank_kernels.latent_attention import shapes as lshapes  # noqa: E402
-from kvlowrank_kernels.latent_attention.reference import (  # noqa: E402
-    latent_attention_reference, rope_inv_freq)
+from kvlowrank_kernels.dense import shapes as dshapes  # noqa: E402
+from kvlowrank_kernels.common import platform, triton_backend  # noqa: E402
+from kvlowrank_kernels.palu import (  # noqa: E402
+    palu_attention, mosaic_fit, quantize_latent, resolve_implementation)
+from kvlowrank_kernels.palu import mosaic_palu as ml  # noqa: E402
+from kvlowrank_kernels.palu import shapes as lshapes  # noqa: E402
+from kvlowrank_kernels.palu.reference import (  # noqa: E402
+    palu_attention_reference, rope_inv_freq)
 
 F32 = jnp.float32
 LS = lshapes.LatentShape
@@ -86,7 +86,7 @@ def test_mosaic_lowers_for_cuda(idx, opts):
   inv = rope_inv_freq(shape.head_dim)
   if not _fits(shape, opts):
     return
-  f = jax.jit(lambda *a: ml.latent_attention_mosaic(*a, inv, **opts))
+  f = jax.jit(lambda *a: ml.palu_attention_mosaic(*a, inv, **opts))
   text = f.trace(q, hk, hv, bk, lens).lower(lowering_platforms=("cuda",)).as_text()
   assert "mosaic_gpu" in text
 
@@ -299,8 +299,8 @@ def test_mosaic_matches_reference(idx, opts):
   if not _fits(shape, opts):
     return
   inv = rope_inv_freq(shape.head_dim)
-  ref, ref_lse = latent_attention_reference(q, hk, hv, b_k, lens, out_dtype=F32)
-  run = jax.jit(lambda *a: ml.latent_attention_mosaic(*a, inv, out_dtype=F32,
+  ref, ref_lse = palu_attention_reference(q, hk, hv, b_k, lens, out_dtype=F32)
+  run = jax.jit(lambda *a: ml.palu_attention_mosaic(*a, inv, out_dtype=F32,
                                                       return_partials=True, **opts))
   out, lse, (o_p, lse_p) = run(q, hk, hv, b_k, lens)
   assert np.isfinite(np.asarray(o_p)).all(), "non-finite partial outputs"
@@ -317,10 +317,10 @@ def test_mosaic_negative_control():
     pytest.skip("needs a GPU")
   shape, (q, hk, hv, b_k, _, lens) = _case(0, 799)
   inv = rope_inv_freq(shape.head_dim)
-  ref, _ = latent_attention_reference(q, hk, hv, b_k, lens, out_dtype=F32)
+  ref, _ = palu_attention_reference(q, hk, hv, b_k, lens, out_dtype=F32)
   long_row = int(np.argmax(np.asarray(lens)))
   bad_hk = hk.at[long_row, 0].set(hk[long_row, 0] * 40.0)
-  out, _ = ml.latent_attention_mosaic(q, bad_hk, hv, b_k, lens, inv, out_dtype=F32)
+  out, _ = ml.palu_attention_mosaic(q, bad_hk, hv, b_k, lens, inv, out_dtype=F32)
   with pytest.raises(AssertionError):
     assert_close(out, ref, 2e-2, 2e-2, "corrupted latent")
 
@@ -338,8 +338,8 @@ def test_mosaic_profile_trace(tmp_path):
   spec.loader.exec_module(mosaic_trace)
   shape, (q, hk, hv, b_k, _, lens) = _case(1, 760)
   inv = rope_inv_freq(shape.head_dim)
-  ref, _ = latent_attention_reference(q, hk, hv, b_k, lens, out_dtype=F32)
-  out, _ = ml.latent_attention_mosaic(q, hk, hv, b_k, lens, inv, out_dtype=F32,
+  ref, _ = palu_attention_reference(q, hk, hv, b_k, lens, out_dtype=F32)
+  out, _ = ml.palu_attention_mosaic(q, hk, hv, b_k, lens, inv, out_dtype=F32,
                                       profile_dir=str(tmp_path), profile_space=64)
   assert_close(out, ref, 2e-2, 2e-2, "profiled kernel")
   traces = sorted(tmp_path.glob("*-trace.json"))
@@ -358,8 +358,8 @@ def test_default_implementation_on_hopper():
     pytest.skip("needs a Hopper GPU")
   shape, (q, hk, hv, b_k, _, lens) = _case(1, 731)
   assert resolve_implementation(None, args=(q, hk, hv, b_k, lens, None)) == "mosaic"
-  ref, _ = latent_attention_reference(q, hk, hv, b_k, lens, out_dtype=F32)
-  run = lambda impl, hv: jax.jit(lambda *a: latent_attention(  # noqa: E731
+  ref, _ = palu_attention_reference(q, hk, hv, b_k, lens, out_dtype=F32)
+  run = lambda impl, hv: jax.jit(lambda *a: palu_attention(  # noqa: E731
       *a, out_dtype=F32, implementation=impl))(q, hk, hv, b_k, lens)[0]
   out = run(None, hv)
   assert np.array_equal(np.asarray(out), np.asarray(run("mosaic", hv)))

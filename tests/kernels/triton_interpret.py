@@ -106,7 +106,7 @@ def launch_interpreted(kernel, poisoned_kernel, *args, out_shapes, grid, num_war
 @contextlib.contextmanager
 def interpreted_launch():
   """Routes every `triton_backend.launch` through the interpreter while active."""
-  from kvlowrank_kernels.decode_attention import triton_backend  # pylint: disable=import-outside-toplevel
+  from kvlowrank_kernels.common import triton_backend  # pylint: disable=import-outside-toplevel
   saved = triton_backend.launch
   triton_backend.launch = launch_interpreted
   try:

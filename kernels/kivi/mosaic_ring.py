@@ -1,0 +1,134 @@
+"""What the two Mosaic GPU KIVI kernels (`mosaic_kivi`, `mosaic_kivi_warp`) share: the launch
+plan's checks and ring depth, the cache and query operands, and the TMA producer warpgroup
+that streams each 128-token block's key/value codes and scales into a `stages`-slot ring,
+and the merge of their split-K partials with the exact window's.
+
+Ring protocol: block i of a CTA's split goes to slot i % stages, one barrier per array and
+slot signals its arrival, and the slot's consumer (compute warpgroup i % W, since stages is a
+multiple of W) arrives on `free[slot]` once it no longer reads the slot.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax.numpy as jnp
+from jax import lax
+
+from ..common import splitk
+from ..dense.xla import decode_attention_xla
+from ..palu.mosaic_plan import SMEM_LIMIT, num_sms, query_columns
+from .mosaic_layout import BLOCK, HEAD_DIM
+
+SLOT_BYTES = 2 * (256 * 4 * 4) + 2 * (128 * 8 * 2)   # codes + scales of keys and values
+
+
+def plan_ring(name, q_shape, cache_shape, *, warpgroups, stages, num_splits, skip,
+              smem_bytes, skips=(0, 1, 2, 3)):
+  """The shared launch geometry (dict), with ValueErrors prefixed by `name` naming the bad
+  argument. smem_bytes(w, stages, np): the kernel's shared memory; stages None picks the
+  deepest multiple of `warpgroups` that fits, up to 4 per warpgroup; skips: the kernel's
+  timing ablations (0: none)."""
+  if skip not in skips:
+    raise ValueError(f"{name}: skip must be one of {tuple(skips)}, got {skip}")
+  b, n, h = q_shape
+  cb, kh, nb = cache_shape[:3]
+  if h != HEAD_DIM:
+    raise ValueError(f"{name}: head dim must be {HEAD_DIM}, got q.shape={q_shape}")
+  if cb != b:
+    raise ValueError(f"{name}: cache batch {cb} != q batch {b}")
+  if n % kh:
+    raise ValueError(f"{name}: query heads ({n}) must be a multiple of KV heads ({kh})")
+  qpk = n // kh
+  if qpk > 16:
+    raise ValueError(f"{name}: at most 16 query heads per KV head, got {qpk}")
+  if warpgroups not in (1, 2, 3):
+    raise ValueError(f"{name}: warpgroups must be 1, 2 or 3, got {warpgroups}")
+  np_ = query_columns(qpk)
+  if stages is None:
+    stages = warpgroups
+    while (smem_bytes(warpgroups, stages + warpgroups, np_) <= SMEM_LIMIT
+           and stages + warpgroups <= 4 * warpgroups):
+      stages += warpgroups
+  if stages < 1 or stages % warpgroups:
+    raise ValueError(f"{name}: stages ({stages}) must be a positive multiple of "
+                     f"warpgroups ({warpgroups})")
+  if smem_bytes(warpgroups, stages, np_) > SMEM_LIMIT:
+    raise ValueError(f"{name}: {stages} stages need {smem_bytes(warpgroups, stages, np_)}"
+                     f" bytes of shared memory, over {SMEM_LIMIT}")
+  if num_splits is None:
+    num_splits = splitk.wave_balanced_splits(b * kh, nb * BLOCK, BLOCK, num_sms(),
+                                             min_tiles=2 * warpgroups)
+  num_splits = max(1, min(int(num_splits), nb))
+  regs = min(232, (512 - 40) // warpgroups // 8 * 8)
+  return dict(b=b, n=n, kh=kh, qpk=qpk, np=np_, nb=nb, w=warpgroups, stages=stages,
+              num_splits=num_splits, regs=regs, grid=(b * kh, num_splits), skip=skip)
+
+
+def scale_dtype(name, cache, layout: str) -> str:
+  """The cache's 16-bit scale dtype name (the kernels' MMA operand type), after checking
+  the cache is in `layout`."""
+  if cache.layout != layout:
+    raise ValueError(f"{name}: the cache must be in the {layout!r} layout "
+                     f"(mosaic_layout.to_mosaic(..., layout={layout!r})), got {cache.layout!r}")
+  dtype = jnp.dtype(cache.ks.dtype).name
+  if dtype not in ("float16", "bfloat16") or cache.vs.dtype != cache.ks.dtype:
+    raise ValueError(f"{name}: scales must be float16 or bfloat16, got {cache.ks.dtype}"
+                     f" / {cache.vs.dtype}")
+  return dtype
+
+
+def query_operand(q, p, dtype: str):
+  """q [B, N, H] -> [B K, NP, H] in the scales' type, each KV head's query heads padded."""
+  b, _, h = q.shape
+  kh, qpk, np_ = p["kh"], p["qpk"], p["np"]
+  return jnp.pad(q.reshape(b * kh, qpk, h), ((0, 0), (0, np_ - qpk), (0, 0))).astype(dtype)
+
+
+def produce(q_src, q_dst, q_bar, arrays, free, *, b, head, start, n_blocks, stages):
+  """The producer warpgroup's body: q once, then every block of the split into the ring.
+
+  arrays: ((gmem ref [B, K, S / 128, 4, 256], smem ring [stages, 4, 256], barriers) x 4);
+  start: the split's first token (a multiple of 128).
+  """
+  import jax.experimental.pallas as pl  # pylint: disable=import-outside-toplevel
+  import jax.experimental.pallas.mosaic_gpu as plgpu  # pylint: disable=import-outside-toplevel
+  plgpu.set_max_registers(40, action="decrease")
+  plgpu.copy_gmem_to_smem(q_src, q_dst, q_bar)
+  blk0 = start // BLOCK
+
+  def load(i, slot):
+    for src, dst, bar in arrays:
+      plgpu.copy_gmem_to_smem(src.at[b, head, blk0 + i], dst.at[slot], bar.at[slot])
+
+  for i in range(stages):
+    pl.when(i < n_blocks)(functools.partial(load, i, i))
+
+  @pl.loop(0, n_blocks)
+  def _(i):
+    slot = lax.rem(i, stages)
+
+    @pl.when(i + stages < n_blocks)
+    def _():
+      plgpu.barrier_wait(free.at[slot])
+      load(i + stages, slot)
+
+
+def merge_with_window(q, o_t, lse_t, parts, p, k_win, v_win, w_len, *, scale, out_dtype,
+                      window_implementation, return_partials):
+  """The Mosaic KIVI kernels' partials (o_t [B K, parts, H, NP], lse_t [B K, parts, NP]) and
+  the exact window's (attended by `window_implementation`) merged in one LSE combine."""
+  from ..dense import decode_attention  # pylint: disable=import-outside-toplevel
+  b, n, h = q.shape
+  kh, qpk = p["kh"], p["qpk"]
+  o = o_t[..., :qpk].reshape(b, kh, parts, h, qpk).transpose(0, 1, 4, 2, 3)
+  lse = lse_t[..., :qpk].reshape(b, kh, parts, qpk).transpose(0, 1, 3, 2)
+  o, lse = o.reshape(b, n, parts, h), lse.reshape(b, n, parts)
+  if window_implementation == "xla":
+    ow, lw = decode_attention_xla(q, k_win, v_win, w_len, scale=scale, out_dtype=jnp.float32)
+  else:
+    ow, lw = decode_attention(q, k_win, v_win, w_len, scale=scale, out_dtype=jnp.float32,
+                              implementation=window_implementation)
+  o = jnp.concatenate([o, ow[:, :, None].astype(jnp.float32)], -2)
+  lse = jnp.concatenate([lse, lw[:, :, None]], -1)
+  return splitk.combine_result(o, lse, out_dtype or q.dtype, return_partials)

@@ -1,0 +1,186 @@
+"""Launch side of the Palu fused latent decode attention (`triton_palu` holds the kernel).
+
+`palu_attention_triton` validates shapes (`plan`), builds the RoPE table and, for
+MHA groups (one query head per KV head), the absorbed query operands, then runs the
+kernel through jax-triton and merges the split-K partials.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ..common import splitk
+from ..common import triton_backend
+from .packed import PackedLatent
+from .reference import rope_angles
+from .triton_palu import latent_kernel, latent_kernel_poisoned
+
+
+def _split_rank(r: int):
+  """r = A + B with A the largest power of two <= r; B padded to a power of two (0 if none)."""
+  a = 1 << (r.bit_length() - 1)
+  rb = r - a
+  rbp = 0 if rb == 0 else max(16, 1 << (rb - 1).bit_length())
+  return a, rb, max(rbp, 16)
+
+
+def plan(q_shape, hk_shape, hv_shape, bk_shape, *, kbits=16, vbits=16, has_bias=False,
+         block_s=32, num_splits=None, absorb=None, target_programs=None, trans=False,
+         skip=0, heads_per_program=None):
+  """Launch geometry shared by the JAX wrapper and the CPU interpreter check.
+
+  skip: 0, or an ablation for timing only (1: no value path, 2: no key path; wrong output).
+  heads_per_program: KV heads of a group per program (divides g; default g). Fewer heads
+    per program need fewer reconstruction operands in shared memory (more programs per
+    SM) but read the group's latent tile once per program (L2 hits for the repeats).
+  """
+  b, n, h = q_shape
+  s, gr, rk = hk_shape[1], hk_shape[2], hk_shape[3]
+  rv = hv_shape[3]
+  g = bk_shape[2] // h
+  qpk = n // (gr * g)
+  nqg = g * qpk
+  for name, val in (("rk", rk), ("rv", rv)):
+    if val % 16 or val < 16:
+      raise ValueError(f"triton latent attention: {name} must be a multiple of 16, got {val}")
+  if h < 32 or h & (h - 1):
+    raise ValueError(f"triton latent attention: head dim must be a power of 2 >= 32, got {h}")
+  if block_s < 16 or block_s & (block_s - 1):
+    raise ValueError(f"triton latent attention: block_s must be a power of 2 >= 16, got {block_s}")
+  # The GPU tests caught wrong results for tiny packed tiles (block_s = 16 with 2-bit
+  # keys; 3-bit latents with a 16-wide rank piece) where the CPU interpreter agrees
+  # with the reference; not root-caused, so those shapes are refused.
+  if block_s < 32 and (kbits != 16 or vbits != 16):
+    raise ValueError("triton latent attention: packed latents need block_s >= 32")
+  if s * gr * max(rk, rv) >= 2 ** 31:
+    raise ValueError("triton latent attention: one sequence's latent cache exceeds int32 indexing")
+  rka, rkb, rkbp = _split_rank(rk)
+  rva, rvb, rvbp = _split_rank(rv)
+  for name, bits, pieces in (("rk", kbits, (rka, rkb)), ("rv", vbits, (rva, rvb))):
+    if bits != 16 and min(p for p in pieces if p) < 32:
+      raise ValueError(f"triton latent attention: packed {name} must split into power-of-two "
+                       f"pieces >= 32 (got {pieces})")
+  if absorb is None:
+    absorb = qpk == 1
+  if absorb and qpk != 1:
+    raise ValueError("triton latent attention: absorb=True needs one query head per KV head")
+  hpp = g if heads_per_program is None else int(heads_per_program)
+  if hpp < 1 or g % hpp:
+    raise ValueError(f"triton latent attention: heads_per_program ({heads_per_program}) must "
+                     f"divide the group's KV heads ({g})")
+  ns = splitk.choose_num_splits(b * gr * (g // hpp), s, block_s, requested=num_splits,
+                                  target=target_programs or splitk.TARGET_PROGRAMS)
+  return dict(
+      grid=(b * gr * (g // hpp), ns),
+      constexprs=dict(GR=gr, G=g, QPK=qpk, NQP=max(16, 1 << (hpp * qpk - 1).bit_length()), H=h,
+                      RK=rk, RKA=rka, RKB=rkb, RKBP=rkbp, RV=rv, RVA=rva, RVB=rvb, RVBP=rvbp,
+                      KBITS=kbits, VBITS=vbits, HAS_BIAS=bool(has_bias),
+                      BLOCK_S=block_s, ABSORB=bool(absorb), TRANS=bool(trans),
+                      SKIP=int(skip), HPP=hpp), num_splits=ns,
+      out_shapes=[jax.ShapeDtypeStruct((b, n, ns, rv), jnp.float32),
+                  jax.ShapeDtypeStruct((b, n, ns), jnp.float32)])
+
+
+def rope_table(inv_freq, capacity: int, dtype=jnp.float32):
+  """[S, H] float32 table of fl(t * w) for every slot t: cos in even, sin in odd columns.
+
+  (The reference's angles; interleaved so the MHA path's score is one row reduction
+  sum_c x[:, c] * table[t, c] against the interleaved absorbed operand, and the GQA path
+  splits one [T, H] tile into its cos and sin halves in registers.)
+  """
+  ang = rope_angles(inv_freq, jnp.arange(capacity))
+  table = jnp.stack([jnp.cos(ang), jnp.sin(ang)], axis=-1).reshape(capacity, 2 * ang.shape[1])
+  return table.astype(dtype)
+
+
+def absorbed_queries(q, b_k, k_bias, scale, kdt):
+  """Per-head absorbed query operands for the MHA path (Palu with one query per KV head).
+
+  P = q1 B1 + q2 B2 and Q = q2 B1 - q1 B2 per rotation pair (q1, q2 the two RoPE halves
+  of the scaled query, B1, B2 the matching column halves of the head's B_k slice),
+  computed once per call in float32 here instead of once per tile in the kernel.
+  Returns (pq [B, N, rk, H] kdt with P_i in column 2i and Q_i in column 2i + 1,
+  pqb [B, N, H] float32 bias terms, interleaved the same way, or None).
+  """
+  b, n, h = q.shape
+  gr, rk, gh = b_k.shape
+  g, hh = gh // h, h // 2
+  qf = q.astype(jnp.float32) * (scale * 1.4426950408889634)
+  q1, q2 = qf[..., :hh], qf[..., hh:]
+  bk = b_k.astype(jnp.float32).reshape(gr, rk, g, 2, hh).transpose(0, 2, 3, 1, 4)
+  bk = bk.reshape(gr * g, 2, rk, hh)            # [N, 2, rk, hh] (one query head per KV head)
+  b1, b2 = bk[None, :, 0], bk[None, :, 1]
+  pm = q1[:, :, None, :] * b1 + q2[:, :, None, :] * b2
+  qm = q2[:, :, None, :] * b1 - q1[:, :, None, :] * b2
+  pq = jnp.stack([pm, qm], axis=-1).reshape(b, n, rk, h).astype(kdt)
+  pqb = None
+  if k_bias is not None:
+    kb = k_bias.astype(jnp.float32).reshape(gr * g, 2, hh)[None]
+    pqb = jnp.stack([q1 * kb[:, :, 0] + q2 * kb[:, :, 1], q2 * kb[:, :, 0] - q1 * kb[:, :, 1]],
+                    axis=-1).reshape(b, n, h)
+  return pq, pqb
+
+
+def _latent_args(x, dummy):
+  """(data, scale, zero, bits) for an array or PackedLatent. fp16 latents stay fp16 (the
+  kernel's products then run in fp16); any other float array is rounded to bf16."""
+  if isinstance(x, PackedLatent):
+    if x.bits not in (2, 3, 4):
+      raise ValueError(f"triton latent attention supports 2/3/4-bit latents, got {x.bits}")
+    return x.codes, x.scale, x.zero, x.bits
+  return x.astype(_latent_dtype(x)), dummy, dummy, 16
+
+
+def _latent_dtype(x):
+  """Storage type of a 16-bit latent in the kernel: fp16 if given fp16, else bf16."""
+  return jnp.float16 if jnp.dtype(x.dtype) == jnp.float16 else jnp.bfloat16
+
+
+def palu_attention_triton(q, hk, hv, b_k, lengths, inv_freq, *, k_bias=None, scale=None,
+                            out_dtype=None, block_s=128, num_splits=None, absorb=None,
+                            target_programs=None, trans=False, skip=0, num_warps=8,
+                            num_stages=1, poison=False, return_partials=False, rope=None,
+                            heads_per_program=None, rope_dtype=jnp.float32):
+  """Fused Palu decode attention; same contract as `palu_attention_reference`.
+
+  Args (beyond the reference's): inv_freq [H/2] float32 (already resolved);
+    block_s, num_splits, absorb, target_programs, trans, num_warps, num_stages: kernel knobs
+      (trans: token tiles as the MMA N dim, [H/2, T]; else as M, [T, H/2]). Defaults: the
+      H200 sweep's winner (128-token tiles on two warpgroups, warpgroup MMAs for the key
+      product, no multi-stage pipelining: two stages of a 4-head group's latents do not fit
+      next to its 128 KiB of reconstruction operands);
+    poison: NaN-fill partial outputs first (tests); return_partials: also return them.
+    rope: optional precomputed `rope_table(inv_freq, S)` (a model builds it once; by
+      default it is built per call, inside the timed function in the benchmarks).
+    rope_dtype: dtype of the per-call table (float32, or float16: half the bytes per tile;
+      cos/sin then carry <= 2**-12 absolute error, below the bf16 rounding of the latents).
+  """
+  h = q.shape[-1]
+  # np.float32: jax-triton passes a Python float as an fp64 scalar.
+  scale = np.float32(h ** -0.5 if scale is None else scale)
+  lengths = lengths.astype(jnp.int32)
+  hk_d, hks, hkz, kbits = _latent_args(hk, lengths)
+  hv_d, hvs, hvz, vbits = _latent_args(hv, lengths)
+  p = plan(q.shape, hk.shape, hv.shape, b_k.shape, kbits=kbits, vbits=vbits,
+           has_bias=k_bias is not None, block_s=block_s, num_splits=num_splits,
+           absorb=absorb, target_programs=target_programs, trans=trans, skip=skip,
+           heads_per_program=heads_per_program)
+  bias = k_bias.astype(jnp.float32) if k_bias is not None else lengths
+  rope = rope_table(inv_freq, int(hk.shape[1]), rope_dtype) if rope is None else rope
+  pq, pqb = lengths, lengths
+  # The key product's operand type: the key latent's storage type (fp16 when dequantized).
+  # B_k travels as fp16 next to fp16 latents, else as bf16 (the kernel converts it to kdt).
+  kdt = _latent_dtype(hk_d) if kbits == 16 else jnp.float16
+  bk_dt = jnp.float16 if kbits == 16 and kdt == jnp.float16 else jnp.bfloat16
+  if p["constexprs"]["ABSORB"]:
+    pq, pqb = absorbed_queries(q, b_k, k_bias, scale, kdt)
+    pqb = lengths if pqb is None else pqb
+  return triton_backend.launch_split_k(
+      latent_kernel, latent_kernel_poisoned,
+      q.astype(jnp.bfloat16), hk_d, hks, hkz, hv_d, hvs, hvz, b_k.astype(bk_dt), bias,
+      pq, pqb, rope, lengths, int(hk.shape[1]), p["num_splits"], scale,
+      out_shapes=p["out_shapes"], grid=p["grid"], num_warps=num_warps, num_stages=num_stages,
+      poison=poison, out_dtype=out_dtype or q.dtype, return_partials=return_partials,
+      **p["constexprs"])

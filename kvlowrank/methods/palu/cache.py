@@ -1,0 +1,246 @@
+"""Palu's latent KV cache: stores h = x·A per decomposition group, never K or V.
+
+Per layer, with G groups of gs KV heads, group ranks r_k / r_v:
+  * update: h_k = x A_k, h_v = x A_v ([B,T,G,r], pre-RoPE: the latent carries no
+    position) written at slot = position; optionally quantized per token with one
+    (scale, zero) per (token, group) [Palu §4.1 / official `lt_group_size=0`], the
+    Hadamard rotation already folded into A and B offline (no run-time cost).
+    With `window > 0` the most recent `window` positions are also kept unquantized
+    in a ring buffer (KIVI-style residual of the official latency code); a key is
+    read at full precision iff its position >= length − window at attention time.
+  * attend (RoPE models): K = h_k B_k (+ key bias) is reconstructed and rotated at
+    the *key* positions, then standard attention [Palu §3.1.2]. Values are never
+    reconstructed: B_v lives in the folded W_o (Eq. 6), so the output is
+    p · h_v, [B,T,N,r_v], which the attention block multiplies by lp["wo"].
+  * attend (rope_layout == "none"): scores = (q B_kᵀ) h_kᵀ (Eq. 7), the key latent is
+    scored directly; a key bias b adds the per-query constant q·b (kept, so the
+    log-sum-exp stays exact for segment merging).
+
+One code path serves prefill (T > 1) and decode (T = 1), any GQA ratio, batch > 1
+and ragged rows (padding positions −1 are never written or attended).
+
+Storage accounting: `nbytes()` counts what grows with the cache (latents or packed
+codes + scales + zeros, the ring, lengths). The reconstruction matrices B_k, B_v
+and biases are model weights (copies of params kept only so `materialize()` and
+key reconstruction need no params) and are reported by `weights_nbytes()`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any, Optional
+
+import jax
+import jax.numpy as jnp
+
+from kvlowrank_kernels import quant
+from kvlowrank.cache import base
+from kvlowrank.model.attention import dot_product_attention
+from kvlowrank.model.rope import apply_rope
+from kvlowrank.methods.palu.spec import PaluSpec, layout_from_params
+from kvlowrank.spec import ModelSpec
+
+# One (scale, zero) pair per token per group latent, stored like KIVI's (fp16).
+SCALE_DTYPE = "float16"
+
+
+def _per_kv_head_b(b, n_kv_heads: int):
+  """[G, r, gs·H] → [K, r, H] (slice of group g's columns for each of its KV heads)."""
+  g, r, cols = b.shape
+  gs = n_kv_heads // g
+  return b.reshape(g, r, gs, cols // gs).transpose(0, 2, 1, 3).reshape(n_kv_heads, r, -1)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class LatentCache(base.KVCache):
+  """One layer of Palu latents (see module docstring)."""
+
+  hk: Any                      # [B,S,G,r_k] array at cache dtype, or QTensor (bits set)
+  hv: Any                      # [B,S,G,r_v] likewise
+  ring_k: Optional[jax.Array]  # [B,W,G,r_k] unquantized recent latents (window > 0)
+  ring_v: Optional[jax.Array]
+  lens: jax.Array              # [B] int32
+  bk: jax.Array                # [G, r_k, gs·H] key reconstruction (weights)
+  bv: jax.Array                # [G, r_v, gs·H] value reconstruction (materialize only)
+  k_bias: Optional[jax.Array]  # [K·H] or None
+  v_bias: Optional[jax.Array]
+  spec: ModelSpec = base.static_field()
+  bits: Optional[int] = base.static_field(default=None)
+  window: int = base.static_field(default=0)
+
+  name = "palu"
+
+  @classmethod
+  def init(cls, spec: ModelSpec, lp: dict, *, batch: int, capacity: int,
+           dtype=jnp.bfloat16, bits: Optional[int] = None, window: int = 0):
+    """Empty cache for one compressed layer `lp` (needs palu_bk / palu_bv)."""
+    if bits is not None:
+      quant.packing.check_bits(bits, "PaluSpec.bits")
+    g, rk, _ = lp["palu_bk"].shape
+    rv = lp["palu_bv"].shape[1]
+
+    def store(r):
+      zeros = jnp.zeros((batch, capacity, g, r), dtype)
+      if bits is None:
+        return zeros
+      return quant.quantize(zeros, bits=bits, axis=-1, group_size=r,
+                            scale_dtype=SCALE_DTYPE)
+
+    use_ring = bits is not None and window > 0
+    ring = lambda r: jnp.zeros((batch, window, g, r), dtype) if use_ring else None
+    # Own copies of the reconstruction weights: callers donate caches to jitted steps,
+    # which must not invalidate the parameter buffers.
+    own = lambda a: None if a is None else jnp.array(a, copy=True)
+    return cls(hk=store(rk), hv=store(rv), ring_k=ring(rk), ring_v=ring(rv),
+               lens=jnp.zeros((batch,), jnp.int32), bk=own(lp["palu_bk"]),
+               bv=own(lp["palu_bv"]), k_bias=own(lp.get("bk")), v_bias=own(lp.get("bv")),
+               spec=spec, bits=bits, window=window if use_ring else 0)
+
+  # -- protocol -------------------------------------------------------------
+
+  @property
+  def capacity(self) -> int:
+    return self.batch_capacity()[1]
+
+  @property
+  def lengths(self):
+    return self.lens
+
+  def batch_capacity(self):
+    """(B, S); a QTensor also carries its logical shape."""
+    return tuple(self.hk.shape[:2])
+
+  def update(self, inputs: base.AttnInputs, lp):
+    pos = inputs.positions
+    b, t = pos.shape
+    g = self.bk.shape[0]
+    hk = (inputs.x @ lp["palu_ak"]).reshape(b, t, g, -1)
+    hv = (inputs.x @ lp["palu_av"]).reshape(b, t, g, -1)
+    lens = base.new_lengths(self.lens, pos)
+    ring_k, ring_v = self.ring_k, self.ring_v
+    if self.window:
+      # Only positions that are still inside the window after this update go to the
+      # ring; they are distinct mod W, so the scatter has no duplicate slots.
+      keep = (pos >= 0) & (pos >= lens[:, None] - self.window)
+      ring_pos = jnp.where(keep, pos % self.window, -1)
+      ring_k = base.scatter_slots(ring_k, hk, ring_pos)
+      ring_v = base.scatter_slots(ring_v, hv, ring_pos)
+    return dataclasses.replace(self, hk=self._write(self.hk, hk, pos),
+                               hv=self._write(self.hv, hv, pos), ring_k=ring_k,
+                               ring_v=ring_v, lens=lens)
+
+  def attend(self, q, q_positions, lp, *, spec: ModelSpec):
+    k_pos, valid = self.slot_positions()
+    hk, hv = self.latents()
+    kv_group = jnp.arange(spec.n_kv_heads) // (spec.n_kv_heads // self.bk.shape[0])
+    # Each KV head reads its group's value latent; the output stays in latent space.
+    v_lat = hv[:, :, kv_group]                                   # [B,S,K,r_v]
+    if spec.rope_layout != "none":
+      k = apply_rope(self._reconstruct_k(hk), k_pos, spec)       # [B,S,K,H] post-RoPE
+      return dot_product_attention(q, k, v_lat, q_positions, k_pos, valid,
+                                   sliding_window=spec.sliding_window, out_dtype=q.dtype)
+    # No RoPE: score the latent directly with q B_kᵀ (Eq. 7 fold, see fold.py).
+    b, t, n, h = q.shape
+    kh = spec.n_kv_heads
+    bh = _per_kv_head_b(self.bk.astype(jnp.float32), kh)        # [K, r_k, H]
+    qg = q.astype(jnp.float32).reshape(b, t, kh, n // kh, h)
+    q_lat = jnp.einsum("btkgh,krh->btkgr", qg, bh, precision=jax.lax.Precision.HIGHEST)
+    k_lat = hk[:, :, kv_group]                                   # [B,S,K,r_k]
+    if self.k_bias is not None:
+      bias = self.k_bias.astype(jnp.float32).reshape(kh, h)
+      qb = jnp.einsum("btkgh,kh->btkg", qg, bias, precision=jax.lax.Precision.HIGHEST)
+      q_lat = jnp.concatenate([q_lat, qb[..., None]], axis=-1)
+      k_lat = jnp.concatenate([k_lat, jnp.ones(k_lat.shape[:-1] + (1,), k_lat.dtype)], -1)
+    q_lat = q_lat.reshape(b, t, n, -1)
+    return dot_product_attention(q_lat, k_lat, v_lat, q_positions, k_pos, valid,
+                                 sliding_window=spec.sliding_window, scale=h ** -0.5,
+                                 out_dtype=q.dtype)
+
+  def materialize(self):
+    """(k [B,S,K,H] reconstructed + RoPE, v [B,S,K,H] reconstructed, valid [B,S])."""
+    k_pos, valid = self.slot_positions()
+    hk, hv = self.latents()
+    k = apply_rope(self._reconstruct_k(hk), k_pos, self.spec)
+    v = self._reconstruct(hv, self.bv, self.v_bias)
+    return k, v, valid
+
+  def nbytes(self) -> int:
+    """Bytes of per-sequence storage: latents/codes/scales, ring, lengths."""
+    leaves = jax.tree.leaves((self.hk, self.hv, self.ring_k, self.ring_v, self.lens))
+    return int(sum(x.size * x.dtype.itemsize for x in leaves))
+
+  def weights_nbytes(self) -> int:
+    leaves = jax.tree.leaves((self.bk, self.bv, self.k_bias, self.v_bias))
+    return int(sum(x.size * x.dtype.itemsize for x in leaves))
+
+  def bytes_per_token(self) -> float:
+    """Storage per cached token of this layer (latents or codes + scale + zero)."""
+    b, s = self.batch_capacity()
+    leaves = jax.tree.leaves((self.hk, self.hv))
+    return sum(x.size * x.dtype.itemsize for x in leaves) / (b * s)
+
+  # -- helpers --------------------------------------------------------------
+
+  def slot_positions(self):
+    b, s = self.batch_capacity()
+    k_pos = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
+    return k_pos, k_pos < self.lens[:, None]
+
+  def _write(self, store, h, pos):
+    if self.bits is None:
+      return base.scatter_slots(store, h, pos)
+    qt = quant.quantize(h, bits=self.bits, axis=-1, group_size=h.shape[-1],
+                        scale_dtype=SCALE_DTYPE)
+    return dataclasses.replace(
+        store, codes=base.scatter_slots(store.codes, qt.codes, pos),
+        scale=base.scatter_slots(store.scale, qt.scale, pos),
+        zero=base.scatter_slots(store.zero, qt.zero, pos))
+
+  def _read(self, store, ring):
+    if self.bits is None:
+      return store.astype(jnp.float32)
+    h = quant.dequantize(store, jnp.float32)
+    if ring is None:
+      return h
+    k_pos, _ = self.slot_positions()
+    recent = k_pos >= self.lens[:, None] - self.window                # [B,S]
+    from_ring = jnp.take(ring, k_pos[0] % self.window, axis=1).astype(jnp.float32)
+    return jnp.where(recent[:, :, None, None], from_ring, h)
+
+  def latents(self):
+    """(h_k [B,S,G,r_k], h_v [B,S,G,r_v]) fp32 as attention sees them."""
+    return self._read(self.hk, self.ring_k), self._read(self.hv, self.ring_v)
+
+  def _reconstruct(self, h, b, bias):
+    """h [B,S,G,r] @ B [G,r,gs·H] → [B,S,K,H] (+ bias), fp32."""
+    bsz, s, g, _ = h.shape
+    y = jnp.einsum("bsgr,grn->bsgn", h, b.astype(jnp.float32),
+                   precision=jax.lax.Precision.HIGHEST).reshape(bsz, s, -1)
+    if bias is not None:
+      y = y + bias.astype(jnp.float32)
+    return y.reshape(bsz, s, self.spec.n_kv_heads, self.spec.head_dim)
+
+  def _reconstruct_k(self, hk):
+    # The key bias belongs to the reconstruction side and precedes RoPE.
+    return self._reconstruct(hk, self.bk, self.k_bias)
+
+
+@base.register_cache("palu")
+def _make_latent(method_spec, spec: ModelSpec, params, *, batch, capacity, dtype):
+  """Per-layer LatentCaches for Palu-compressed `params` (kvlowrank.methods.palu.compress).
+
+  `method_spec` is a PaluSpec (only `bits` and `window` are read here: ranks come
+  from the compressed parameter shapes) or None for unquantized latents.
+  """
+  if isinstance(method_spec, Mapping):
+    method_spec = PaluSpec(**method_spec)
+  if method_spec is not None and not isinstance(method_spec, PaluSpec):
+    raise ValueError(f"palu cache: method_spec must be a PaluSpec, got "
+                     f"{type(method_spec).__name__}")
+  layout_from_params(params, spec)  # clear error if params are not compressed
+  bits = None if method_spec is None else method_spec.bits
+  window = 0 if method_spec is None else method_spec.window
+  return tuple(LatentCache.init(spec, lp, batch=batch, capacity=capacity, dtype=dtype,
+                                bits=bits, window=window) for lp in params["layers"])

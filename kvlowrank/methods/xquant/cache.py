@@ -1,0 +1,391 @@
+"""XQuant cache (Tomar, Hooper et al. 2025): cache the quantized layer input X and
+rematerialise K and V at every attention call.
+
+Two storage paths, picked per model (`XQuantSpec.path`):
+
+* "x" (XQuant §3.1, MHA): store X = rmsnorm(h) (AttnInputs.x, the q/k/v_proj input)
+  quantized per token (groups of `group_size` channels). At attention time
+  K = X̂·W_k (+b_k), then RoPE at the *key* positions (the cache is pre-RoPE), and
+  V = X̂·W_v (+b_v). One D-wide tensor instead of K and V: 2× fewer bytes than KV
+  quantization at equal bits for MHA.
+* "latent" (XQuant §3.3, GQA): offline thin SVD per layer W_k = U_k Σ_k B_kᵀ,
+  W_v = U_v Σ_v B_vᵀ (exact: rank W <= kv_dim, no truncation). Cache X·U_k quantized
+  per channel and X·U_v per token (the paper's best axes; Σ is *not* applied to the
+  cached latent, App. B), rematerialise K = (X̂U_k)·(Σ_kB_kᵀ), V = (X̂U_v)·(Σ_vB_vᵀ).
+  Same footprint as the KV cache; the gain is accuracy.
+* "auto": the smaller per-token footprint, D vs 2·kv_dim (ties go to "x", the
+  plain method). Llama-2-7B: x (4096 < 8192); Llama-3.1-8B: latent (2048 < 4096);
+  SmolLM2-135M (9q/3kv heads of 64): latent (384 < 576).
+
+Choices the paper leaves open (digest §3, §12):
+  * The current tokens' own K/V are also rematerialised from the stored (quantized)
+    representation: `update` runs before `attend`, as for every cache here, so
+    one-pass (prefill) perplexity and token-by-token decode store identical codes.
+    Queries, the residual stream and the MLP stay exact (digest "reading A").
+  * Per-channel latents keep the incomplete last token group exact (it cannot be
+    quantized per channel before it completes, KIVI's residual); per-token stores
+    keep an exact `window` only when asked (0 by default, as in the paper's PPL runs;
+    the paper's generation runs use 128).
+  * Scale and zero point are fp16 (one pair per group: +0.25 bit/element at group 128,
+    which reproduces the paper's memory numbers).
+  * A per-token group must divide the quantized width; it is clamped to the width
+    (SmolLM2's 576 and 192 are not multiples of 128: use group_size=64 there).
+
+`nbytes()` counts what grows with the cache (codes, scales, zero points, exact tails,
+lengths). The SVD factors are model weights kept on the cache (`weights_nbytes()`).
+
+Attention dispatch (`XCache.attend`; `implementation` in CACHE_IMPLEMENTATIONS):
+  * Fused decode: a single-token query (T == 1), no sliding window, quantized stores,
+    and `implementation` resolving to "triton" (head_dim a power of 2 >= 16 and the
+    quantized widths multiples of 16) or "reference_fused". Keys [0, n) with
+    n = min(positions held as codes by every store, q_pos + 1) go through
+    `dequant_matmul.remat_decode_attention` (on the GPU the fused Triton kernel: K/V
+    are rematerialised tile by tile in registers and never written to HBM); the
+    remaining keys [n, L), the exact tails of the stores (at most their flush block
+    F, e.g. the incomplete token group of a per-channel latent), are rematerialised
+    from `TokenStore.rows_at` and attended densely; both parts are merged by their
+    log-sum-exp (`model.attention.combine`). Interleaved-RoPE models run the fused
+    op on W_k / b_k / q permuted to the half-rotation layout (q·k is invariant under
+    a common permutation); RoPE-free models use cos = 1, sin = 0 tables.
+    "reference_fused" is the same dispatch with the op's jnp reference (CPU tests).
+  * Everything else (prefill chunks, sliding windows, exact bits=None stores,
+    "reference", "xla", and "triton" where the kernel's shape rules fail):
+    materialise K/V for all slots with `dequant_matmul` ("reference": fp32 jnp;
+    "xla": bf16 XLA dequant + one bf16 GEMM with fp32 accumulation; "triton": the
+    Triton dequant-matmul kernel), then dense attention.
+XQuant-CL (`xquant_cl`) does not share this path: its delta layers rebuild the dense
+fp32 accumulator X̂_i for every slot anyway (the cross-layer carry) and project it with
+one dense matmul; only its plain layers before the base layer are XCaches.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any, Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from kvlowrank.cache import base
+from kvlowrank.methods.xquant.store import AXES, TokenStore
+from kvlowrank.model.attention import combine, dot_product_attention
+from kvlowrank.model.rope import apply_rope, interleaved_to_half_perm, rope_cos_sin
+from kvlowrank_kernels.quant import packing
+from kvlowrank.spec import ModelSpec
+from kvlowrank_kernels import xquant as dm
+
+PATHS = ("auto", "x", "latent")
+CACHE_IMPLEMENTATIONS = dm.IMPLEMENTATIONS + ("reference_fused",)
+_HI = jax.lax.Precision.HIGHEST
+
+
+def _check_bits(bits, field):
+  return None if bits is None else packing.check_bits(bits, field)
+
+
+@dataclasses.dataclass(frozen=True)
+class XQuantSpec:
+  """XQuant knobs (defaults: the paper's 4-bit, group 128, no window).
+
+  bits: 2/3/4/8, or None (store exact rows: the unquantized oracle).
+  group_size: channels per group (per-token stores, clamped to the width) and tokens
+    per group (per-channel stores).
+  window: exact recent tokens of per-token stores, flushed in blocks (0 = none).
+  path: "auto" | "x" | "latent" (module doc).
+  key_axis / value_axis: quantization axis of X·U_k / X·U_v on the latent path.
+  n_high_layers / high_bits: the first n layers use high_bits (paper Table 4: 3, 4).
+  scale_dtype: dtype of scales and zero points.
+  implementation: "reference" | "xla" | "triton" | "auto" | "reference_fused" (the
+    module doc's attention dispatch).
+  """
+
+  bits: Optional[int] = 4
+  group_size: int = 128
+  window: int = 0
+  path: str = "auto"
+  key_axis: str = "channel"
+  value_axis: str = "token"
+  n_high_layers: int = 0
+  high_bits: int = 4
+  scale_dtype: str = "float16"
+  implementation: str = "reference"
+
+  def __post_init__(self):
+    _check_bits(self.bits, "XQuantSpec.bits")
+    packing.check_bits(self.high_bits, "XQuantSpec.high_bits")
+    if self.path not in PATHS:
+      raise ValueError(f"XQuantSpec.path must be one of {PATHS}, got {self.path!r}")
+    for f in ("key_axis", "value_axis"):
+      if getattr(self, f) not in AXES:
+        raise ValueError(f"XQuantSpec.{f} must be one of {AXES}, got {getattr(self, f)!r}")
+    for f in ("group_size", "window", "n_high_layers"):
+      v = getattr(self, f)
+      if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < (f == "group_size"):
+        raise ValueError(f"XQuantSpec.{f} must be an int >= {int(f == 'group_size')}, got {v!r}")
+    if self.implementation not in CACHE_IMPLEMENTATIONS:
+      raise ValueError(f"XQuantSpec.implementation must be one of {CACHE_IMPLEMENTATIONS}, "
+                       f"got {self.implementation!r}")
+
+  def layer_bits(self, i: int) -> Optional[int]:
+    """Bits of layer i (None: exact)."""
+    if self.bits is None:
+      return None
+    return self.high_bits if i < self.n_high_layers else self.bits
+
+
+def choose_path(spec: ModelSpec, path: str = "auto") -> str:
+  """"x" or "latent": the smaller per-token footprint (D vs 2·kv_dim) for "auto"."""
+  if path not in PATHS:
+    raise ValueError(f"path must be one of {PATHS}, got {path!r}")
+  if path != "auto":
+    return path
+  return "latent" if 2 * spec.kv_dim < spec.dim else "x"
+
+
+def svd_factors(w) -> tuple[np.ndarray, np.ndarray]:
+  """Thin SVD W = U·(ΣBᵀ) in float64: returns (U [D, r], ΣBᵀ [r, N]), r = min(D, N).
+
+  Exact (no truncation): U has orthonormal columns, so X·U·(ΣBᵀ) = X·W.
+  """
+  w64 = np.asarray(jax.device_get(w), np.float64)
+  u, s, vt = np.linalg.svd(w64, full_matrices=False)
+  return u, s[:, None] * vt
+
+
+def op_implementation(implementation: str) -> str:
+  """The dequant-matmul op implementation behind a cache implementation name."""
+  return "reference" if implementation == "reference_fused" else implementation
+
+
+def fused_decode_backend(implementation: str, spec: ModelSpec, stores, sliding_window,
+                         n_query: int) -> Optional[str]:
+  """Implementation of the fused decode op for this attend call, or None to materialise
+  K/V (the module doc's dispatch rule)."""
+  if n_query != 1 or sliding_window is not None or any(s.bits is None for s in stores):
+    return None
+  if implementation == "reference_fused":
+    return "reference"
+  if dm.resolve(op_implementation(implementation)) != "triton":
+    return None
+  h = spec.head_dim
+  if h < 16 or h & (h - 1) or any(s.width % 16 for s in stores):
+    return None
+  return "triton"
+
+
+def remat(store: TokenStore, w, implementation: str):
+  """Rematerialises store rows times w: [B, S, C] x [C, N] -> [B, S, N] fp32.
+
+  Quantized rows go through the dequant-matmul op; exact tail rows are multiplied
+  directly and overlaid (they are at most F rows).
+  """
+  implementation = op_implementation(implementation)
+  wf = w.astype(jnp.float32)
+  if store.bits is None:
+    return jnp.matmul(store.raw.astype(jnp.float32), wf, precision=jax.lax.Precision.HIGHEST)
+  b, s, nw = store.codes.shape
+  sc, zr = store.scale, store.zero
+  out = dm.dequant_matmul(store.codes.reshape(b * s, nw), sc.reshape(-1, sc.shape[-1]),
+                          zr.reshape(-1, zr.shape[-1]), w, bits=store.bits, axis=store.axis,
+                          group=store.group, out_dtype=jnp.float32,
+                          implementation=implementation).reshape(b, s, -1)
+  if store.flush:
+    tail = jnp.matmul(store.tail.astype(jnp.float32), wf, precision=jax.lax.Precision.HIGHEST)
+    out = store.merge_tail(out, tail)
+  return out[:, :store.capacity]
+
+
+def kv_from_rows(k_pre, v, lp, spec: ModelSpec, dtype, positions=None):
+  """[B,S,kv_dim] pre-bias K and V -> (k post-RoPE, v) [B,S,K,H] at `positions` [B,S]
+  (default: slot positions 0..S-1)."""
+  if spec.qkv_bias:
+    k_pre, v = k_pre + lp["bk"].astype(jnp.float32), v + lp["bv"].astype(jnp.float32)
+  b, s, _ = k_pre.shape
+  k_pre = k_pre.reshape(b, s, spec.n_kv_heads, spec.head_dim)
+  v = v.reshape(b, s, spec.n_kv_heads, spec.head_dim)
+  pos = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s)) if positions is None \
+      else positions
+  k = apply_rope(k_pre, pos, spec)   # rotate in fp32 at the key positions, then cast
+  return k.astype(dtype), v.astype(dtype)
+
+
+def attend_rows(k, v, lens, q, q_positions, sliding_window):
+  """Standard attention of q over rematerialised k, v (slot s = position s)."""
+  b, s = k.shape[:2]
+  k_pos = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
+  return dot_product_attention(q, k, v, q_positions, k_pos, k_pos < lens[:, None],
+                               sliding_window=sliding_window, out_dtype=q.dtype)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class XCache(base.KVCache):
+  """One layer of XQuant (see module docstring)."""
+
+  stores: tuple                # ("x" path) (X,); ("latent") (X·U_k, X·U_v)
+  proj: tuple                  # () or (U_k, Σ_kB_kᵀ, U_v, Σ_vB_vᵀ) (weights)
+  path: str = base.static_field(default="x")
+  implementation: str = base.static_field(default="reference")
+  sliding_window: Optional[int] = base.static_field(default=None)
+
+  name = "xquant"
+
+  @classmethod
+  def init(cls, xspec: XQuantSpec, spec: ModelSpec, lp: dict, *, layer: int, batch: int,
+           capacity: int, dtype=jnp.bfloat16):
+    """Empty cache for layer `layer` (lp: its params; the latent path factorises them)."""
+    path = choose_path(spec, xspec.path)
+    bits = xspec.layer_bits(layer)
+    mk = lambda width, axis: TokenStore.init(
+        batch=batch, capacity=capacity, width=width, bits=bits, axis=axis,
+        group_size=xspec.group_size, window=xspec.window, dtype=dtype,
+        scale_dtype=xspec.scale_dtype)
+    if path == "x":
+      stores, proj = (mk(spec.dim, "token"),), ()
+    else:
+      wdt = lp["wk"].dtype
+      uk, rk = svd_factors(lp["wk"])
+      uv, rv = svd_factors(lp["wv"])
+      proj = tuple(jnp.asarray(a, wdt) for a in (uk, rk, uv, rv))
+      stores = (mk(uk.shape[1], xspec.key_axis), mk(uv.shape[1], xspec.value_axis))
+    return cls(stores=stores, proj=proj, path=path, implementation=xspec.implementation,
+               sliding_window=spec.sliding_window)
+
+  @property
+  def capacity(self) -> int:
+    return self.stores[0].capacity
+
+  @property
+  def lengths(self):
+    return self.stores[0].lens
+
+  def update(self, inputs: base.AttnInputs, lp):
+    pos, x = inputs.positions, inputs.x
+    if self.path == "x":
+      return dataclasses.replace(self, stores=(self.stores[0].append(x, pos),))
+    uk, _, uv, _ = self.proj
+    xk = jnp.matmul(x.astype(jnp.float32), uk.astype(jnp.float32),
+                    precision=jax.lax.Precision.HIGHEST)
+    xv = jnp.matmul(x.astype(jnp.float32), uv.astype(jnp.float32),
+                    precision=jax.lax.Precision.HIGHEST)
+    return dataclasses.replace(self, stores=(self.stores[0].append(xk, pos),
+                                             self.stores[1].append(xv, pos)))
+
+  def rematerialize(self, lp, spec: ModelSpec, dtype):
+    """(k post-RoPE, v) [B,S,K,H] for every slot, from the stored representation."""
+    if self.path == "x":
+      kv = remat(self.stores[0], jnp.concatenate([lp["wk"], lp["wv"]], axis=1),
+                 self.implementation)
+      k_pre, v = kv[..., :spec.kv_dim], kv[..., spec.kv_dim:]
+    else:
+      _, rk, _, rv = self.proj
+      k_pre = remat(self.stores[0], rk, self.implementation)
+      v = remat(self.stores[1], rv, self.implementation)
+    return kv_from_rows(k_pre, v, lp, spec, dtype)
+
+  def attend(self, q, q_positions, lp, *, spec: ModelSpec):
+    fused = fused_decode_backend(self.implementation, spec, self.stores, self.sliding_window,
+                                 q.shape[1])
+    if fused is not None:
+      return fused_decode(self, q, q_positions, lp, spec, fused)
+    k, v = self.rematerialize(lp, spec, q.dtype)
+    return attend_rows(k, v, self.lengths, q, q_positions, self.sliding_window)
+
+  def fused_operands(self, lp):
+    """(k_rows, v_rows, wk, wv) of the fused op: X and [W_k, W_v] ("x": shared rows), or
+    the latents and Σ_kB_kᵀ, Σ_vB_vᵀ ("latent")."""
+    if self.path == "x":
+      return self.stores[0].packed(), None, lp["wk"], lp["wv"]
+    _, rk, _, rv = self.proj
+    return self.stores[0].packed(), self.stores[1].packed(), rk, rv
+
+  def rows_kv(self, positions, lp):
+    """Pre-bias K, V [B, W, kv_dim] fp32 of the rows at positions [B, W] (as stored)."""
+    _, _, wk, wv = self.fused_operands(lp)
+    xk = self.stores[0].rows_at(positions)
+    xv = xk if self.path == "x" else self.stores[1].rows_at(positions)
+    f32 = lambda a: a.astype(jnp.float32)
+    return (jnp.matmul(xk, f32(wk), precision=_HI), jnp.matmul(xv, f32(wv), precision=_HI))
+
+  def materialize(self):
+    raise NotImplementedError(
+        "XCache rematerialises K/V from the layer weights: use "
+        "cache.rematerialize(lp, spec, dtype) or xquant.materialize_all(caches, params, spec)")
+
+  def nbytes(self) -> int:
+    """Bytes of cache storage (codes, scales, zeros, exact tails, lengths)."""
+    return int(sum(s.nbytes() for s in self.stores))
+
+  def weights_nbytes(self) -> int:
+    """Bytes of the SVD factors kept on the cache (model weights, not cache storage)."""
+    return int(sum(a.size * a.dtype.itemsize for a in self.proj))
+
+  def bytes_per_token(self) -> float:
+    return float(sum(s.bytes_per_token() for s in self.stores))
+
+
+def fused_decode(cache: XCache, q, q_positions, lp, spec: ModelSpec, backend: str):
+  """Decode attention (q [B, 1, N, H], q_positions [B, 1]) without materialising K/V for
+  the quantized prefix (module doc): the fused op (`backend`: "triton" | "reference") over
+  keys [0, n), the exact tail keys [n, L) densely, LSE-merged.
+
+  Returns:
+    (out [B, 1, N, H] q.dtype, lse [B, 1, N]).
+  """
+  lengths, qpos = cache.lengths, q_positions[:, 0]
+  n_codes = jnp.min(jnp.stack([st.n_quantized() for st in cache.stores]), axis=0)
+  n_fused = jnp.clip(jnp.minimum(n_codes, qpos + 1), 0).astype(jnp.int32)
+  k_rows, v_rows, wk, wv = cache.fused_operands(lp)
+  zeros = jnp.zeros((spec.kv_dim,), jnp.float32)
+  bk, bv = (lp["bk"], lp["bv"]) if spec.qkv_bias else (zeros, zeros)
+  qh, h, s = q[:, 0], spec.head_dim, k_rows.codes.shape[1]
+  if spec.rope_layout == "interleaved":   # to the half-rotation layout (common permutation)
+    perm = interleaved_to_half_perm(h)
+    cols = (np.arange(spec.n_kv_heads)[:, None] * h + perm[None, :]).reshape(-1)
+    qh, wk, bk = qh[..., perm], wk[:, cols], bk[cols]
+  if spec.rope_layout == "none":
+    cos, sin = jnp.ones((s, h // 2), jnp.float32), jnp.zeros((s, h // 2), jnp.float32)
+  else:
+    cos, sin = rope_cos_sin(jnp.arange(s, dtype=jnp.int32), spec)
+  out, lse = dm.remat_decode_attention(qh, k_rows, v_rows, wk, wv, bk, bv, cos, sin, n_fused,
+                                       n_kv_heads=spec.n_kv_heads, implementation=backend,
+                                       return_lse=True)
+  parts = [(out[:, None], lse[:, None])]
+  w = max(st.flush for st in cache.stores)
+  if w:   # the rows no store holds as codes yet: at most the largest flush block
+    pos = n_fused[:, None] + jnp.arange(w, dtype=jnp.int32)[None, :]
+    k_pre, v = cache.rows_kv(pos, lp)
+    k, v = kv_from_rows(k_pre, v, lp, spec, jnp.float32, positions=pos)
+    parts.append(dot_product_attention(q, k, v, q_positions, pos, pos < lengths[:, None],
+                                       out_dtype=jnp.float32))
+  return combine(parts, out_dtype=q.dtype)
+
+
+def materialize_all(caches, params, spec: ModelSpec, dtype=jnp.float32):
+  """Per-layer (k post-RoPE, v, valid) for a tuple of XCaches — test oracle."""
+  out = []
+  for c, lp in zip(caches, params["layers"]):
+    k, v = c.rematerialize(lp, spec, dtype)
+    b, s = k.shape[:2]
+    out.append((k, v, jnp.arange(s)[None, :] < c.lengths[:, None]))
+  return out
+
+
+def as_spec(method_spec: Any, cls, name: str):
+  """None -> cls(); Mapping -> cls(**m); cls instance -> itself; else ValueError."""
+  if method_spec is None:
+    return cls()
+  if isinstance(method_spec, Mapping):
+    return cls(**method_spec)
+  if not isinstance(method_spec, cls):
+    raise ValueError(f"{name} cache needs a {cls.__name__}, got {type(method_spec).__name__}")
+  return method_spec
+
+
+@base.register_cache("xquant")
+def _make_xquant(method_spec, spec: ModelSpec, params, *, batch, capacity, dtype):
+  xspec = as_spec(method_spec, XQuantSpec, "xquant")
+  return tuple(XCache.init(xspec, spec, lp, layer=i, batch=batch, capacity=capacity,
+                           dtype=dtype) for i, lp in enumerate(params["layers"]))
