@@ -21,23 +21,19 @@ Usage (on the GPU machine):
 from __future__ import annotations
 
 import argparse
-import datetime
-import functools
 import gc
 import json
-import math
 import os
-import statistics
-import sys
 import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from kvlowrank.bench import environment, finalize, measure_ceilings, rand, rand_u8, time_op
+from kvlowrank.bench import memory
 from kvlowrank_kernels.dense import decode_attention
 from kvlowrank_kernels.kivi import KiviKeys, KiviValues, kivi_attention
-from kvlowrank_kernels.kivi.mosaic_kivi import kivi_attention_mosaic
 from kvlowrank_kernels.kivi.mosaic_kivi_warp import kivi_attention_mosaic_warp
 from kvlowrank_kernels.kivi.mosaic_layout import to_mosaic
 from kvlowrank_kernels.palu import PackedLatent, palu_attention
@@ -53,26 +49,11 @@ KIVI_WINDOW = 128
 
 # ----------------------------------------------------------------------------- inputs
 
-@functools.partial(jax.jit, static_argnums=(1, 2))
-def _rand(key, shape, dtype=jnp.bfloat16):
-  """Random values in [-1, 1) built from random bits (one fused kernel, no temporaries)."""
-  bits = jax.random.bits(key, shape, jnp.uint16)
-  # bf16 with exponent of 1.0 and random mantissa: [1, 2); sign from one bit.
-  mant = (bits & jnp.uint16(0x007F)) | jnp.uint16(0x3F80)
-  x = jax.lax.bitcast_convert_type(mant, jnp.bfloat16) - jnp.bfloat16(1.5)
-  return (x * 2).astype(dtype)
-
-
-@functools.partial(jax.jit, static_argnums=(1,))
-def _rand_u8(key, shape):
-  return jax.random.bits(key, shape, jnp.uint8)
-
-
 def dense_inputs(m, s, b, key):
   ks = jax.random.split(key, 3)
   kvs = (b, s, m["n_kv_heads"], m["head_dim"])
-  q = _rand(ks[0], (b, m["n_heads"], m["head_dim"]))
-  return dict(q=q, k=_rand(ks[1], kvs), v=_rand(ks[2], kvs),
+  q = rand(ks[0], (b, m["n_heads"], m["head_dim"]))
+  return dict(q=q, k=rand(ks[1], kvs), v=rand(ks[2], kvs),
               lengths=jnp.full((b,), s, jnp.int32))
 
 
@@ -80,15 +61,15 @@ def palu_inputs(m, s, b, key, v_bits):
   sh = palu_50(b, s, n_heads=m["n_heads"], n_kv_heads=m["n_kv_heads"], head_dim=m["head_dim"])
   ks = jax.random.split(key, 6)
   gr, gh = sh.n_groups, sh.kv_per_group * sh.head_dim
-  q = _rand(ks[0], (b, m["n_heads"], m["head_dim"]))
-  hk = _rand(ks[1], (b, s, gr, sh.rk))
-  b_k = _rand(ks[3], (gr, sh.rk, gh)) * (3.0 / sh.rk) ** 0.5
+  q = rand(ks[0], (b, m["n_heads"], m["head_dim"]))
+  hk = rand(ks[1], (b, s, gr, sh.rk))
+  b_k = rand(ks[3], (gr, sh.rk, gh)) * (3.0 / sh.rk) ** 0.5
   if v_bits == 16:
-    hv = _rand(ks[2], (b, s, gr, sh.rv))
+    hv = rand(ks[2], (b, s, gr, sh.rv))
   else:
-    hv = PackedLatent(codes=_rand_u8(ks[2], (b, s, gr, sh.rv * v_bits // 8)),
-                      scale=(jnp.abs(_rand(ks[4], (b, s, gr))) + 0.1) / 8,
-                      zero=_rand(ks[5], (b, s, gr)) - 1.0, bits=v_bits, dim=sh.rv)
+    hv = PackedLatent(codes=rand_u8(ks[2], (b, s, gr, sh.rv * v_bits // 8)),
+                      scale=(jnp.abs(rand(ks[4], (b, s, gr))) + 0.1) / 8,
+                      zero=rand(ks[5], (b, s, gr)) - 1.0, bits=v_bits, dim=sh.rv)
   return dict(q=q, hk=hk, hv=hv, b_k=b_k, lengths=jnp.full((b,), s, jnp.int32)), sh
 
 
@@ -97,21 +78,21 @@ def kivi_inputs(m, s, b, key, bits=2, scale_dtype=jnp.float16):
   (bf16 scales run the same kernel with bf16 MMA operands; see the ablation rows)."""
   ks = jax.random.split(key, 9)
   kh, h = m["n_kv_heads"], m["head_dim"]
-  q = _rand(ks[0], (b, m["n_heads"], h))
+  q = rand(ks[0], (b, m["n_heads"], h))
   nb = h * bits // 8
   sd = scale_dtype
-  keys = KiviKeys(codes=_rand_u8(ks[1], (b, kh, s, nb)),
-                  scale=((jnp.abs(_rand(ks[2], (b, kh, s // KIVI_GROUP, h))) + 0.1) / 2).astype(sd),
-                  zero=(_rand(ks[3], (b, kh, s // KIVI_GROUP, h)) - 1.0).astype(sd), bits=bits,
+  keys = KiviKeys(codes=rand_u8(ks[1], (b, kh, s, nb)),
+                  scale=((jnp.abs(rand(ks[2], (b, kh, s // KIVI_GROUP, h))) + 0.1) / 2).astype(sd),
+                  zero=(rand(ks[3], (b, kh, s // KIVI_GROUP, h)) - 1.0).astype(sd), bits=bits,
                   group=KIVI_GROUP)
-  values = KiviValues(codes=_rand_u8(ks[4], (b, kh, s, nb)),
-                      scale=((jnp.abs(_rand(ks[5], (b, kh, s, h // KIVI_GROUP))) + 0.1) / 2
+  values = KiviValues(codes=rand_u8(ks[4], (b, kh, s, nb)),
+                      scale=((jnp.abs(rand(ks[5], (b, kh, s, h // KIVI_GROUP))) + 0.1) / 2
                              ).astype(sd),
-                      zero=(_rand(ks[6], (b, kh, s, h // KIVI_GROUP)) - 1.0).astype(sd),
+                      zero=(rand(ks[6], (b, kh, s, h // KIVI_GROUP)) - 1.0).astype(sd),
                       bits=bits, group=KIVI_GROUP)
   w = KIVI_WINDOW
-  return dict(q=q, keys=keys, values=values, k_win=_rand(ks[7], (b, w, kh, h)),
-              v_win=_rand(ks[8], (b, w, kh, h)), q_len=jnp.full((b,), s, jnp.int32),
+  return dict(q=q, keys=keys, values=values, k_win=rand(ks[7], (b, w, kh, h)),
+              v_win=rand(ks[8], (b, w, kh, h)), q_len=jnp.full((b,), s, jnp.int32),
               w_len=jnp.full((b,), w, jnp.int32))
 
 
@@ -144,85 +125,6 @@ def kivi_cost(m, s, b, inp):
   return read, 4.0 * b * n * (s + KIVI_WINDOW) * h
 
 
-# ----------------------------------------------------------------------------- timing
-
-def time_fn(fn, *, samples=50, min_sample_s=1e-3, max_calls=64):
-  """Median seconds per call: warm up, size k so k calls last >= min_sample_s, time samples."""
-  out = fn()
-  jax.block_until_ready(out)
-  t0 = time.perf_counter()
-  jax.block_until_ready(fn())
-  one = time.perf_counter() - t0
-  k = int(min(max_calls, max(1, math.ceil(min_sample_s / max(one, 1e-7)))))
-  for _ in range(2):
-    jax.block_until_ready([fn() for _ in range(k)])
-  times = []
-  for _ in range(samples):
-    t0 = time.perf_counter()
-    outs = [fn() for _ in range(k)]
-    jax.block_until_ready(outs)
-    times.append((time.perf_counter() - t0) / k)
-  return statistics.median(times), k
-
-
-def chained(op, n):
-  """jit of n back-to-back calls of op(*args) in one executable.
-
-  Each call's smallest floating input gets `0 * (a scalar of the previous call's output)`
-  added (XLA does not fold a float product with zero: it would change NaN/inf results), so
-  XLA can neither hoist nor merge the calls: they run in sequence on the GPU with no host
-  dispatch between them, plus one tiny elementwise kernel each.
-  """
-  def run(*args):
-    leaves, tree = jax.tree_util.tree_flatten(args)
-    floats = [i for i, x in enumerate(leaves) if jnp.issubdtype(x.dtype, jnp.floating)]
-    pick = min(floats, key=lambda i: leaves[i].size)
-    acc = jnp.zeros((), jnp.float32)
-    for _ in range(n):
-      cur = list(leaves)
-      cur[pick] = cur[pick] + (acc * 0).astype(cur[pick].dtype)
-      out = op(*jax.tree_util.tree_unflatten(tree, cur))
-      acc = acc + jax.tree_util.tree_leaves(out)[0].reshape(-1)[0].astype(jnp.float32)
-    return acc
-  return jax.jit(run)
-
-
-def time_op(op, args, *, chain_s=20e-3, max_chain=256, samples=50):
-  """Device seconds per call of op(*args) (op: a jitted function).
-
-  A single dispatch of a jitted decode kernel costs tens of microseconds of host time, more
-  than many of the kernels themselves, and timing back-to-back dispatches then measures the
-  host. So the call is timed inside `chained` executables of n calls (n sized so one
-  executable runs >= chain_s, at most max_chain calls), median over `samples` timings,
-  divided by n. Measured on an H200 (BENCHMARKS.md, twelfth session): 2 ms executables
-  (the earlier default) read 10-60% above 30 ms ones, 10 ms ones 1-10% above (25% where
-  64 calls were too few to reach 10 ms); hence 20 ms and up to 256 calls.
-  """
-  f1 = chained(op, 1)
-  one, _ = time_fn(lambda: f1(*args), samples=5)
-  n = int(min(max_chain, max(1, math.ceil(chain_s / one))))
-  f = chained(op, n) if n > 1 else f1
-  t, _ = time_fn(lambda: f(*args), samples=samples)
-  return t / n
-
-
-def measure_ceilings():
-  """(copy B/s counting read+write, read-only B/s, bf16 matmul FLOP/s) on random data."""
-  x = _rand(jax.random.key(1), (1 << 31,))  # 4 GiB of bf16
-  copy = jax.jit(lambda a: a + jnp.bfloat16(1))
-  t, _ = time_fn(lambda: copy(x), samples=20)
-  bw = 2 * x.size * 2 / t
-  rsum = jax.jit(lambda a: jnp.sum(a.reshape(-1, 4096).astype(jnp.float32), axis=1))
-  t, _ = time_fn(lambda: rsum(x), samples=20)
-  rbw = x.size * 2 / t
-  del x
-  a = _rand(jax.random.key(2), (8192, 8192))
-  bm = _rand(jax.random.key(3), (8192, 8192))
-  mm = jax.jit(lambda p, r: p @ r)
-  t, _ = time_fn(lambda: mm(a, bm), samples=20)
-  return bw, rbw, 2 * 8192 ** 3 / t
-
-
 # ----------------------------------------------------------------------------- kernels
 
 def dense_fns(inp, triton_opts):
@@ -250,15 +152,10 @@ def kivi_fn(inp, opts):
 
 
 def kivi_mosaic_fn(inp, opts):
-  """A Mosaic KIVI kernel on the same cache stored in its own layout (relaid out once,
-  outside the timing, as a cache kept in that layout would be). opts["kernel"]: "warp"
-  (`mosaic_kivi_warp`, the default, as in `kivi_attention`) or "wgmma" (`mosaic_kivi`); the
-  rest are its knobs."""
-  opts = dict(opts)
-  kernel = opts.pop("kernel", "warp")
-  fn = {"wgmma": kivi_attention_mosaic, "warp": kivi_attention_mosaic_warp}[kernel]
-  cache = jax.jit(functools.partial(to_mosaic, layout=kernel))(inp["keys"], inp["values"])
-  f = jax.jit(lambda *a: fn(*a, **opts))
+  """The Mosaic KIVI warp kernel on the same cache stored in its layout (relaid out once,
+  outside the timing, as the library's KIVI cache keeps it); opts are its knobs."""
+  cache = jax.jit(to_mosaic)(inp["keys"], inp["values"])
+  f = jax.jit(lambda *a: kivi_attention_mosaic_warp(*a, **opts))
   return f, (inp["q"], cache, inp["k_win"], inp["v_win"], inp["q_len"], inp["w_len"])
 
 
@@ -301,7 +198,7 @@ TARGETS = (528, 1056, 2112)
 def _try_time(name, fn, log):
   """fn: (jitted op, args)."""
   try:
-    return time_op(*fn)
+    return time_op(*fn).seconds
   except Exception as e:  # pylint: disable=broad-except
     log(f"  {name}: FAILED {type(e).__name__}: {str(e)[:300]}")
     return None
@@ -362,14 +259,6 @@ DEFAULT_OPTIONS = {
 }
 
 
-# Variants of the Mosaic GPU Palu kernel timed with --ablate (16K, B=8): the default is
-# layout="pairs", rope_math="f32-regs", the deepest rings that fit (2 key / 2 value stages),
-# values="shared" where it applies and overlap="all". The third variant below is the sixth and
-# seventh sessions' default.
-MOSAIC_ABLATIONS = [dict(skip=1), dict(skip=2), dict(values="per-head", overlap="none"),
-                    dict(overlap="none"), dict(values="per-head"), dict(overlap="queries")]
-
-
 def _opts_for(best, fam):
   return dict(best.get(fam, {}))
 
@@ -403,14 +292,7 @@ def run_config(model, s, b, best, log, ablate=False, families=FAMILIES, kernels=
       add(name, palu_fn(inp, _opts_for(best, "palu")), rd, fl)
     if v_bits == 16 and "palu-mosaic" in kernels:  # the Mosaic GPU kernel takes bf16 latents
       add("palu-mosaic", palu_fn(inp, _opts_for(best, "palu_mosaic"), "mosaic"), rd, fl)
-      if ablate:
-        for o in MOSAIC_ABLATIONS:
-          add("palu-mosaic:" + ",".join(f"{k}={v}" for k, v in o.items()),
-              palu_fn(inp, o, "mosaic"), rd, fl, ablation=True)
     if ablate and name in kernels:
-      for skip, tag in ((1, "no-V"), (2, "no-K")):
-        add(f"{name}:{tag}", palu_fn(inp, dict(_opts_for(best, "palu"), skip=skip)), rd, fl,
-            ablation=True)
       # fp16 cos/sin table: half the table bytes per tile (the table is read from L2).
       add(f"{name}:fp16-rope", palu_fn(inp, dict(_opts_for(best, "palu"),
                                                  rope_dtype=jnp.float16)), rd, fl,
@@ -426,9 +308,6 @@ def run_config(model, s, b, best, log, ablate=False, families=FAMILIES, kernels=
   if "kivi-2bit" in kernels:
     add("kivi-2bit", kivi_fn(inp, _opts_for(best, "kivi")), rd, fl)
     if ablate:
-      for skip, tag in ((1, "no-V"), (2, "no-K")):
-        add(f"kivi-2bit:{tag}", kivi_fn(inp, dict(_opts_for(best, "kivi"), skip=skip)), rd,
-            fl, ablation=True)
       del inp
       inp = kivi_inputs(m, s, b, key, scale_dtype=jnp.bfloat16)
       add("kivi-2bit:bf16-scales", kivi_fn(inp, _opts_for(best, "kivi")), rd, fl,
@@ -442,30 +321,6 @@ def fits(model, s, b, mem_bytes):
   m = MODELS[model]
   dense = 2 * b * s * m["n_kv_heads"] * m["head_dim"] * 2
   return dense * 1.15 < mem_bytes
-
-
-def finalize(recs, mm_rate):
-  """Adds roofline, % of roofline and speed-up over the best dense baseline per config."""
-  dense_bw = max((r["bytes"] / r["seconds"] for r in recs
-                  if r["kernel"].startswith("dense") and r["seconds"]), default=None)
-  if dense_bw is None:
-    return None
-  best_dense = {}
-  for r in recs:
-    if r["kernel"].startswith("dense") and r["seconds"]:
-      k = (r["model"], r["context"], r["batch"])
-      best_dense[k] = min(best_dense.get(k, float("inf")), r["seconds"])
-  for r in recs:
-    if not r["seconds"]:
-      continue
-    r["us"] = r["seconds"] * 1e6
-    r["achieved_TBps"] = r["bytes"] / r["seconds"] / 1e12
-    r["roofline_us"] = max(r["bytes"] / dense_bw, r["flops"] / mm_rate) * 1e6
-    r["bound"] = "memory" if r["bytes"] / dense_bw >= r["flops"] / mm_rate else "compute"
-    r["pct_roofline"] = 100.0 * r["roofline_us"] / r["us"]
-    bd = best_dense.get((r["model"], r["context"], r["batch"]))
-    r["speedup_vs_dense"] = bd / r["seconds"] if bd else None
-  return dense_bw
 
 
 def table(recs):
@@ -498,7 +353,8 @@ def main(argv=None):
   ap.add_argument("--kernels", default=",".join(KERNELS),
                   help=f"main-table rows to time (of {','.join(KERNELS)})")
   ap.add_argument("--ablate", action="store_true",
-                  help="also time Palu/KIVI with the value or key path skipped (16K, B=8)")
+                  help="also time the variants with correct output (16K, B=8): Palu Triton with "
+                       "an fp16 RoPE table, KIVI Triton with bf16 scales")
   ap.add_argument("--time_budget", type=float, default=1e9,
                   help="stop starting new configs after this many seconds")
   args = ap.parse_args(argv)
@@ -516,15 +372,8 @@ def main(argv=None):
     logf.write(msg + "\n")
     logf.flush()
 
-  mem = dev.memory_stats().get("bytes_limit", 80e9) if hasattr(dev, "memory_stats") else 80e9
-  info = dict(device=dev.device_kind, jax=jax.__version__, date=datetime.date.today().isoformat(),
-              python=sys.version.split()[0])
-  try:
-    import triton  # pylint: disable=import-outside-toplevel
-    import jax_triton  # pylint: disable=import-outside-toplevel
-    info.update(triton=triton.__version__, jax_triton=jax_triton.__version__)
-  except ImportError:
-    pass
+  mem = memory.bytes_limit() or 80e9
+  info = environment()
   log(f"device: {info}")
   bw, rbw, mm = measure_ceilings()
   info.update(copy_TBps=bw / 1e12, read_TBps=rbw / 1e12, matmul_TFLOPs=mm / 1e12)

@@ -5,10 +5,9 @@ measures the device's bf16 matmul rate and copy bandwidth, then times per
 (model, batch, context), cheapest first, until --budget_s:
 
   kv        bf16 K/V cache decode attention (XLA; reads 2·S·kv_dim bf16 per row)
-  fused     GEMM-shaped Triton rematerialise-and-attend kernel (`triton_remat`, v2)
-  fused_v1  the first fused kernel (`triton_remat_v1`), where B·S <= --v1_max_tokens
+  fused     GEMM-shaped Triton rematerialise-and-attend kernel (`triton_remat`)
   xla       XLA rematerialisation: bf16 dequant, cuBLAS GEMM (bf16 in, fp32 acc) writing
-            K|V, RoPE, XLA attention (`dequant_matmul.xla`): the library baseline
+            K|V, RoPE, XLA attention (`kvlowrank_kernels.xquant.xla`): the library baseline
   xla_vlate the same with W_v applied after attention ((sum_t p_t X̂_t) W_v, exact):
             only K is rematerialised (`xla.remat_decode_attention_vlate`)
   w         one layer's bf16 weight GEMV at this batch (what remat may hide under,
@@ -19,12 +18,12 @@ Llama-3.1-8B (32q/8kv x128, D=4096; GQA latent path: X·U_k per channel, X·U_v 
 token, Σ·Bᵀ 1024x1024). --bits (2) codes, groups of 128, fp16 scale/zero.
 
 Usage (device machine):
-  python experiments/bench_xquant.py --out $OUT/bench_xquant.json   # ~8 min on an H200
+  python experiments/bench_xquant.py --out $OUT/bench_xquant.json
   python experiments/bench_xquant.py --quick            # knob sweep, one shape per path
 The default shapes cover Llama-2-7B B=1 S=1K..16K, B=8 S=16K/32K, B=32 S=4K..32K and
 Llama-3.1-8B B=1 S=1K..16K, B=32 S=32K; --budget_s (wall seconds since start) skips the
 most expensive remaining shapes once spent.
-Prints a table; writes every number as JSON.
+Prints a table; writes every number as JSON (results: BENCHMARKS.md).
 """
 
 from __future__ import annotations
@@ -62,7 +61,7 @@ SHAPES = ([("llama2-7b", 1, s * K1) for s in (1, 2, 4, 8, 16)]
           + [("llama2-7b", 32, s * K1) for s in (4, 8, 16, 32)]
           + [("llama3.1-8b", 32, 32 * K1)])
 QUICK_SHAPES = {"llama2-7b": (8, 8 * K1), "llama3.1-8b": (32, 8 * K1)}
-V2_DEFAULT = dict(block_m=64, block_k=64, num_warps=8, num_stages=3)
+FUSED_DEFAULT = dict(block_m=64, block_k=64, num_warps=8, num_stages=3)
 
 
 def timed(fn, args, perturb_idx, target_s=0.1):
@@ -134,9 +133,9 @@ def _rel(got, want):
   return float(jnp.linalg.norm(got.astype(jnp.float32) - want) / jnp.linalg.norm(want))
 
 
-def check_kernels(key, v2cfg, bits_list=(2, 3)):
+def check_kernels(key, fused_cfg, bits_list=(2, 3)):
   """Relative error vs the jnp reference (B=2, S=384, ragged lengths 384 and 200):
-  fused v2 at each bit width (3 bits: the straddling-code path), v1 / xla /
+  the fused kernel at each bit width (3 bits: the two-plane path), xla / xla_vlate /
   dequant-matmul at the first."""
   errs = {}
   flat = lambda a: a.reshape(-1, a.shape[-1])
@@ -144,13 +143,12 @@ def check_kernels(key, v2cfg, bits_list=(2, 3)):
     d = setup(model, 2, 384, bits, key, lens=[384, 200])
     args, kh = d["args"], d["kh"]
     want = ref.remat_decode_attention(*args, n_kv_heads=kh)
-    runs = {"fused": lambda: tb.remat_decode_attention(*args, n_kv_heads=kh, **v2cfg)}
+    runs = {"fused": lambda: tb.remat_decode_attention(*args, n_kv_heads=kh, **fused_cfg)}
     if bits == bits_list[0]:
       kr, vr = args[1], args[2]
       w = args[3] if vr is not None else jnp.concatenate([args[3], args[4]], 1)
       dm_args = (flat(kr.codes), flat(kr.scale), flat(kr.zero), w)
       want_dm = ref.dequant_matmul(*dm_args, bits=bits, axis=kr.axis, group=kr.group)
-      runs["fused_v1"] = lambda: tb.remat_decode_attention(*args, n_kv_heads=kh, kernel="v1")
       runs["xla"] = lambda: xq.remat_decode_attention(*args, n_kv_heads=kh)
       runs["xla_vlate"] = lambda: xq.remat_decode_attention_vlate(*args, n_kv_heads=kh)
       runs["dm"] = lambda: tb.dequant_matmul(*dm_args, bits=bits, axis=kr.axis, group=kr.group)
@@ -198,7 +196,7 @@ def remat_flop(d, b, s):
   return 2 * b * s * (wk.shape[0] * wk.shape[1] + wv.shape[0] * wv.shape[1])
 
 
-def measure(model, b, s, bits, key, v2cfg, v1_max_tokens, skip_xla=False):
+def measure(model, b, s, bits, key, fused_cfg, skip_xla=False):
   d = setup(model, b, s, bits, key)
   spec, kh, h = d["spec"], d["kh"], d["spec"].head_dim
   args = d["args"]
@@ -209,9 +207,7 @@ def measure(model, b, s, bits, key, v2cfg, v1_max_tokens, skip_xla=False):
   row["kv_s"] = timed(kv_attention, (args[0], k, v, args[-1]), 0)
   del k, v
   run = lambda impl, **kw: (lambda q: impl(q, *args[1:], n_kv_heads=kh, **kw))
-  row["fused_s"] = timed(run(tb.remat_decode_attention, **v2cfg), (args[0],), 0)
-  if b * s <= v1_max_tokens:
-    row["fused_v1_s"] = timed(run(tb.remat_decode_attention, kernel="v1"), (args[0],), 0)
+  row["fused_s"] = timed(run(tb.remat_decode_attention, **fused_cfg), (args[0],), 0)
   if not skip_xla:
     try:
       row["xla_s"] = timed(run(xq.remat_decode_attention), (args[0],), 0)
@@ -222,14 +218,14 @@ def measure(model, b, s, bits, key, v2cfg, v1_max_tokens, skip_xla=False):
     except Exception as e:  # pylint: disable=broad-except
       row["xla_vlate_error"] = repr(e)[:200]
   row["weights_s"] = weights_time(model, b, key)
-  for name in ("fused", "fused_v1", "xla"):
+  for name in ("fused", "xla"):
     if f"{name}_s" in row:
       row[f"{name}_tflops"] = row["remat_flop"] / row[f"{name}_s"] / 1e12
   return row
 
 
 def quick(args, key):
-  """Sweeps the v2 kernel knobs at one shape per path; prints and returns the best."""
+  """Sweeps the fused kernel's knobs at one shape per path; prints and returns the best."""
   grid = list(itertools.product(*(map(int, getattr(args, k).split(",")) for k in
                                   ("q_block_m", "q_block_k", "q_warps", "q_stages"))))
   t_start, out = time.time(), {}
@@ -268,14 +264,13 @@ def main(argv=None):
   ap.add_argument("--shapes", default="",
                   help="model:batch:context,... (default: the SHAPES list)")
   ap.add_argument("--models", default="llama2-7b,llama3.1-8b")
-  ap.add_argument("--v1_max_tokens", type=int, default=4096)
   ap.add_argument("--xla_max_tokens", type=int, default=1 << 20)
   ap.add_argument("--budget_s", type=float, default=380.0)
-  ap.add_argument("--block_m", type=int, default=V2_DEFAULT["block_m"])
-  ap.add_argument("--block_k", type=int, default=V2_DEFAULT["block_k"])
-  ap.add_argument("--num_warps", type=int, default=V2_DEFAULT["num_warps"])
-  ap.add_argument("--num_stages", type=int, default=V2_DEFAULT["num_stages"])
-  ap.add_argument("--quick", action="store_true", help="sweep the v2 knobs and exit")
+  ap.add_argument("--block_m", type=int, default=FUSED_DEFAULT["block_m"])
+  ap.add_argument("--block_k", type=int, default=FUSED_DEFAULT["block_k"])
+  ap.add_argument("--num_warps", type=int, default=FUSED_DEFAULT["num_warps"])
+  ap.add_argument("--num_stages", type=int, default=FUSED_DEFAULT["num_stages"])
+  ap.add_argument("--quick", action="store_true", help="sweep the fused kernel's knobs and exit")
   ap.add_argument("--q_block_m", default="64,128")
   ap.add_argument("--q_block_k", default="32,64")
   ap.add_argument("--q_warps", default="4,8")
@@ -294,11 +289,11 @@ def main(argv=None):
     with open(args.out, "w") as f:
       json.dump(res, f, indent=1)
     return
-  v2cfg = dict(block_m=args.block_m, block_k=args.block_k, num_warps=args.num_warps,
-               num_stages=args.num_stages)
-  res["v2_config"] = v2cfg
+  fused_cfg = dict(block_m=args.block_m, block_k=args.block_k, num_warps=args.num_warps,
+                   num_stages=args.num_stages)
+  res["fused_config"] = fused_cfg
   if not args.skip_checks:
-    res["checks"] = check_kernels(key, v2cfg)
+    res["checks"] = check_kernels(key, fused_cfg)
     print("kernel checks (rel. error vs jnp reference):", json.dumps(res["checks"]), flush=True)
   res["ceilings"] = ceilings(key)
   print("ceilings:", json.dumps(res["ceilings"]), flush=True)
@@ -315,7 +310,7 @@ def main(argv=None):
       res["rows"].append({"model": model, "batch": b, "context": s, "skipped": "budget"})
       continue
     try:
-      row = measure(model, b, s, args.bits, key, v2cfg, args.v1_max_tokens,
+      row = measure(model, b, s, args.bits, key, fused_cfg,
                     skip_xla=b * s > args.xla_max_tokens)
     except Exception as e:  # pylint: disable=broad-except  (keep the other rows)
       row = {"model": model, "batch": b, "context": s, "error": repr(e)[:300]}
@@ -329,10 +324,10 @@ def main(argv=None):
 def print_table(res):
   c = res["ceilings"]
   print(f"\n{res['device']}  jax {res['jax']}  bf16 {c['bf16_tflops']:.0f} TFLOP/s"
-        f"  copy {c['copy_tb_s']:.2f} TB/s  v2 {json.dumps(res['v2_config'])}")
-  print(f"{'model':12s} {'B':>3s} {'S':>6s} {'kv_us':>9s} {'fused_us':>10s} {'v1_us':>10s} "
+        f"  copy {c['copy_tb_s']:.2f} TB/s  fused {json.dumps(res['fused_config'])}")
+  print(f"{'model':12s} {'B':>3s} {'S':>6s} {'kv_us':>9s} {'fused_us':>10s} "
         f"{'xla_us':>10s} {'vlate_us':>10s} {'w_us':>7s} {'TF/s':>6s} {'xlaTF/s':>7s} {'f/kv':>6s} "
-        f"{'f/xla':>6s} {'f/v1':>6s} {'(w+f)/(w+kv)':>12s}")
+        f"{'f/xla':>6s} {'(w+f)/(w+kv)':>12s}")
   for r in sorted(res["rows"], key=lambda r: (r["model"], r["batch"], r["context"])):
     head = f"{r['model']:12s} {r['batch']:3d} {r['context']:6d}"
     if "kv_s" not in r:
@@ -342,11 +337,9 @@ def print_table(res):
     ratio = lambda a, b: f"{r[a] / r[b]:6.2f}" if a in r and b in r else f"{'-':>6s}"
     tf = lambda k: f"{r[k]:7.1f}" if k in r else f"{'-':>7s}"
     layer = (r["weights_s"] + r["fused_s"]) / (r["weights_s"] + r["kv_s"])
-    print(f"{head} {us('kv_s', 9)} {us('fused_s')} {us('fused_v1_s')} {us('xla_s')} "
-          f"{us('xla_vlate_s')} "
+    print(f"{head} {us('kv_s', 9)} {us('fused_s')} {us('xla_s')} {us('xla_vlate_s')} "
           f"{us('weights_s', 7)} {r['fused_tflops']:6.1f} {tf('xla_tflops')} "
-          f"{ratio('fused_s', 'kv_s')} {ratio('fused_s', 'xla_s')} "
-          f"{ratio('fused_s', 'fused_v1_s')} {layer:12.2f}")
+          f"{ratio('fused_s', 'kv_s')} {ratio('fused_s', 'xla_s')} {layer:12.2f}")
 
 
 if __name__ == "__main__":

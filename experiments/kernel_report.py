@@ -3,7 +3,7 @@
   python experiments/kernel_report.py --json a.json,b.json --png_prefix out/kernels
 
 Each JSON is one benchmark call (one machine); rooflines and speed-ups are computed
-per call (`bench_kernels.finalize`: bytes / the best dense bandwidth of that call, FLOPs /
+per call (`kvlowrank.bench.finalize`: bytes / the best dense bandwidth of that call, FLOPs /
 that call's matmul rate), so files from different calls are never mixed in one ratio.
 Prints the markdown table (µs, % of roofline, × the best dense kernel of the same
 configuration) and writes <prefix>_speedup.png and <prefix>_roofline.png: one panel per
@@ -14,16 +14,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import sys
 
 import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402  pylint: disable=wrong-import-position
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import bench_kernels as bk  # noqa: E402  pylint: disable=wrong-import-position
+from kvlowrank.bench import finalize  # noqa: E402  pylint: disable=wrong-import-position
 
+DENSE = ("dense-xla", "dense-cudnn", "dense-triton")
 COMPRESSED = ("palu-bf16", "palu-mosaic", "palu-v4", "kivi-2bit", "kivi-mosaic")
 TARGETS = {"palu-bf16": 1.8, "palu-mosaic": 1.8, "palu-v4": 2.5, "kivi-2bit": 4.5,
            "kivi-mosaic": 4.5}
@@ -41,7 +39,7 @@ def load(paths):
     recs = [r for r in d["records"] if not r.get("ablation")]
     if not recs:
       raise SystemExit(f"{path}: no records")
-    bw = bk.finalize(recs, d["info"]["matmul_TFLOPs"] * 1e12)
+    bw = finalize(recs, d["info"]["matmul_TFLOPs"] * 1e12)
     if bw is None:
       raise SystemExit(f"{path}: no dense baseline timed, so no roofline")
     calls.append((dict(d["info"], dense_best_TBps=bw / 1e12, path=path), recs))
@@ -116,7 +114,9 @@ def main(argv=None):
   args = ap.parse_args(argv)
   calls = load(args.json.split(","))
   present = {r["kernel"] for _, rs in calls for r in rs}
-  kernels = [k for k in bk.KERNELS if k in present]
+  # The benchmark's row names in table order, then any other kernel the files hold.
+  kernels = [k for k in DENSE + COMPRESSED if k in present] + sorted(
+      present - set(DENSE + COMPRESSED))
   for info, _ in calls:
     print(f"{info['path']}: {info['device']}, JAX {info['jax']}, {info['date']}; copy "
           f"{info['copy_TBps']:.2f} TB/s, read {info['read_TBps']:.2f} TB/s, matmul "

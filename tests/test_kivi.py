@@ -1,5 +1,7 @@
 """KIVI cache vs a float64 numpy transcription of KIVI's streaming algorithm."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -116,21 +118,21 @@ def _update(cache, k, v, pos):
 
 @jax.jit
 def _attend_both(cache, q, pos):
-  out, lse = cache.attend(q, pos, {}, spec=SPEC)
+  out, lse = cache.attend(q, pos, {}, spec=SPEC, implementation="reference")
   k, v, valid = cache.materialize()
   s_pos = jnp.broadcast_to(jnp.arange(k.shape[1]), valid.shape)
   dense, dlse = dot_product_attention(q, k, v, pos, s_pos, valid, out_dtype=jnp.float32)
   return out, lse, dense, dlse
 
 
-def run_stream(ks, prefill_lens, n_decode, seed, drop=None):
+def run_stream(ks, prefill_lens, n_decode, seed, drop=None, spec=SPEC):
   """Ragged prefill then decode steps on random K/V; checks the cache against KiviRef
   after every step. drop=(step, row) replaces that decode token by padding in the
   cache only and checks only at the end, when the lengths agree again (negative control)."""
   rng = np.random.default_rng(seed)
-  bsz, kh, h = len(prefill_lens), SPEC.n_kv_heads, SPEC.head_dim
+  bsz, kh, h = len(prefill_lens), spec.n_kv_heads, spec.head_dim
   t0 = max(prefill_lens)
-  cache = KiviCache.init(ks, SPEC, batch=bsz, capacity=64, dtype=jnp.float32)
+  cache = KiviCache.init(ks, spec, batch=bsz, capacity=64, dtype=jnp.float32)
   mk = lambda t: rng.standard_normal((bsz, t, kh, h)).astype(np.float32) * \
       np.linspace(1.0, 8.0, h, dtype=np.float32)  # channel-dependent ranges (key outliers)
   k, v = mk(t0), mk(t0)
@@ -141,7 +143,7 @@ def run_stream(ks, prefill_lens, n_decode, seed, drop=None):
   cache = _update(cache, jnp.asarray(k), jnp.asarray(v), jnp.asarray(pos, jnp.int32))
   check_against_refs(cache, refs)
   # Prefill attention (causal, several queries) vs float64 attention over KivRef's view.
-  q = rng.standard_normal((bsz, t0, SPEC.n_heads, h)).astype(np.float32)
+  q = rng.standard_normal((bsz, t0, spec.n_heads, h)).astype(np.float32)
   out, _, dense, _ = _attend_both(cache, jnp.asarray(q), jnp.asarray(pos, jnp.int32))
   for b, n in enumerate(prefill_lens):
     (rk, rv) = refs[b].view()
@@ -160,7 +162,7 @@ def run_stream(ks, prefill_lens, n_decode, seed, drop=None):
     if drop is not None and drop[0] == step:
       p[drop[1]] = -1                      # the cache never sees this token
     cache = _update(cache, jnp.asarray(k1), jnp.asarray(v1), jnp.asarray(p, jnp.int32))
-    q1 = jnp.asarray(rng.standard_normal((bsz, 1, SPEC.n_heads, h)), jnp.float32)
+    q1 = jnp.asarray(rng.standard_normal((bsz, 1, spec.n_heads, h)), jnp.float32)
     out, lse, dense, dlse = _attend_both(cache, q1, jnp.asarray(p, jnp.int32))
     live = np.asarray(p[:, 0] >= 0)
     np.testing.assert_allclose(np.asarray(out)[live], np.asarray(dense)[live], rtol=1e-5,
@@ -181,9 +183,40 @@ def run_stream(ks, prefill_lens, n_decode, seed, drop=None):
 ])
 def test_kivi_matches_reference_stream(ks, prefill_lens, n_decode):
   cache = run_stream(ks, prefill_lens, n_decode, seed=sum(prefill_lens))
-  # The quantized store really holds packed codes.
-  assert cache.k_codes.dtype == jnp.uint32
-  assert cache.k_codes.shape[-1] == packing.packed_words(SPEC.head_dim, ks.bits)
+  # The quantized store really holds packed codes, in the Triton kernel's planar rows.
+  assert cache.layout == "planar"
+  keys = cache.store.keys
+  assert keys.codes.dtype == jnp.uint8
+  assert keys.codes.shape[-1] == packing.packed_bytes(SPEC.head_dim, ks.bits,
+                                                      packing.plane_width(SPEC.head_dim, ks.bits))
+
+
+WARP_SPEC = SPEC.replace(head_dim=128)
+
+
+def test_kivi_warp_layout_matches_reference_stream():
+  """2-bit, G = 32, H = 128: the store is the Mosaic warp kernel's layout, written token by
+  token (value codes by read-modify-write of shared words); same float64 reference."""
+  ks = KiviSpec(bits=2, group_size=32, residual=32, layout="warp")
+  cache = run_stream(ks, (40, 17), 30, seed=5, spec=WARP_SPEC)
+  assert cache.layout == "warp" and cache.capacity == 128
+
+
+def test_warp_and_planar_layouts_hold_the_same_cache():
+  """The same stream through both layouts: bit-identical materialised K/V (the layouts
+  are two orders of the same codes and scales); negative control: one flipped value-code
+  word of the warp store changes the materialised values."""
+  ks = KiviSpec(bits=2, group_size=32, residual=32, layout="warp")
+  warp = run_stream(ks, (40, 17), 12, seed=9, spec=WARP_SPEC)
+  planar = run_stream(KiviSpec(bits=2, group_size=32, residual=32, layout="planar"), (40, 17),
+                      12, seed=9, spec=WARP_SPEC)
+  assert planar.layout == "planar"
+  for a, b in zip(warp.materialize(), planar.materialize()):
+    np.testing.assert_array_equal(np.asarray(a)[:, :64], np.asarray(b)[:, :64])
+  st = warp.store
+  bad = dataclasses.replace(warp, store=dataclasses.replace(
+      st, vc=st.vc.at[0, 0, 0, 0, 5].set(st.vc[0, 0, 0, 0, 5] ^ 3)))
+  assert not np.array_equal(np.asarray(bad.materialize()[1]), np.asarray(warp.materialize()[1]))
 
 
 def test_negative_control_dropped_token_fails():
@@ -194,7 +227,7 @@ def test_negative_control_dropped_token_fails():
 
 
 def test_nbytes_arithmetic_and_bytes_per_token():
-  ks = KiviSpec(bits=2, group_size=32, residual=128)
+  ks = KiviSpec(bits=2, group_size=32, residual=128, layout="warp")
   spec = SPEC.replace(head_dim=128, n_heads=8, n_kv_heads=2)
   b, cap, kh, h = 3, 1000, 2, 128
   c = KiviCache.init(ks, spec, batch=b, capacity=cap, dtype=jnp.bfloat16)
@@ -210,8 +243,10 @@ def test_nbytes_arithmetic_and_bytes_per_token():
   assert c.nbytes() == codes + k_sz + v_sz + resid + 4 * b
   # Per token and kv head: 2x32 B codes + 16 B K scales/zeros + 16 B V scales/zeros.
   assert c.bytes_per_token() == kh * (64 + 16 + 16)
+  assert c.layout == "warp"
   c3 = KiviCache.init(KiviSpec(bits=3, group_size=32), spec, batch=1, capacity=64)
-  assert c3.k_codes.shape[-1] == 12        # 128 3-bit codes = 12 words
+  assert c3.layout == "planar"
+  assert c3.store.keys.codes.shape[-1] == 48   # 128 3-bit codes = 48 bytes
 
 
 @pytest.mark.parametrize("kwargs,field", [

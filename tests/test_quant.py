@@ -74,7 +74,7 @@ def test_negative_control_bound_fails_on_corrupted_codes():
   x = rng.standard_normal((4, 64)).astype(np.float32)
   qt = quant.quantize(jnp.asarray(x), bits=4, axis=-1, group_size=32, scale_dtype="float32")
   ref, step, tie, mag = ref_quantize(x, 4, -1, 32, "float32")
-  bad = qt.codes.at[1, 2].set(qt.codes[1, 2] ^ jnp.uint32(0x10))  # flip one bit of code 17
+  bad = qt.codes.at[1, 2].set(qt.codes[1, 2] ^ jnp.uint8(0x10))  # flip one bit of code 5
   xh = np.asarray(quant.dequantize(dataclasses.replace(qt, codes=bad)), np.float64)
   assert_close_to_ref(np.asarray(quant.dequantize(qt), np.float64), ref, step, tie, mag)
   with pytest.raises(AssertionError):
@@ -93,28 +93,72 @@ def test_zero_range_guard_and_jit():
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
-def bitstream_words(codes, bits):
-  """Pure-Python reference of the dense LSB-first stream, padded per block."""
-  cpb = 32 // math.gcd(bits, 32)
-  codes = list(codes) + [0] * (-len(codes) % cpb)
+def bitstream_words(codes, bits, block):
+  """Pure-Python reference of an LSB-first stream of `bits`-bit codes, padded to `block`."""
+  codes = list(codes) + [0] * (-len(codes) % block)
   value = sum(int(c) << (i * bits) for i, c in enumerate(codes))
   n_words = len(codes) * bits // 32
   return [(value >> (32 * w)) & 0xFFFFFFFF for w in range(n_words)]
 
 
+def planar_bytes(codes, bits, cw):
+  """Pure-Python reference of the documented byte-planar rule (bits 1/2/4/8): byte
+  s*cw + w holds code s*ppb*cw + k*cw + w at bits [k*bits, (k+1)*bits)."""
+  ppb = 8 // bits
+  out = [0] * (len(codes) * bits // 8)
+  for c, v in enumerate(codes):
+    s, r = divmod(c, ppb * cw)
+    k, w = divmod(r, cw)
+    out[s * cw + w] |= int(v) << (k * bits)
+  return out
+
+
 @pytest.mark.parametrize("bits", [2, 3, 4, 8])
 def test_pack_layout_sizes_and_round_trip(bits):
+  """As uint32 words, 2/4/8-bit rows are one LSB-first stream (KIVI's layout) and 3-bit
+  rows a 2-bit stream of the low bits then a 1-bit stream of the high bits; rows are
+  padded to whole words (32 codes for 3 bits)."""
   rng = np.random.default_rng(bits)
-  per_word = {2: 16, 4: 8, 8: 4}
+  per_word = {2: 16, 3: 32, 4: 8, 8: 4}
   for n in (5, 32, 33, 130):
     codes = rng.integers(0, 2 ** bits, size=(3, n))
-    words = np.asarray(quant.pack(jnp.asarray(codes), bits))
-    expected_words = 3 * math.ceil(n / 32) if bits == 3 else math.ceil(n / per_word[bits])
-    assert words.shape == (3, expected_words)
+    words = np.asarray(quant.packing.pack_words(jnp.asarray(codes), bits))
+    padded = math.ceil(n / per_word[bits]) * per_word[bits]
+    assert words.shape == (3, padded * bits // 32)
     assert words.dtype == np.uint32
     for row in range(3):
-      assert words[row].tolist() == bitstream_words(codes[row], bits)
-    np.testing.assert_array_equal(np.asarray(quant.unpack(jnp.asarray(words), bits, n)), codes)
+      if bits == 3:
+        want = (bitstream_words(codes[row] & 3, 2, 32) + bitstream_words(codes[row] >> 2, 1, 32))
+      else:
+        want = bitstream_words(codes[row], bits, per_word[bits])
+      assert words[row].tolist() == want
+    np.testing.assert_array_equal(
+        np.asarray(quant.packing.unpack_words(jnp.asarray(words), bits, n)), codes)
+    packed = np.asarray(quant.pack(jnp.asarray(codes), bits))
+    assert packed.dtype == np.uint8 and packed.shape == (3, padded * bits // 8)
+    np.testing.assert_array_equal(np.asarray(quant.unpack(jnp.asarray(packed), bits, n)), codes)
+
+
+@pytest.mark.parametrize("bits,cw", [(1, 8), (2, 1), (2, 32), (4, 16), (8, 4)])
+def test_planar_plane_width(bits, cw):
+  """Plane width cw: `(byte >> k*bits) & mask` of a [.., cw] byte tile is one contiguous
+  chunk of cw codes; the layout equals the per-byte formula and round-trips."""
+  from kvlowrank_kernels.quant import packing  # pylint: disable=import-outside-toplevel
+  n = 2 * packing.row_block(bits, cw)
+  codes = np.random.default_rng(cw).integers(0, 2 ** bits, size=(2, n))
+  packed = np.asarray(packing.pack(jnp.asarray(codes), bits, cw))
+  for row in range(2):
+    assert packed[row].tolist() == planar_bytes(codes[row], bits, cw)
+  np.testing.assert_array_equal(np.asarray(packing.unpack(jnp.asarray(packed), bits, n, cw)),
+                                codes)
+  # the plane of slot k of segment 0 is codes [k*cw, (k+1)*cw)
+  plane = (packed[:, :cw] >> bits) & ((1 << bits) - 1)
+  if 8 // bits > 1:
+    np.testing.assert_array_equal(plane, codes[:, cw:2 * cw])
+  # negative control: cw=1 packing of the same codes is a different byte order (8-bit
+  # codes are one per byte, where the plane width changes nothing)
+  if cw > 1 and bits < 8:
+    assert not np.array_equal(np.asarray(packing.pack(jnp.asarray(codes), bits, 1)), packed)
 
 
 @pytest.mark.parametrize("bits", [2, 3, 4, 8])
@@ -122,7 +166,7 @@ def test_qtensor_nbytes_exact(bits):
   x = jnp.asarray(np.random.default_rng(0).standard_normal((2, 64, 4, 128)), jnp.float32)
   qt = quant.quantize(x, bits=bits, axis=1, group_size=32)
   n_codes = 2 * 64 * 4 * 128
-  assert qt.codes.size * 4 * 8 == n_codes * bits  # dense: exactly `bits` bits per code
+  assert qt.codes.size * 8 == n_codes * bits  # dense: exactly `bits` bits per code
   scales = 2 * 2 * 4 * 128
   assert qt.nbytes() == n_codes * bits // 8 + 2 * scales * 2  # fp16 scale + zero
   assert qt.nbytes() == quant.quantized_nbytes(x.shape, bits=bits, axis=1, group_size=32)
@@ -147,8 +191,8 @@ def test_errors_name_the_field():
     quant.quantize(x, bits=2, axis=-1, scale_dtype=jnp.int8)
   with pytest.raises(ValueError, match="floating"):
     quant.quantize(jnp.ones((4, 6), jnp.int32), bits=2, axis=-1)
-  with pytest.raises(ValueError, match="words"):
-    quant.unpack(jnp.zeros((2,), jnp.uint32), 3, 32)
+  with pytest.raises(ValueError, match="bytes"):
+    quant.unpack(jnp.zeros((2,), jnp.uint8), 3, 32)
 
 
 HAD_SIZES = [1, 2, 4, 12, 20, 24, 28, 36, 64, 96, 160, 224, 416]

@@ -26,6 +26,7 @@ import triton.language as tl
 
 from ..common import splitk
 from ..common import triton_backend
+from .limits import check_triton_shapes
 
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
@@ -118,12 +119,9 @@ def flash_decode_kernel_poisoned(q_ptr, k_ptr, v_ptr, len_ptr, S, NSPLIT, sm_sca
                      KH, QPK, QP, H, HV, BLOCK_S)
 
 
-def _pow2(x: int) -> bool:
-  return x > 0 and (x & (x - 1)) == 0
-
-
 def plan(q_shape, k_shape, v_shape, *, block_s=64, num_splits=None, target_programs=None):
-  """Launch geometry shared by the JAX wrapper and the CPU interpreter check.
+  """Launch geometry shared by the JAX wrapper and the CPU interpreter check; ValueError
+  (`limits.check_triton_shapes`) for shapes the kernel does not take.
 
   Returns:
     dict(grid, constexprs, out_shapes).
@@ -131,12 +129,7 @@ def plan(q_shape, k_shape, v_shape, *, block_s=64, num_splits=None, target_progr
   b, n, h = q_shape
   s, kh = k_shape[1], k_shape[2]
   hv = v_shape[-1]
-  for name, val in (("head dim", h), ("value head dim", hv), ("block_s", block_s)):
-    if not _pow2(val) or val < 16:
-      raise ValueError(f"triton decode attention: {name} must be a power of 2 >= 16, got {val}")
-  if s * kh * max(h, hv) >= 2 ** 31:
-    raise ValueError(f"triton decode attention: one sequence's cache ({s}x{kh}x{h}) exceeds "
-                     "int32 indexing")
+  check_triton_shapes(q_shape, k_shape, v_shape, block_s)
   qpk = n // kh
   qp = max(16, 1 << (qpk - 1).bit_length())
   ns = splitk.choose_num_splits(b * kh, s, block_s, requested=num_splits,

@@ -1,22 +1,19 @@
-"""Register-level KIVI-2bit dequantization for the Mosaic GPU kernel (`mosaic_kivi`).
+"""Register-level KIVI-2bit code extraction for the Mosaic GPU kernel (`mosaic_kivi_warp`).
 
-`dequant_operand` runs inside `plgpu.inline_mgpu`: it reads one thread's 16 bytes of codes
-and 128 bytes of scale/zero pairs of one 128-token block from shared memory (layout
-`mosaic_layout`) and returns the [64, 128] wgmma A operand c * s + z (WGMMA layout, fp16
-or bf16), per register pair of elements:
+`word_codes` runs inside `plgpu.inline_mgpu`: from one thread's uint32 code words
+(layout `mosaic_layout`) it makes the codes c as exact fp16/bf16 pairs, per register pair of
+elements:
   x = (word >> shift) & (3 << f | 3 << 16 + f) | ONE   one lop3 (PTX): the magic
       number 1 + c 2^(f - MANT) in both 16-bit halves, exact (f + 2 <= MANT);
-  c = x * 2^(MANT - f) - 2^(MANT - f)                  packed FMA, exact;
-  v = c * s + z                                        packed FMA, one rounding.
+  c = x * 2^(MANT - f) - 2^(MANT - f)                  packed FMA, exact.
 MANT is 10 (fp16) or 7 (bf16). A word's 8 pair slots sit at bits 2k: fp16 takes slots 0-4
 unshifted and 5-7 after one shift by 10; bf16 slots 0-2, then 3-5 (shift 6) and 6-7
-(shift 12). `upto="codes"` stops at c, for a kernel that folds the scales into its other
-operand (`mosaic_warp_step`, whose warps each own one key group per block). Why not fold
-the zero into a pre-offset (z - M s): see `triton_kivi` (a rounded group-wide offset is a
-correlated error). In the wgmma kernel the scales of a pair are shared by the thread's two
-rows, so they cost one 16-byte load per four pairs.
-The CPU test `tests/kernels/test_kivi_mosaic.py` checks the same arithmetic in numpy
-(`dequant_pairs_numpy`); the GPU tests check the kernel against the float32 reference.
+(shift 12). The kernel folds the scales into its other MMA operand and adds the zero
+points by small products (`mosaic_warp_step`), so the codes enter the products as these
+exact small integers. Why not fold the zero into a pre-offset (z - M s): see `triton_kivi`
+(a rounded group-wide offset is a correlated error).
+The CPU test `tests/kernels/test_kivi_mosaic_warp.py` checks the same arithmetic in numpy
+(`code_pairs_numpy`); the GPU tests check the kernel against the float32 reference.
 """
 
 from __future__ import annotations
@@ -51,13 +48,14 @@ def slot_plan(dtype: str):
   return out
 
 
-def dequant_pairs_numpy(words, scale_pairs, zero_pairs, dtype: str):
-  """numpy model of the register arithmetic: words uint32 [...] -> the 8 pairs of each word
-  as float32 [..., 8, 2] (after the final FMA with scale/zero pairs [..., 8, 2])."""
+def code_pairs_numpy(words, dtype: str):
+  """numpy model of the register arithmetic: words uint32 [...] -> the codes of the 8 pairs
+  of each word, float32 [..., 8 slots k, 2 elements e], as the kernel's 16-bit pairs hold
+  them."""
   npdt = np.float16 if dtype == "float16" else None
   one, mant = _ONE[dtype], _MANT[dtype]
   out = []
-  for k, shift, f in slot_plan(dtype):
+  for _, shift, f in slot_plan(dtype):
     bits = ((words >> np.uint32(shift)) & np.uint32((3 << f) | (3 << (16 + f)))) | np.uint32(
         one | (one << 16))
     halves = np.stack([bits & 0xFFFF, bits >> 16], -1).astype(np.uint32)
@@ -66,10 +64,8 @@ def dequant_pairs_numpy(words, scale_pairs, zero_pairs, dtype: str):
     else:  # bf16 -> f32: the 16 bits are the top half of the float32
       x = (halves << 16).astype(np.uint32).view(np.float32)
     kk = float(2 ** (mant - f))
-    c = x * kk - kk  # exact in the 16-bit type as well
-    out.append(c)
-  c = np.stack(out, -2)
-  return c * scale_pairs + zero_pairs
+    out.append(x * kk - kk)  # exact in the 16-bit type as well
+  return np.stack(out, -2)
 
 
 def _ctx():
@@ -110,11 +106,9 @@ def extract(vec, e: int):
   return vector.extract(vec, dynamic_position=[], static_position=ir.DenseI64ArrayAttr.get([e]))
 
 
-def dequant_words(words, scale_of, dtype: str, upto: str = "scaled"):
-  """{(u, k): i32 pair c * s + z} for the 8 pair slots k of each i32 word u in `words`
-  (module docstring); scale_of(u, k) -> (scale pair, zero pair), i32 each. upto="codes"
-  returns the exact codes c (scale_of unused: a kernel that folds the scales into its other
-  operand); "bits" the lop3's x alone (a timing ablation: wrong values)."""
+def word_codes(words, dtype: str):
+  """{(u, k): i32 pair of exact codes c} for the 8 pair slots k of each i32 word u in
+  `words` (module docstring)."""
   _, _, arith, _ = _ctx()
   one, mant = _ONE[dtype], _MANT[dtype]
 
@@ -130,16 +124,8 @@ def dequant_words(words, scale_of, dtype: str, upto: str = "scaled"):
         shifted[(u, shift)] = arith.shrui(w, const_i32(shift)) if shift else w
       mask = (3 << f) | (3 << (16 + f))
       x = ptx.lop3_and_or(shifted[(u, shift)], const_i32(mask), const_i32(one | (one << 16)))
-      if upto == "bits":
-        pairs[(u, k)] = x
-        continue
       kk = float(2 ** (mant - f))
-      c = ptx.hfma2(x, pair_bits(kk), pair_bits(-kk), dtype)
-      if upto == "codes":
-        pairs[(u, k)] = c
-        continue
-      s, z = scale_of(u, k)
-      pairs[(u, k)] = ptx.hfma2(c, s, z, dtype)
+      pairs[(u, k)] = ptx.hfma2(x, pair_bits(kk), pair_bits(-kk), dtype)
   return pairs
 
 
@@ -158,47 +144,15 @@ def key_scale_rows(scales_ref, group, dtype: str):
           for r in range(8)]
 
 
-def key_pairs(codes_ref, m: int, srows, dtype: str, upto: str = "scaled"):
-  """{(rh, j): i32 pair} of the thread's share of key sub-operand m of a block (the A
-  fragment rows 16 warp + lane // 4 + 8 rh, columns 8 j + 2 (lane % 4) + e).
+def key_pairs(codes_ref, m: int, dtype: str):
+  """{(rh, j): i32 pair of exact codes} of the thread's share of key sub-tile m of a block
+  (its warp's tokens 32 warp + 16 m + lane // 4 + 8 rh, channels 8 j + 2 (lane % 4) + e).
 
   codes_ref: [4, 256] uint32 (this slot's words; thread tau's 4 words of m at flat index
-  4 (128 m + tau)); srows: `key_scale_rows` of the sub-operand's token group.
+  4 (128 m + tau)).
   """
   _, _, arith, _ = _ctx()
   tid, _, _ = thread_coords()
   words = load16(codes_ref, arith.muli(arith.addi(tid, const_i32(128 * m)), const_i32(4)))
-
-  def scale_of(u, k):
-    j = (u % 2) * 8 + k
-    row = srows[j // 2]
-    return row[(j % 2) * 2], row[(j % 2) * 2 + 1]
-
-  pairs = dequant_words(words, scale_of, dtype, upto)
+  pairs = word_codes(words, dtype)
   return {(u // 2, (u % 2) * 8 + k): v for (u, k), v in pairs.items()}
-
-
-def dequant_operand(codes_ref, scales_ref, m: int, dtype: str):
-  """The thread's [64, 128] A operand (WGMMA layout) of key or value sub-operand m of a
-  block (`key_pairs`; the value codes and scales of `mosaic_layout`'s "wgmma" layout share
-  the key layout's register order)."""
-  # pylint: disable=import-outside-toplevel
-  import jax.experimental.mosaic.gpu as mgpu
-  from jax.experimental.mosaic.gpu import fragmented_array as fa
-  # pylint: enable=import-outside-toplevel
-  _, ir, _, vector = _ctx()
-  ft = ir.F16Type.get() if dtype == "float16" else ir.BF16Type.get()
-  v2 = ir.VectorType.get([2], ft)
-  i32 = ir.IntegerType.get_signless(32)
-  layout = fa.WGMMA_LAYOUT
-  shape = layout.registers_shape((64, 128))
-  assert shape == (1, 16, 1, 1, 2, 1, 1, 1, 1), shape  # (j, rh) of the m64 fragments
-  regs = np.empty(shape, dtype=object)
-  _, _, arith, _ = _ctx()
-  _, warp, _ = thread_coords()
-  group = arith.addi(arith.divui(warp, const_i32(2)), const_i32(2 * m))
-  srows = key_scale_rows(scales_ref, group, dtype)
-  for (rh, j), val in key_pairs(codes_ref, m, srows, dtype).items():
-    regs[0, j, 0, 0, rh, 0, 0, 0, 0] = vector.bitcast(
-        v2, vector.from_elements(ir.VectorType.get([1], i32), [val]))
-  return mgpu.FragmentedArray(_registers=regs, _layout=layout, _is_signed=None)

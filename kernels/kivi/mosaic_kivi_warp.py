@@ -1,46 +1,38 @@
 """KIVI-2bit decode attention in Pallas Mosaic GPU with warp-level tensor-core products.
 
-Why next to `mosaic_kivi` (wgmma): there, each 128-token block costs 32 m64n8k16 wgmmas
-(N = 8 query columns: the tensor pipe runs them at a small fraction of its rate) and two
-warpgroup-wide exchanges (the column max through shared memory, p^T as the value products'
-B operand). Measured: ~1,650 cycles per block and SM against ~810 for its bytes. Here each
-warp owns 32 tokens of every block it sees, end to end, with `mma.sync` m16n8k16 products
-whose operands are registers, so nothing in the loop is shared between warps:
-  s [32 tokens, NP]  = dequant(K codes) @ q^T     (A: keys, the same register order as the
-                                                   wgmma kernel; B: q, held in registers)
+Each warp owns 32 tokens of every 128-token block it sees, end to end, with `mma.sync`
+m16n8k16 products whose operands are registers, so nothing in the loop is shared between
+warps:
+  s [32 tokens, NP]  = dequant(K codes) @ q^T     (A: keys, `mosaic_layout`; B: q, held in
+                                                   registers)
   per-head max over the warp's tokens: 3 butterfly shuffles; p = 2^(s - m)
   p -> B operand: one `movmatrix` transpose per 8 x 8 (the score fragment's rows are tokens,
                   the value product's B wants tokens along K)
-  o^T [128 ch, NP]  += dequant(V^T codes of the warp's tokens) @ p   (values: the "warp"
-                                                   layout of `mosaic_layout`)
-Each warp keeps its own online-softmax state; after the loop the 4 W warps' partials are
-merged in shared memory into one (o, lse) per CTA, and the wrapper merges the splits with the
-exact window's partial in one LSE combine (as `mosaic_kivi`).
+  o^T [128 ch, NP]  += dequant(V^T codes of the warp's tokens) @ p
+Why warp-level products rather than warpgroup-wide wgmma: with N = 8 query columns a wgmma
+runs at a small fraction of the tensor pipe's rate, and a warpgroup-wide block needs two
+exchanges through shared memory (the column max, p^T as the value products' B operand);
+here every warp keeps its own online-softmax state. After the loop the 4 W warps' partials
+are merged in shared memory into one (o, lse) per CTA, and the wrapper merges the splits
+with the exact window's partial in one LSE combine.
 
-Grid (B * K, num_splits); warpgroup W is the TMA producer (the ring of `mosaic_kivi`:
-codes and scales of keys and values per 128-token block), warpgroup w < W takes blocks
+Grid (B * K, num_splits); warpgroup W is the TMA producer (`mosaic_ring`: codes and scales
+of keys and values per 128-token block into a ring), warpgroup w < W takes blocks
 w, w + W, ... Instructions are PTX through `mosaic_ptx` inside `plgpu.inline_mgpu`.
 
-Dequantization (`dequant`): "fold", the default, multiplies the key scales into q's B
-fragments (a warp's 32 tokens are one key group) and the value scales into p's (per channel
-group), so the codes enter the products as exact small integers (a lop3 and one packed FMA
-per pair), and adds the zero points through one m16n8k16 product per k-step whose A operand
-is the scale/zero chunk as loaded (`mosaic_warp_step`); "fma" dequantizes every element,
-c * s + z (two packed FMAs per pair).
+Dequantization (`mosaic_warp_step`): the key scales are multiplied into q's B fragments (a
+warp's 32 tokens are one key group) and the value scales into p's (per channel group), so
+the codes enter the products as exact small integers (a lop3 and one packed FMA per pair);
+the zero points are added through one m16n8k16 product per k-step whose A operand is the
+scale/zero chunk as loaded. Why: it takes half of the packed FMAs of dequantizing every
+element (c * s + z per pair, the variant it replaced). Timings against the dense kernels
+and that variant, and the loop's SASS instruction mix: BENCHMARKS.md.
 
-Measured (H200, interleaved rounds, BENCHMARKS.md "tenth" and "eleventh session"): with
-"fold", 2.15-3.15x the cuDNN dense kernel at 16K/64K, B = 8/32, and 0.89-1.005x the time of
-"fma" (geometric mean 0.96); warpgroups 2 (the default) and 3 are within 4% of each other.
-The loop is 568 SASS instructions per warp and block with "fold" (137 LOP3, 128 HFMA2,
-32 HMUL2, 42 HMMA), 630 with "fma" (256 HFMA2). Ablations (`skip`): no dequantization at all
-(skip=4) takes 0.61x the "fma" call, so the dequantization still bounds the kernel.
-
-Choices (as `mosaic_kivi`): q unscaled in the scales' 16-bit type, scores scaled in f32,
-p rounded to the 16-bit type for the value product, tokens in [length, capacity) read and
-masked. "fma" rounds each dequantized element once; "fold" rounds q * s and p * s once each
-(p twice in all) and sums the zero points exactly in f32 (measured error against the
-float32 reference: the same as "fma" with fp16 scales, up to 2x with bf16). Restrictions:
-`mosaic_layout`'s (2-bit, groups of 32, H = 128, capacity a multiple of 128), QPK <= 16.
+Choices: q unscaled in the scales' 16-bit type, scores scaled in f32, p rounded to the
+16-bit type for the value product, tokens in [length, capacity) read and masked; q * s and
+p * s are rounded once each (p twice in all) and the zero points summed exactly in f32.
+Restrictions: `mosaic_layout`'s (2-bit, groups of 32, H = 128, capacity a multiple of 128,
+fp16/bf16 scales), QPK <= 16.
 """
 
 from __future__ import annotations
@@ -54,7 +46,7 @@ from jax import lax
 from ..common import splitk
 from . import mosaic_ring as ring
 from . import mosaic_warp_step as ws
-from .mosaic_layout import BLOCK, HEAD_DIM, KiviMosaic
+from .mosaic_layout import BLOCK, HEAD_DIM, KiviMosaic, check_mosaic
 
 LOG2E = 1.4426950408889634
 
@@ -69,25 +61,19 @@ def _smem_bytes(w, stages, np_):
           + kib(HEAD_DIM * np_ * 4) + kib(np_ * 4) + 512)  # merged partial, barriers
 
 
-DEQUANT = ("fold", "fma", "fold-keys", "fold-values")
-
-
-def plan(q_shape, cache_shape, *, warpgroups=2, stages=None, num_splits=None,
-         dequant="fold", skip=0):
+def plan(q_shape, cache_shape, *, warpgroups=2, stages=None, num_splits=None):
   """Launch geometry (dict) with ValueErrors naming the bad argument (`ring.plan_ring`).
-  dequant: "fold" (scales folded into q and p, zero points by small products) or "fma"
-  (every element dequantized, two HFMA2 per pair), or "fold-keys" / "fold-values" (one side
-  folded); `mosaic_warp_step.block_step`.
-  skip: timing ablation (wrong output): 1 no value path, 2 / 3 / 4 constant key / value /
-  both operands, 5 / 6 ("fma" only) dequantization without the scale FMA / as the bare lop3."""
-  if dequant not in DEQUANT:
-    raise ValueError(f"{NAME}: dequant must be one of {DEQUANT}, got {dequant!r}")
-  if skip in (5, 6) and dequant != "fma":
-    raise ValueError(f"{NAME}: skip={skip} is an ablation of dequant='fma'")
-  p = ring.plan_ring(NAME, q_shape, cache_shape, warpgroups=warpgroups, stages=stages,
-                     num_splits=num_splits, skip=skip, smem_bytes=_smem_bytes,
-                     skips=tuple(range(7)))
-  return dict(p, fold=(dequant in ("fold", "fold-keys"), dequant in ("fold", "fold-values")))
+
+  Args:
+    q_shape: (B, N, H).
+    cache_shape: the shape of `KiviMosaic.kc`, (B, K, S / 128, 4, 256) (the first three
+      are read).
+    warpgroups: compute warpgroups W (1, 2 or 3).
+    stages: ring slots (a multiple of W); None: the deepest that fits.
+    num_splits: split-K override (None: wave-balanced).
+  """
+  return ring.plan_ring(NAME, q_shape, cache_shape, warpgroups=warpgroups, stages=stages,
+                        num_splits=num_splits, smem_bytes=_smem_bytes)
 
 
 def _kernel(p, dtype, sm_scale, q_ref, kc_ref, ks_ref, vc_ref, vs_ref, len_ref, o_ref,
@@ -122,11 +108,11 @@ def _kernel(p, dtype, sm_scale, q_ref, kc_ref, ks_ref, vc_ref, vs_ref, len_ref, 
                      return_type=(acc_t, ml_t, ml_t))
   def step(_, kc, ks, vc, vs, qb, acc, ml, zacc, valid):
     return ws.block_step(kc, ks, vc, vs, qb, acc, ml, zacc, valid, nt=nt, dtype=dtype,
-                         scale2=scale2, fold=p["fold"], skip=p["skip"])
+                         scale2=scale2)
 
   @plgpu.inline_mgpu(arg_types=(layout, layout, layout, ref, ref))
   def publish(_, acc, ml, zacc, wo, wml):
-    ws.publish_partial(acc, ml, zacc, wo, wml, nt, p["fold"][1])
+    ws.publish_partial(acc, ml, zacc, wo, wml, nt)
 
   @plgpu.inline_mgpu(arg_types=(ref, ref, ref, ref))
   def merge(_, wo, wml, o, lse):
@@ -211,12 +197,25 @@ def _call(p, dtype, sm_scale, qt, cache: KiviMosaic, lengths):
 def kivi_attention_mosaic_warp(q, cache: KiviMosaic, k_win, v_win, q_len, w_len, *,
                                scale=None, out_dtype=None, warpgroups=2, stages=None,
                                num_splits=None, window_implementation="xla",
-                               return_partials=False, dequant="fold", skip=0):
-  """KIVI-2bit decode attention over a `KiviMosaic` cache in the "warp" layout plus the
-  exact window; Args/Returns as `mosaic_kivi.kivi_attention_mosaic` (knobs: `plan`)."""
-  dtype = ring.scale_dtype(NAME, cache, "warp")
+                               return_partials=False):
+  """KIVI-2bit decode attention over a `KiviMosaic` cache plus the exact window.
+
+  Args:
+    q: [B, N, H] decode query (RoPE applied), H = 128.
+    cache: the quantized prefix in the kernel's layout (`mosaic_layout`), capacity S.
+    k_win, v_win: [B, W, K, H] full-precision recent tokens.
+    q_len: [B] quantized tokens per sequence; w_len: [B] window tokens.
+    scale: default H ** -0.5; out_dtype: default q.dtype.
+    warpgroups, stages, num_splits: launch knobs (`plan`).
+    window_implementation: the window's attention ("xla", or a `dense.decode_attention`
+      implementation).
+    return_partials: also return the raw (o, lse) partials (the splits' and the window's).
+  Returns:
+    (out [B, N, H], lse [B, N] float32), plus the partials if asked.
+  """
+  dtype = check_mosaic(cache)
   p = plan(q.shape, cache.kc.shape, warpgroups=warpgroups, stages=stages,
-           num_splits=num_splits, dequant=dequant, skip=skip)
+           num_splits=num_splits)
   sm_scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
   qt = ring.query_operand(q, p, dtype)
   o_t, lse_t = _call(p, dtype, sm_scale, qt, cache, q_len.astype(jnp.int32))

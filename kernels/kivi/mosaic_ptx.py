@@ -1,4 +1,4 @@
-"""PTX instructions the Mosaic GPU KIVI kernels issue through `llvm.inline_asm`.
+"""PTX instructions the Mosaic GPU KIVI kernel issues through `llvm.inline_asm`.
 
 Used inside `plgpu.inline_mgpu` bodies (`mosaic_dequant`, `mosaic_kivi_warp`), where Pallas
 hands over MLIR values. Why PTX and not MLIR arithmetic: LLVM promotes a <2 x half> FMA to

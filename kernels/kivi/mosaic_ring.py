@@ -1,7 +1,7 @@
-"""What the two Mosaic GPU KIVI kernels (`mosaic_kivi`, `mosaic_kivi_warp`) share: the launch
-plan's checks and ring depth, the cache and query operands, and the TMA producer warpgroup
-that streams each 128-token block's key/value codes and scales into a `stages`-slot ring,
-and the merge of their split-K partials with the exact window's.
+"""The pipeline around the Mosaic GPU KIVI kernel's compute warpgroups (`mosaic_kivi_warp`):
+the launch plan's checks and ring depth, the query operand, the TMA producer warpgroup that
+streams each 128-token block's key/value codes and scales into a `stages`-slot ring, and the
+merge of the kernel's split-K partials with the exact window's.
 
 Ring protocol: block i of a CTA's split goes to slot i % stages, one barrier per array and
 slot signals its arrival, and the slot's consumer (compute warpgroup i % W, since stages is a
@@ -23,14 +23,11 @@ from .mosaic_layout import BLOCK, HEAD_DIM
 SLOT_BYTES = 2 * (256 * 4 * 4) + 2 * (128 * 8 * 2)   # codes + scales of keys and values
 
 
-def plan_ring(name, q_shape, cache_shape, *, warpgroups, stages, num_splits, skip,
-              smem_bytes, skips=(0, 1, 2, 3)):
-  """The shared launch geometry (dict), with ValueErrors prefixed by `name` naming the bad
-  argument. smem_bytes(w, stages, np): the kernel's shared memory; stages None picks the
-  deepest multiple of `warpgroups` that fits, up to 4 per warpgroup; skips: the kernel's
-  timing ablations (0: none)."""
-  if skip not in skips:
-    raise ValueError(f"{name}: skip must be one of {tuple(skips)}, got {skip}")
+def plan_ring(name, q_shape, cache_shape, *, warpgroups, stages, num_splits, smem_bytes):
+  """The launch geometry (dict), with ValueErrors prefixed by `name` naming the bad
+  argument. cache_shape: (B, K, S / 128, ...); smem_bytes(w, stages, np): the kernel's shared
+  memory; stages None picks the deepest multiple of `warpgroups` that fits, up to 4 per
+  warpgroup."""
   b, n, h = q_shape
   cb, kh, nb = cache_shape[:3]
   if h != HEAD_DIM:
@@ -62,20 +59,7 @@ def plan_ring(name, q_shape, cache_shape, *, warpgroups, stages, num_splits, ski
   num_splits = max(1, min(int(num_splits), nb))
   regs = min(232, (512 - 40) // warpgroups // 8 * 8)
   return dict(b=b, n=n, kh=kh, qpk=qpk, np=np_, nb=nb, w=warpgroups, stages=stages,
-              num_splits=num_splits, regs=regs, grid=(b * kh, num_splits), skip=skip)
-
-
-def scale_dtype(name, cache, layout: str) -> str:
-  """The cache's 16-bit scale dtype name (the kernels' MMA operand type), after checking
-  the cache is in `layout`."""
-  if cache.layout != layout:
-    raise ValueError(f"{name}: the cache must be in the {layout!r} layout "
-                     f"(mosaic_layout.to_mosaic(..., layout={layout!r})), got {cache.layout!r}")
-  dtype = jnp.dtype(cache.ks.dtype).name
-  if dtype not in ("float16", "bfloat16") or cache.vs.dtype != cache.ks.dtype:
-    raise ValueError(f"{name}: scales must be float16 or bfloat16, got {cache.ks.dtype}"
-                     f" / {cache.vs.dtype}")
-  return dtype
+              num_splits=num_splits, regs=regs, grid=(b * kh, num_splits))
 
 
 def query_operand(q, p, dtype: str):
@@ -116,7 +100,7 @@ def produce(q_src, q_dst, q_bar, arrays, free, *, b, head, start, n_blocks, stag
 
 def merge_with_window(q, o_t, lse_t, parts, p, k_win, v_win, w_len, *, scale, out_dtype,
                       window_implementation, return_partials):
-  """The Mosaic KIVI kernels' partials (o_t [B K, parts, H, NP], lse_t [B K, parts, NP]) and
+  """The Mosaic KIVI kernel's partials (o_t [B K, parts, H, NP], lse_t [B K, parts, NP]) and
   the exact window's (attended by `window_implementation`) merged in one LSE combine."""
   from ..dense import decode_attention  # pylint: disable=import-outside-toplevel
   b, n, h = q.shape

@@ -7,9 +7,15 @@ State crosses the Pallas loop as WGMMA-layout arrays used as plain register file
   ml  [64, 8 NT]  f32: (n-tile, [max e0, max e1, sum e0, sum e1]) of the thread's two
                        query columns 8 nt + 2 (lane % 4) + e (log2 units; the sum is the
                        thread's share, reduced across the warp at the end)
-  zacc [64, 8 NT] f32: ("fold" only) (n-tile, c0..c3) D fragments of [S; Z] [16, 8], the
-                       running sums of p s (rows r < 8) and p z (rows 8 + r) of value
-                       channel group r % 4 (`_value_products`)
+  zacc [64, 8 NT] f32: (n-tile, c0..c3) D fragments of [S; Z] [16, 8], the running sums
+                       of p s (rows r < 8) and p z (rows 8 + r) of value channel group
+                       r % 4 (`_value_products`)
+Dequantization: the key scales multiply q's B fragments (a warp's 32 tokens are one key
+group) and the value scales p's (per channel group), so the codes enter the products as
+exact small integers (`mosaic_dequant.word_codes`: a lop3 and one packed FMA per pair), and
+the zero points are added through one m16n8k16 product per k-step whose A operand is the
+scale/zero chunk as loaded. Rounding: q * s and p * s once each (p twice in all); the zero
+points are summed exactly in f32.
 Fragment coordinates (PTX m16n8k16; r = lane // 4, q = lane % 4): A rows r (+ 8), columns
 2 q (+ 8); B rows 2 q (+ 8), column r; C/D rows r (+ 8), columns 2 q + {0, 1}.
 """
@@ -21,8 +27,8 @@ import math
 import numpy as np
 
 from . import mosaic_ptx as ptx
-from .mosaic_dequant import (const_i32, dequant_words, extract, key_pairs, key_scale_rows,
-                             load16, thread_coords)
+from .mosaic_dequant import (const_i32, extract, key_pairs, key_scale_rows, load16,
+                             thread_coords, word_codes)
 
 
 def _mlir():
@@ -101,34 +107,29 @@ def initial_state(nt: int):
   return _array(acc, f32, None), _array(ml, f32, None), _array(acc[:4 * nt], f32, None)
 
 
-def _key_scores(kc, ks, qb, *, nt, dtype, const_k, upto, fold):
+def _key_scores(kc, ks, qb, *, nt, dtype):
   """{(m, n): 4 f32}: the scores of the warp's 32 tokens (D fragments of tokens
-  32 warp + 16 m + r (+ 8)), unscaled. fold: the key scales multiply q (B = q * s, one HMUL2
-  per B register), the key codes go into the products as exact small integers, and the zero
+  32 warp + 16 m + r (+ 8)), unscaled. The key scales multiply q (B = q * s, one HMUL2 per B
+  register), the key codes go into the products as exact small integers, and the zero
   points enter as beta = z . q: one m16n8k16 product per k-step whose A fragment is the
   thread's scale row as loaded, [s, z, s, z] (A rows r hold s, rows r + 8 hold z: no register
   copies), so D rows 8-15 are beta, in the scores' column layout."""
   _, _, _, _, arith, _ = _mlir()
   _, warp, _, _ = _lane_parts()
   zero4 = [_f32(0.0)] * 4
-  srows = None if const_k else key_scale_rows(ks, warp, dtype)  # the warp's token group
-  bq, beta = qb, None
-  if fold and not const_k:
-    bq = [ptx.hmul2(qb[16 * n + 2 * kk + h], srows[kk][2 * h], dtype)
-          for n in range(nt) for kk in range(8) for h in range(2)]
-    beta = {}
-    for n in range(nt):
-      chains = [zero4, zero4]
-      for kk in range(8):
-        chains[kk % 2] = ptx.mma_16816(srows[kk], qb[16 * n + 2 * kk:16 * n + 2 * kk + 2],
-                                       chains[kk % 2], dtype)
-      beta[n] = [arith.addf(chains[0][c], chains[1][c]) for c in (2, 3)]
+  srows = key_scale_rows(ks, warp, dtype)  # the warp's token group
+  bq = [ptx.hmul2(qb[16 * n + 2 * kk + h], srows[kk][2 * h], dtype)
+        for n in range(nt) for kk in range(8) for h in range(2)]
+  beta = {}
+  for n in range(nt):
+    chains = [zero4, zero4]
+    for kk in range(8):
+      chains[kk % 2] = ptx.mma_16816(srows[kk], qb[16 * n + 2 * kk:16 * n + 2 * kk + 2],
+                                     chains[kk % 2], dtype)
+    beta[n] = [arith.addf(chains[0][c], chains[1][c]) for c in (2, 3)]
   scores = {}
   for m in range(2):
-    if const_k:
-      kp = {(rh, j): const_i32(0x3C003C00) for rh in range(2) for j in range(16)}
-    else:
-      kp = key_pairs(kc, m, srows, dtype, "codes" if fold else upto)
+    kp = key_pairs(kc, m, dtype)
     for n in range(nt):
       # two accumulation chains per product halve the dependent-MMA latency
       chains = [zero4, zero4]
@@ -136,9 +137,9 @@ def _key_scores(kc, ks, qb, *, nt, dtype, const_k, upto, fold):
         a = [kp[(0, 2 * kk)], kp[(1, 2 * kk)], kp[(0, 2 * kk + 1)], kp[(1, 2 * kk + 1)]]
         b = bq[16 * n + 2 * kk: 16 * n + 2 * kk + 2]
         chains[kk % 2] = ptx.mma_16816(a, b, chains[kk % 2], dtype)
-      scores[m, n] = [arith.addf(x, y) for x, y in zip(*chains)]
-      if beta is not None:  # added last: the products do not wait for beta's
-        scores[m, n] = [arith.addf(x, beta[n][c % 2]) for c, x in enumerate(scores[m, n])]
+      sums = [arith.addf(x, y) for x, y in zip(*chains)]
+      # beta added last: the products do not wait for it
+      scores[m, n] = [arith.addf(x, beta[n][c % 2]) for c, x in enumerate(sums)]
   return scores
 
 
@@ -176,9 +177,9 @@ def _softmax(scores, ml, valid, *, nt, scale2):
   return scores, alphas, ml_out
 
 
-def _value_products(vc, vs, p, acc, zacc, *, nt, dtype, const_v, upto, fold):
-  """acc (o^T D fragments) += V^T @ p for the warp's tokens; returns (acc, zacc). fold: the
-  value scales multiply p (B = p * s of the tile's channel group; 4 groups, one HMUL2 per B
+def _value_products(vc, vs, p, acc, zacc, *, nt, dtype):
+  """acc (o^T D fragments) += V^T @ p for the warp's tokens; returns (acc, zacc). The value
+  scales multiply p (B = p * s of the tile's channel group; 4 groups, one HMUL2 per B
   register each) and the zero points go to zacc: per n the D fragment of [S; Z] [16, 8],
   rows r < 8 / r + 8 the sums over tokens of p s / p z of channel group r % 4, from one
   m16n8k16 per k-step whose A fragment is that group's scale chunk as loaded, [s, z, s, z]
@@ -193,25 +194,19 @@ def _value_products(vc, vs, p, acc, zacc, *, nt, dtype, const_v, upto, fold):
                 ptx.movmatrix_t(ptx.pack2(pv[2], pv[3], dtype))]
   # 8 words (word u = 4 kk + channel group), 8 scale chunks (chunk u: [jh][s, z]).
   sbase = arith.muli(arith.addi(arith.muli(warp, const_i32(32)), q), const_i32(8))
-  if const_v:
-    vp = {(u, k): const_i32(0x3C003C00) for u in range(8) for k in range(8)}
-  else:
-    words = load16(vc, arith.muli(tid, const_i32(8))) + load16(
-        vc, arith.addi(arith.muli(tid, const_i32(8)), const_i32(4)))
-    chunks = [load16(vs, arith.addi(sbase, const_i32(32 * c)), ft) for c in range(8)]
-    vp = dequant_words(words, lambda u, k: (chunks[u][2 * ((k % 4) // 2)],
-                                            chunks[u][2 * ((k % 4) // 2) + 1]),
-                       dtype, "codes" if fold else upto)
-  bv = {(g, kk, n): pb[kk, n] for g in range(4) for kk in range(2) for n in range(nt)}
-  if fold and not const_v:
-    bv = {(g, kk, n): [ptx.hmul2(pb[kk, n][jh], chunks[4 * kk + g][2 * jh], dtype)
-                       for jh in range(2)] for (g, kk, n) in bv}
-    rg = arith.remui(r, const_i32(4))
-    for kk in range(2):
-      chunk = load16(vs, arith.addi(sbase, arith.muli(arith.addi(rg, const_i32(4 * kk)),
-                                                      const_i32(32))), ft)
-      for n in range(nt):
-        zacc[4 * n: 4 * n + 4] = ptx.mma_16816(chunk, pb[kk, n], zacc[4 * n: 4 * n + 4], dtype)
+  words = load16(vc, arith.muli(tid, const_i32(8))) + load16(
+      vc, arith.addi(arith.muli(tid, const_i32(8)), const_i32(4)))
+  chunks = [load16(vs, arith.addi(sbase, const_i32(32 * c)), ft) for c in range(8)]
+  vp = word_codes(words, dtype)
+  bv = {(g, kk, n): [ptx.hmul2(pb[kk, n][jh], chunks[4 * kk + g][2 * jh], dtype)
+                     for jh in range(2)]
+        for g in range(4) for kk in range(2) for n in range(nt)}
+  rg = arith.remui(r, const_i32(4))
+  for kk in range(2):
+    chunk = load16(vs, arith.addi(sbase, arith.muli(arith.addi(rg, const_i32(4 * kk)),
+                                                    const_i32(32))), ft)
+    for n in range(nt):
+      zacc[4 * n: 4 * n + 4] = ptx.mma_16816(chunk, pb[kk, n], zacc[4 * n: 4 * n + 4], dtype)
   for t in range(8):
     for kk in range(2):
       u = 4 * kk + t // 2
@@ -223,39 +218,27 @@ def _value_products(vc, vs, p, acc, zacc, *, nt, dtype, const_v, upto, fold):
 
 
 def block_step(kc, ks, vc, vs, qb_arr, acc_arr, ml_arr, z_arr, valid_arr, *, nt: int,
-               dtype: str, scale2: float, fold=(True, True), skip: int = 0):
+               dtype: str, scale2: float):
   """One 128-token block for this thread's warp (its 32 tokens): returns (acc, ml, zacc).
 
-  kc, ks, vc, vs: the ring slot's [4, 256] codes and scales (`mosaic_layout`, "warp");
-  valid: the block's number of valid tokens (every element); scale2: softmax scale * log2 e;
-  fold (keys, values): the scales multiply q / p, the zero points enter by small products
-  (`_key_scores`, `_value_products`), else each element is dequantized (two HFMA2 per pair);
-  skip: timing ablation (wrong results): 1 no value path, 2 / 3 constant key / value
-  operands (no loads or dequantization; the products run), 4 both; 5 / 6 (no fold) keys and
-  values dequantized without the scale FMA / as the bare lop3 (`dequant_words`).
+  kc, ks, vc, vs: the ring slot's [4, 256] codes and scales (`mosaic_layout`);
+  valid: the block's number of valid tokens (every element); scale2: softmax scale * log2 e.
   """
   _, _, _, ir, arith, _ = _mlir()
   f32 = ir.F32Type.get()
   qb, acc, ml, zacc = (_scalars(a) for a in (qb_arr, acc_arr, ml_arr, z_arr))
   valid = _scalars(valid_arr)[0]
-  upto = {5: "codes", 6: "bits"}.get(skip, "scaled")
-  const_k, const_v = skip in (2, 4), skip in (3, 4)
-  fold_k, fold_v = fold
-  scores = _key_scores(kc, ks, qb, nt=nt, dtype=dtype, const_k=const_k, upto=upto,
-                       fold=fold_k)
+  scores = _key_scores(kc, ks, qb, nt=nt, dtype=dtype)
   p, alphas, ml_out = _softmax(scores, ml, valid, nt=nt, scale2=scale2)
   acc = [arith.mulf(v, alphas[i // 32, i % 2]) for i, v in enumerate(acc)]
-  if fold_v:
-    zacc = [arith.mulf(v, alphas[i // 4, i % 2]) for i, v in enumerate(zacc)]
-  if skip != 1:
-    acc, zacc = _value_products(vc, vs, p, acc, zacc, nt=nt, dtype=dtype, const_v=const_v,
-                                upto=upto, fold=fold_v)
+  zacc = [arith.mulf(v, alphas[i // 4, i % 2]) for i, v in enumerate(zacc)]
+  acc, zacc = _value_products(vc, vs, p, acc, zacc, nt=nt, dtype=dtype)
   return _array(acc, f32, None), _array(ml_out, f32, None), _array(zacc, f32, None)
 
 
-def publish_partial(acc_arr, ml_arr, z_arr, wo, wml, nt: int, fold: bool):
-  """Writes the warp's unnormalised o^T (fold: plus the zero-point sums Z of its channel
-  group, `_value_products`) to wo [4 W, 128, NP] and its (max, sum) per query column to
+def publish_partial(acc_arr, ml_arr, z_arr, wo, wml, nt: int):
+  """Writes the warp's unnormalised o^T (plus the zero-point sums Z of its channel group,
+  `_value_products`) to wo [4 W, 128, NP] and its (max, sum) per query column to
   wml [4 W, 2, NP] (f32, shared memory; row: the warp's index in the CTA)."""
   _, _, mgpu_utils, ir, arith, vector = _mlir()
   f32 = ir.F32Type.get()
@@ -264,12 +247,12 @@ def publish_partial(acc_arr, ml_arr, z_arr, wo, wml, nt: int, fold: bool):
   gw = arith.index_cast(index, arith.divui(mgpu_utils.thread_idx(), const_i32(32)))
   idx = lambda v: arith.index_cast(index, v)
   acc, ml, zacc = _scalars(acc_arr), _scalars(ml_arr), _scalars(z_arr)
-  if fold:  # Z [g, 2 q + e]: lane 4 g + q, D row 8 + g; o^T rows 16 t + .. are group t // 2
-    for n in range(nt):
-      zg = [[ptx.shfl_idx(zacc[4 * n + 2 + e], arith.addi(q, const_i32(4 * g)))
-             for e in range(2)] for g in range(4)]
-      for i in range(32 * n, 32 * n + 32):
-        acc[i] = arith.addf(acc[i], zg[(i % 32) // 8][i % 2])
+  # Z [g, 2 q + e]: lane 4 g + q, D row 8 + g; o^T rows 16 t + .. are group t // 2
+  for n in range(nt):
+    zg = [[ptx.shfl_idx(zacc[4 * n + 2 + e], arith.addi(q, const_i32(4 * g)))
+           for e in range(2)] for g in range(4)]
+    for i in range(32 * n, 32 * n + 32):
+      acc[i] = arith.addf(acc[i], zg[(i % 32) // 8][i % 2])
   v2 = ir.VectorType.get([2], f32)
   for n in range(nt):
     col = idx(arith.addi(arith.muli(q, const_i32(2)), const_i32(8 * n)))

@@ -47,7 +47,7 @@ def kivi_attention_reference(q, keys: KiviKeys, values: KiviValues, k_win, v_win
 
   Args:
     q: [B, N, H] decode query (RoPE applied).
-    keys, values: quantized prefix (`packing`), capacity S.
+    keys, values: quantized prefix (`planar`), capacity S.
     k_win, v_win: [B, W, K, H] full-precision recent tokens.
     q_len: [B] quantized tokens per sequence; w_len: [B] window tokens.
     scale: default H ** -0.5; out_dtype: default q.dtype.

@@ -29,11 +29,11 @@ class KiviShape:
   scale_dtype: Optional[str] = None  # None: the data's (bf16); "float16": KIVI's own format
 
 
-# Small problems for the tests, all within the Triton kernel's constraints (`triton_kivi.plan`):
+# Small problems for the tests, all within the Triton kernel's constraints (`triton_plan.plan`):
 # GQA 1/4/8; 2/4-bit K and V; one and several code segments per row (H = 64, 128); value
 # planes of 16 and 32 channels; 1, 2, 4 and 8 value groups per token; key groups of 8 (the
 # gathered-scale path), 16 (half tiles), 32 and 64. Capacities are multiples of
-# `packing.VALUE_BLOCK`. One shape stores fp16 scale/zero (the kernel's fp16 MMA path).
+# `planar.VALUE_BLOCK`. One shape stores fp16 scale/zero (the kernel's fp16 MMA path).
 TEST_SHAPES = (
     KiviShape(batch=3, capacity=320, window=40, n_heads=4, n_kv_heads=4, head_dim=64,
               k_group=32, v_group=32),

@@ -8,7 +8,7 @@ in one LSE combine (`splitk.combine_partials`).
 Quantized loop step: BLOCK_S tokens as NSUB sub-tiles of T tokens (T divides
 the value code block and, for power-of-2 key groups >= 16, lies in one key
 group), one online-softmax step (fp32) per loop step. QP = query heads of the
-kv head rounded up to a power of 2 (>= min_rows), CW = plane width (`packing`):
+kv head rounded up to a power of 2 (>= min_rows), CW = plane width (`planar`):
   * codes are the A (left) operand of every `tl.dot`:
       keys:   scores^T [T, QP] += dot(K_j [T, CW], q_j^T [CW, QP])   per key plane j,
       values: acc_j [CW, QP]   += dot(V_j^T [CW, T], p^T [T, QP])    per value plane j,
@@ -47,12 +47,11 @@ kv head rounded up to a power of 2 (>= min_rows), CW = plane width (`packing`):
     scale/zero); the softmax denominator is kept per token slot and summed once
     at the end (a per-tile sum over tokens crosses warps).
 Key groups that are not powers of 2 >= 16 fall back to gathering the key scale
-pair per (token, channel), which is correct but slow.
+pair per (token, channel), which is correct but slow. The launch plan and its checks
+(2/4-bit codes only) live in `triton_plan` (importable without Triton), re-exported here.
 """
 
 from __future__ import annotations
-
-import os
 
 import jax
 import jax.numpy as jnp
@@ -63,9 +62,10 @@ import triton.language as tl
 from ..common import splitk
 from ..common import triton_backend
 from ..dense.triton_decode import split_lse, split_range, store_partial
-from .planar import VALUE_BLOCK, KiviKeys, KiviValues
+from .planar import KiviKeys, KiviValues
 from .triton_dequant import dequant as _dequant
 from .triton_dequant import to_dtype as _to_dt
+from .triton_plan import plan
 
 
 @triton.jit
@@ -159,7 +159,7 @@ def _value_update(accs, p, vc_base, vs_base, vz_base, t0, end, H: tl.constexpr,
       sw = sw + (tl.load(vs_base + toks * NW + w, mask=toks < end, other=0),)
       zw = zw + (tl.load(vz_base + toks * NW + w, mask=toks < end, other=0),)
   p_t = _to_dt(p, DT, FAST)
-  # Token-blocked codes (`packing`): byte r of token t at (t // VB) * VB * ROW + r * VB + t % VB;
+  # Token-blocked codes (`planar`): byte r of token t at (t // VB) * VB * ROW + r * VB + t % VB;
   # the tile [t0, t0 + T) lies in one block (T divides VB).
   tok = (t0 // VB) * (VB * ROW) + tl.multiple_of(t0 % VB, T) + tl.arange(0, T)
   for seg in tl.static_range(NSEG):
@@ -181,7 +181,7 @@ def _quant_part(q_ptr, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, qlen_ptr,
                 QP: tl.constexpr, H: tl.constexpr, KBITS: tl.constexpr, VBITS: tl.constexpr,
                 KCW: tl.constexpr, VCW: tl.constexpr, G: tl.constexpr, GV: tl.constexpr,
                 VB: tl.constexpr, BLOCK_S: tl.constexpr, KF16: tl.constexpr,
-                VF16: tl.constexpr, SKIP: tl.constexpr, FAST: tl.constexpr):
+                VF16: tl.constexpr, FAST: tl.constexpr):
   """One chunk of the quantized prefix of one (batch, kv head)."""
   KDT: tl.constexpr = tl.float16 if KF16 else tl.bfloat16  # key MMA operands
   VDT: tl.constexpr = tl.float16 if VF16 else tl.bfloat16  # value MMA operands
@@ -224,11 +224,8 @@ def _quant_part(q_ptr, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, qlen_ptr,
     for u in tl.static_range(NSUB):
       offs = t0 + u * T + tcol
       t_ok = offs < end
-      if SKIP == 2:  # ablation (timing only): no key path
-        sc_t = tl.zeros([T, QP], tl.float32)
-      else:
-        sc_t = _key_scores(q_t, kc_base, ks_base, kz_base, t0 + u * T, t0 + u * T < end, offs,
-                           t_ok, H, QP, KBITS, KCW, G, T, KDT, FAST) * qk_scale
+      sc_t = _key_scores(q_t, kc_base, ks_base, kz_base, t0 + u * T, t0 + u * T < end, offs,
+                         t_ok, H, QP, KBITS, KCW, G, T, KDT, FAST) * qk_scale
       sc_t = tl.where(t_ok[:, None], sc_t, float("-inf"))
       m_new = tl.maximum(m_new, tl.max(sc_t, 0))
       scs = scs + (sc_t,)
@@ -239,9 +236,8 @@ def _quant_part(q_ptr, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, qlen_ptr,
     for u in tl.static_range(NSUB):
       p = tl.exp2(scs[u] - m_new[None, :])
       l_t = l_t + p
-      if SKIP != 1:  # SKIP == 1: ablation (timing only), no value path
-        accs = _value_update(accs, p, vc_base, vs_base, vz_base, t0 + u * T, end, H, VBITS, VCW,
-                             GV, VB, T, VDT, FAST)
+      accs = _value_update(accs, p, vc_base, vs_base, vz_base, t0 + u * T, end, H, VBITS, VCW,
+                           GV, VB, T, VDT, FAST)
     m_i = m_new
   l_i = tl.sum(l_t, 0)
   l_safe, lse = split_lse(m_i, l_i)
@@ -258,7 +254,7 @@ def _kivi_body(q_ptr, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, kw_ptr, vw
                QPK: tl.constexpr, QP: tl.constexpr, H: tl.constexpr, KBITS: tl.constexpr,
                VBITS: tl.constexpr, KCW: tl.constexpr, VCW: tl.constexpr, G: tl.constexpr,
                GV: tl.constexpr, VB: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_W: tl.constexpr,
-               KF16: tl.constexpr, VF16: tl.constexpr, SKIP: tl.constexpr, FAST: tl.constexpr):
+               KF16: tl.constexpr, VF16: tl.constexpr, FAST: tl.constexpr):
   pid = tl.program_id(0)
   sid = tl.program_id(1)
   b = pid // KH
@@ -279,7 +275,7 @@ def _kivi_body(q_ptr, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, kw_ptr, vw
   else:
     _quant_part(q_ptr, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, qlen_ptr, S, NSPLIT, b,
                 b64, kh, sid, qk_scale, o_ptr, lse_ptr, prow, heads, row_ok, KH, QP, H, KBITS,
-                VBITS, KCW, VCW, G, GV, VB, BLOCK_S, KF16, VF16, SKIP, FAST)
+                VBITS, KCW, VCW, G, GV, VB, BLOCK_S, KF16, VF16, FAST)
 
 
 @triton.jit
@@ -288,10 +284,10 @@ def kivi_kernel(q_ptr, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, kw_ptr, v
                 QPK: tl.constexpr, QP: tl.constexpr, H: tl.constexpr, KBITS: tl.constexpr,
                 VBITS: tl.constexpr, KCW: tl.constexpr, VCW: tl.constexpr, G: tl.constexpr,
                 GV: tl.constexpr, VB: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_W: tl.constexpr,
-                KF16: tl.constexpr, VF16: tl.constexpr, SKIP: tl.constexpr, FAST: tl.constexpr):
+                KF16: tl.constexpr, VF16: tl.constexpr, FAST: tl.constexpr):
   _kivi_body(q_ptr, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, kw_ptr, vw_ptr, qlen_ptr,
              wlen_ptr, S, W, NSPLIT, sm_scale, o_ptr, lse_ptr, KH, QPK, QP, H, KBITS, VBITS, KCW,
-             VCW, G, GV, VB, BLOCK_S, BLOCK_W, KF16, VF16, SKIP, FAST)
+             VCW, G, GV, VB, BLOCK_S, BLOCK_W, KF16, VF16, FAST)
 
 
 @triton.jit
@@ -302,14 +298,10 @@ def kivi_kernel_poisoned(q_ptr, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, 
                          KCW: tl.constexpr, VCW: tl.constexpr, G: tl.constexpr,
                          GV: tl.constexpr, VB: tl.constexpr, BLOCK_S: tl.constexpr,
                          BLOCK_W: tl.constexpr, KF16: tl.constexpr, VF16: tl.constexpr,
-                         SKIP: tl.constexpr, FAST: tl.constexpr):
+                         FAST: tl.constexpr):
   _kivi_body(q_ptr, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, kw_ptr, vw_ptr, qlen_ptr,
              wlen_ptr, S, W, NSPLIT, sm_scale, o_ptr, lse_ptr, KH, QPK, QP, H, KBITS, VBITS, KCW,
-             VCW, G, GV, VB, BLOCK_S, BLOCK_W, KF16, VF16, SKIP, FAST)
-
-
-def _pow2(x: int) -> bool:
-  return x > 0 and (x & (x - 1)) == 0
+             VCW, G, GV, VB, BLOCK_S, BLOCK_W, KF16, VF16, FAST)
 
 
 def _scale_dtype(x, name):
@@ -329,74 +321,9 @@ def _value_words(x):
   return jax.lax.bitcast_convert_type(x.reshape(b, kh, s, nj // 2, 2), jnp.int32)
 
 
-def plan(q_shape, keys: KiviKeys, values: KiviValues, w_cap: int, *, block_s=None, block_w=32,
-         num_splits=None, target_programs=None, skip=0, fast=None, min_rows=1):
-  """Launch geometry shared by the JAX wrapper and the CPU interpreter check.
-
-  Args:
-    q_shape: (B, N, H).
-    keys, values: the quantized prefix.
-    w_cap: window capacity W.
-    block_s: tokens per loop step (power of 2 >= 16); default 32. Processed as sub-tiles of
-      at most VALUE_BLOCK tokens, each inside one key group when the key group is a power
-      of 2 >= 16 (other key groups gather each token's key scales: correct, slow).
-    block_w: tokens per window tile (power of 2 >= 16).
-    num_splits, target_programs: split-K override / program target (`splitk`).
-    skip: 0, or an ablation for timing only (1: no value path, 2: no key path; wrong output).
-    fast: inline-PTX dequantization (default: on unless TRITON_INTERPRET=1).
-    min_rows: least MMA N (query rows per program, padded to a power of 2).
-  Returns:
-    dict(grid, constexprs, num_splits, out_shapes).
-  """
-  del w_cap
-  b, n, h = q_shape
-  _, kh, s, _ = keys.codes.shape
-  for name, bits in (("keys.bits", keys.bits), ("values.bits", values.bits)):
-    if bits not in (2, 4):
-      raise ValueError(f"triton kivi attention: {name} must be 2 or 4, got {bits}")
-  if not _pow2(h) or h < 16:
-    raise ValueError(f"triton kivi attention: head dim must be a power of 2 >= 16, got {h}")
-  kcw, vcw = keys.plane_width, values.plane_width
-  if kcw < 16:
-    raise ValueError(f"triton kivi attention: keys.plane_width is {kcw} (head dim {h} at "
-                     f"{keys.bits} bits); needs head dim >= {16 * 8 // keys.bits}")
-  if vcw < 16:
-    raise ValueError(f"triton kivi attention: values.plane_width is {vcw} (head dim {h}, "
-                     f"values.group {values.group}, {values.bits} bits); needs the value "
-                     f"group to be a multiple of 16 and head dim >= {16 * 8 // values.bits}")
-  block_s = 32 if block_s is None else block_s
-  for name, val in (("block_s", block_s), ("block_w", block_w), ("min_rows", min_rows)):
-    if not _pow2(val) or (val < 16 and name != "min_rows"):
-      raise ValueError(f"triton kivi attention: {name} must be a power of 2"
-                       f"{'' if name == 'min_rows' else ' >= 16'}, got {val}")
-  if s % VALUE_BLOCK:
-    raise ValueError(f"triton kivi attention: values.codes capacity ({s}) must be a multiple "
-                     f"of packing.VALUE_BLOCK ({VALUE_BLOCK})")
-  if s * h >= 2 ** 31:
-    raise ValueError("triton kivi attention: one head's cache exceeds int32 indexing")
-  if skip not in (0, 1, 2):
-    raise ValueError(f"triton kivi attention: skip must be 0, 1 or 2, got {skip}")
-  if fast is None:
-    fast = os.environ.get("TRITON_INTERPRET") != "1"
-  qpk = n // kh
-  ns = splitk.choose_num_splits(b * kh, s, block_s, requested=num_splits,
-                                target=target_programs or splitk.TARGET_PROGRAMS)
-  kf16 = int(keys.scale.dtype == jnp.float16)
-  vf16 = int(values.scale.dtype == jnp.float16)
-  return dict(
-      grid=(b * kh, ns + 1),
-      constexprs=dict(KH=kh, QPK=qpk, QP=max(min_rows, 1 << (qpk - 1).bit_length()), H=h,
-                      KBITS=keys.bits, VBITS=values.bits, KCW=kcw, VCW=vcw, G=keys.group,
-                      GV=values.group, VB=VALUE_BLOCK, BLOCK_S=block_s, BLOCK_W=block_w,
-                      KF16=kf16, VF16=vf16, SKIP=int(skip), FAST=bool(fast)),
-      num_splits=ns,
-      out_shapes=[jax.ShapeDtypeStruct((b, n, ns + 1, h), jnp.float32),
-                  jax.ShapeDtypeStruct((b, n, ns + 1), jnp.float32)])
-
-
 def kivi_attention_triton(q, keys: KiviKeys, values: KiviValues, k_win, v_win, q_len, w_len, *,
                           scale=None, out_dtype=None, block_s=None, block_w=32, num_splits=None,
-                          target_programs=None, skip=0, num_warps=2, num_stages=4,
+                          target_programs=None, num_warps=2, num_stages=4,
                           poison=False, return_partials=False, fast=None, min_rows=1):
   """Fused KIVI decode attention; same contract as `kivi_attention_reference`.
 
@@ -406,7 +333,6 @@ def kivi_attention_triton(q, keys: KiviKeys, values: KiviValues, k_win, v_win, q
       warps would duplicate the dequantization), 4 stages, and 3x the dense kernel's
       program target (each program's loop is a long dependent chain per tile, so more
       programs per multiprocessor hide more latency). Sweep them on the target GPU.
-    skip: timing ablation (1: no value path, 2: no key path); the output is wrong.
     poison: NaN-fill the partial buffers first (tests: every element must be written).
     return_partials: also return the raw (o, lse) partials.
     fast: inline-PTX dequantization (None: on unless running in the Triton interpreter).
@@ -422,7 +348,7 @@ def kivi_attention_triton(q, keys: KiviKeys, values: KiviValues, k_win, v_win, q
       values.zero, "values.zero").astype(vs.dtype), bits=values.bits, group=values.group)
   p = plan(q.shape, keys, values, k_win.shape[1], block_s=block_s, block_w=block_w,
            num_splits=num_splits, target_programs=target_programs or 3 * splitk.TARGET_PROGRAMS,
-           skip=skip, fast=fast, min_rows=min_rows)
+           fast=fast, min_rows=min_rows)
   return triton_backend.launch_split_k(
       kivi_kernel, kivi_kernel_poisoned,
       q, keys.codes, keys.scale, keys.zero, values.codes, _value_words(values.scale),

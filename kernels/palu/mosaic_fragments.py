@@ -1,12 +1,12 @@
-"""Register-level (Mosaic GPU `FragmentedArray`) helpers of the Mosaic kernels
-(`mosaic_palu`, `kivi_attention.mosaic_kivi`), and the Pallas wrappers both call.
+"""Register-level (Mosaic GPU `FragmentedArray`) helpers of the Palu Mosaic kernel
+(`mosaic_palu`), and the Pallas wrappers it calls.
 
 Pallas Mosaic GPU has no transposing store for WGMMA-layout arrays and no op that pairs
 adjacent columns of one, so these steps are written against the arrays' registers and
 called through `plgpu.inline_mgpu` (`col_reduce` and `store_transposed` are the wrappers).
 They rely on the WGMMA layout's vector of 2 adjacent columns per register
-(`fragmented_array.WGMMA_LAYOUT`); the GPU tests of both kernels check them against the
-float32 references.
+(`fragmented_array.WGMMA_LAYOUT`); the kernel's GPU tests check them against the
+float32 reference.
 """
 
 from __future__ import annotations
@@ -103,7 +103,7 @@ def store_transposed(x, dst, row_stride=1, row_offset=0):
   and dst [NP, K] in shared memory tiled (8, 64) with the 128-byte swizzle: the K-major B
   operand of a wgmma (p^T for a value product, rotated queries for Palu's scores). The
   untransposed [T, NP] layout would need a 32-byte swizzle, whose value tile then travels
-  as 24 TMA boxes of 32-byte rows (measured: Palu's value stage alone ran at 0.7 TB/s).
+  as 24 TMA boxes of 32-byte rows, which made the value stage slow (BENCHMARKS.md).
   Called inside a Pallas Mosaic GPU kernel."""
   import jax.experimental.pallas.mosaic_gpu as plgpu  # pylint: disable=import-outside-toplevel
 

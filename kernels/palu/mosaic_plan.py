@@ -22,24 +22,20 @@ def query_columns(qpk: int) -> int:
   return 8 if qpk <= 8 else 16
 
 
-def _smem_bytes(hpp, rk, rv, hh, np_, stages, v_stages, pairs=True, profile_space=0):
+def _smem_bytes(hpp, rk, rv, hh, np_, stages, v_stages):
   """Shared memory of the kernel's scratch buffers, each rounded up to 1 KiB as Pallas
-  Mosaic GPU allocates them (plus the barriers and the profiler's buffer: per warpgroup,
-  4 int32 entries per profiled range)."""
+  Mosaic GPU allocates them, plus the barriers."""
   kib = lambda n: -(-n // 1024) * 1024
   return (kib(hpp * 2 * rk * hh * 2)      # B_k column slices
           + kib(hpp * 2 * hh * np_ * 4)   # queries^T (f32, as loaded)
           + kib(hpp * 2 * np_ * hh * 2)   # rotated queries (fp16, rewritten per tile)
-          # in-tile cos/sin: one interleaved table (pairs; its sin slot is 1 KiB, the
-          # values="shared" column exchange) or two tables (halves)
-          + ((kib(T * 2 * hh * 2) + 1024) if pairs else 2 * kib(T * hh * 2))
+          + kib(T * 2 * hh * 2) + 1024    # in-tile cos/sin pairs; the exchange slot (1 KiB)
           + kib(stages * T * rk * 2)      # key latent ring
           + kib(stages * 2 * hh * 4)      # tile rotation rows
           + kib(v_stages * T * rv * 2)    # value latent ring
           + kib(hpp * np_ * T * 2)        # probabilities (transposed)
           + kib(hpp * RED_PER_COL * np_ * 4)  # reduction scratch
-          + 256                           # barriers (8 B each)
-          + (hpp + 1) * profile_space * 16 + (1024 if profile_space else 0))
+          + 256)                          # barriers (8 B each)
 
 
 def check_inputs(hk, hv, k_bias) -> None:
@@ -58,31 +54,22 @@ def check_inputs(hk, hv, k_bias) -> None:
 AUTO_STAGES = ((2, 2), (1, 2), (2, 1), (1, 1))
 
 
-def plan(q_shape, hk_shape, hv_shape, bk_shape, *, heads_per_program=2, stages=None,
-         v_stages=None, num_splits=None, target_programs=None, rope_math="f32-regs",
-         layout="pairs", values=None, overlap="all", skip=0, profile_space=0):
-  """Validates the shapes and returns the launch geometry (dict).
+def shares_values(hpp: int, rv: int) -> bool:
+  """Whether the CTA's KV heads share the value product ("shared" values, see `plan`)."""
+  return hpp >= 2 and rv % (64 * hpp) == 0
 
-  rope_math: "f32" (the in-tile key rotation in f32, cos/sin read from shared memory each
-    tile), "f32-regs" (the same with cos/sin held in registers across tiles) or "f16"
-    (packed half-precision math on the fp16-rounded keys: two more roundings, half the
-    instructions).
-  layout: "halves" (keys reconstructed as two [T, H/2] products, the RoPE halves) or "pairs"
-    (B_k's columns interleaved so each RoPE pair is one register: one [T, H] product and
-    one K = H score product; rope_math "f32" or "f32-regs").
-  values: None (the default: "shared" where it applies, else "per-head"), "per-head" (each
-    compute warpgroup multiplies its KV head's probabilities [T, NP]
-    by the whole value-latent tile) or "shared" (the heads_per_program KV heads of a CTA
-    share the value latent: warpgroup w multiplies all their probabilities [T, hpp * NP]
-    by its rv / hpp rows of the tile; softmax rescales are exchanged through shared memory.
-    Needs hpp >= 2, rv a multiple of 64 * hpp, layout "pairs" and skip = 0).
-  overlap: "none" (each product is waited for as soon as it is issued, the tile's query
-    rotation comes first), "queries" (the query rotation runs while the key product is in
-    the tensor pipe) or "all" (also: each tile's value product stays in flight and retires
-    with the next tile's key product; its ring slot is released one tile later).
-  skip: 0, or an ablation for timing only (1: no value path, 2: no key path; wrong output).
-  profile_space: ranges per warpgroup the Mosaic GPU profiler may record (0: off); its
-    buffer takes shared memory, so the automatic ring depths account for it.
+
+def plan(q_shape, hk_shape, hv_shape, bk_shape, *, heads_per_program=2, stages=None,
+         v_stages=None, num_splits=None, target_programs=None):
+  """Validates the shapes and knobs; returns the launch geometry (dict).
+
+  The value product is picked here, not a knob: "shared" where `shares_values` holds (the
+  heads_per_program KV heads of a CTA share the value latent: warpgroup w multiplies all
+  their probabilities [T, hpp * NP] by its rv / hpp rows of the tile, the softmax rescales
+  exchanged through shared memory; hpp times fewer narrow wgmmas per warpgroup), else
+  "per-head" (each compute warpgroup multiplies its KV head's probabilities [T, NP] by the
+  whole value-latent tile).
+  stages / v_stages: key / value ring depths; None: the deepest that fit (AUTO_STAGES).
   """
   b, n, h = q_shape
   _, s, gr, rk = hk_shape
@@ -107,42 +94,17 @@ def plan(q_shape, hk_shape, hv_shape, bk_shape, *, heads_per_program=2, stages=N
   if hpp < 1 or g % hpp:
     raise ValueError(f"mosaic latent attention: heads_per_program ({hpp}) must divide the "
                      f"group's KV heads ({g})")
-  if rope_math not in ("f32", "f32-regs", "f16"):
-    raise ValueError(f"mosaic latent attention: rope_math must be 'f32', 'f32-regs' or 'f16', "
-                     f"got {rope_math!r}")
-  if layout not in ("halves", "pairs"):
-    raise ValueError(f"mosaic latent attention: layout must be 'halves' or 'pairs', got {layout!r}")
-  if layout == "pairs" and rope_math == "f16":
-    raise ValueError("mosaic latent attention: rope_math='f16' needs layout='halves'")
-  shareable = (int(heads_per_program) >= 2 and rv % (64 * int(heads_per_program)) == 0
-               and layout == "pairs" and not skip)
-  if values is None:  # measured faster where it applies (BENCHMARKS.md, eighth session)
-    values = "shared" if shareable else "per-head"
-  if values not in ("per-head", "shared"):
-    raise ValueError(f"mosaic latent attention: values must be 'per-head' or 'shared', got "
-                     f"{values!r}")
-  if values == "shared" and not shareable:
-    raise ValueError(f"mosaic latent attention: values='shared' needs heads_per_program >= 2, "
-                     f"rv a multiple of 64 * heads_per_program, layout='pairs' and skip=0 "
-                     f"(got heads_per_program={heads_per_program}, rv={rv}, layout={layout!r}, "
-                     f"skip={skip})")
-  if overlap not in ("none", "queries", "all"):
-    raise ValueError(f"mosaic latent attention: overlap must be 'none', 'queries' or 'all', got "
-                     f"{overlap!r}")
-  if skip not in (0, 1, 2):
-    raise ValueError(f"mosaic latent attention: skip must be 0, 1 or 2, got {skip}")
+  values = "shared" if shares_values(hpp, rv) else "per-head"
   if stages is not None and stages < 1:
     raise ValueError(f"mosaic latent attention: stages must be >= 1, got {stages}")
   if v_stages is not None and v_stages < 1:
     raise ValueError(f"mosaic latent attention: v_stages must be >= 1, got {v_stages}")
-  pairs = layout == "pairs"
   if stages is None or v_stages is None:  # the deepest rings that fit (given ones kept)
     fitting = [(k, v) for k, v in AUTO_STAGES
                if (stages in (None, k) and v_stages in (None, v)
-                   and _smem_bytes(hpp, rk, rv, hh, np_, k, v, pairs, profile_space)
-                   <= SMEM_LIMIT)]
+                   and _smem_bytes(hpp, rk, rv, hh, np_, k, v) <= SMEM_LIMIT)]
     stages, v_stages = fitting[0] if fitting else (stages or 1, v_stages or 1)
-  need = _smem_bytes(hpp, rk, rv, hh, np_, stages, v_stages, pairs, profile_space)
+  need = _smem_bytes(hpp, rk, rv, hh, np_, stages, v_stages)
   if need > SMEM_LIMIT:
     raise ValueError(f"mosaic latent attention: heads_per_program={hpp}, stages={stages}, "
                      f"v_stages={v_stages} need "
@@ -156,9 +118,7 @@ def plan(q_shape, hk_shape, hv_shape, bk_shape, *, heads_per_program=2, stages=N
     ns = splitk.choose_num_splits(parallel, s, T, requested=num_splits,
                                   target=target_programs or 2 * 132)
   return dict(b=b, n=n, h=h, hh=hh, s=s, gr=gr, g=g, qpk=qpk, np=np_, rk=rk, rv=rv, hpp=hpp,
-              stages=stages, v_stages=v_stages, rope_math=rope_math, layout=layout,
-              values=values, overlap=overlap, skip=int(skip), num_splits=ns,
-              profile_space=int(profile_space),
+              stages=stages, v_stages=v_stages, values=values, num_splits=ns,
               grid=(parallel, ns))
 
 

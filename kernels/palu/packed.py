@@ -1,11 +1,19 @@
-"""Quantized Palu latents in the kernel's layout: packed codes + per-(token, group) scale/zero.
+"""Quantized Palu latents: packed codes + one scale/zero per (token, group).
 
-Following Palu's latency setup (per-token asymmetric quantization, one
-scale/zero pair for a head group's whole latent slice of one token), a latent
-h [B, S, Gr, R] is stored as
-  codes uint8 [B, S, Gr, R * bits / 8]  (`bitpack` layout; 3-bit = two planes),
-  scale, zero [B, S, Gr]                 (float; h ~= code * scale + zero).
-The zero is the float minimum (KIVI style), not Palu's rounded integer zero point.
+Following Palu's latency setup (per-token asymmetric quantization, one scale/zero pair for a
+head group's whole latent slice of one token), a latent h [B, S, Gr, R] is quantized by the
+project's one quantizer (`quant.quantizer.quantize_codes` over the last axis, one group) and
+stored as
+  codes uint8 [B, S, Gr, packing.packed_bytes(R, bits)]  (`quant.packing`, plane width 1:
+                                                          3-bit = a 2-bit then a 1-bit plane),
+  scale, zero [B, S, Gr]                                  (h ~= code * scale + zero).
+The zero is the float minimum (KIVI style), not Palu's rounded integer zero point; a
+constant slice stores scale 0 and code 0 (the quantizer's rule).
+
+Any R is stored: rows are zero-padded to a whole number of `packing.row_block(bits)` codes.
+The Triton kernel reads rows without padding only (`triton_palu_launch.plan` refuses the
+others), where the layout is the kernel's: code c in byte c // ppb at bits b (c % ppb), and
+for 3 bits the 2-bit plane (R / 4 bytes) then the 1-bit plane (R / 8 bytes).
 """
 
 from __future__ import annotations
@@ -14,8 +22,10 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
-from . import bitpack
+from ..quant import packing
+from ..quant.quantizer import dequantize_codes, quantize_codes
 
 
 @jax.tree_util.register_dataclass
@@ -23,9 +33,9 @@ from . import bitpack
 class PackedLatent:
   """A quantized latent tensor [B, S, Gr, dim] (see module docstring)."""
 
-  codes: jax.Array
-  scale: jax.Array
-  zero: jax.Array
+  codes: jax.Array   # uint8 [B, S, Gr, packing.packed_bytes(dim, bits)]
+  scale: jax.Array   # [B, S, Gr]
+  zero: jax.Array    # [B, S, Gr]
   bits: int = dataclasses.field(metadata=dict(static=True))
   dim: int = dataclasses.field(metadata=dict(static=True))
 
@@ -33,10 +43,17 @@ class PackedLatent:
   def shape(self):
     return (*self.codes.shape[:-1], self.dim)
 
+  def nbytes(self) -> int:
+    """Bytes of the stored arrays (packed codes with their padding, scales, zero points)."""
+    return int(sum(a.size * a.dtype.itemsize for a in (self.codes, self.scale, self.zero)))
+
   def __post_init__(self):
     if not hasattr(self.codes, "shape"):  # pytree unflattening with placeholders
       return
-    want = bitpack.packed_bytes(self.dim, self.bits)
+    packing.check_bits(self.bits, "PackedLatent.bits")
+    if isinstance(self.dim, bool) or not isinstance(self.dim, (int, np.integer)) or self.dim < 1:
+      raise ValueError(f"PackedLatent.dim must be a positive int, got {self.dim!r}")
+    want = packing.packed_bytes(self.dim, self.bits)
     if self.codes.shape[-1] != want:
       raise ValueError(f"PackedLatent.codes last dim {self.codes.shape[-1]} != {want} "
                        f"(dim={self.dim}, bits={self.bits})")
@@ -46,20 +63,28 @@ class PackedLatent:
 
 
 def quantize_latent(x, bits: int, scale_dtype=None) -> PackedLatent:
-  """Per-(token, group) asymmetric quantization of a latent x [B, S, Gr, R]."""
+  """Per-(token, group) asymmetric quantization of a latent x [B, S, Gr, R].
+
+  Args:
+    x: float latent [B, S, Gr, R], any R.
+    bits: 2, 3, 4 or 8 (the Triton kernel reads 2, 3 and 4).
+    scale_dtype: dtype of scale and zero; default x's dtype if bf16/fp16, else float32.
+  """
   if x.ndim != 4:
     raise ValueError(f"latent must be [B, S, Gr, R], got shape {x.shape}")
   if scale_dtype is None:
     scale_dtype = x.dtype if x.dtype in (jnp.bfloat16, jnp.float16) else jnp.float32
-  codes, scale, zero = bitpack.minmax_quantize(x, bits, axis=-1, scale_dtype=scale_dtype)
-  return PackedLatent(codes=bitpack.pack_codes(codes, bits), scale=scale[..., 0],
-                      zero=zero[..., 0], bits=bits, dim=x.shape[-1])
+  codes, scale, zero = quantize_codes(x, bits=bits, axis=-1, group_size=None,
+                                      scale_dtype=scale_dtype)
+  return PackedLatent(codes=packing.pack(codes, bits), scale=scale[..., 0],
+                      zero=zero[..., 0], bits=int(bits), dim=int(x.shape[-1]))
 
 
 def dequantize_latent(p: PackedLatent):
   """float32 [B, S, Gr, dim]."""
-  codes = bitpack.unpack_codes(p.codes, p.bits, p.dim).astype(jnp.float32)
-  return codes * p.scale.astype(jnp.float32)[..., None] + p.zero.astype(jnp.float32)[..., None]
+  codes = packing.unpack(p.codes, p.bits, p.dim)
+  return dequantize_codes(codes, p.scale[..., None], p.zero[..., None], axis=-1,
+                          group_size=p.dim)
 
 
 def latent_f32(x):

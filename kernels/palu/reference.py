@@ -15,28 +15,21 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
+from ..common.rope import inv_frequencies, rope_angles  # noqa: F401  (re-exported)
 from ..dense.reference import decode_attention_reference
 from .packed import PackedLatent, latent_f32
 
 
 def rope_inv_freq(head_dim: int, rope_theta: float = 10000.0, inv_freq=None):
-  """[H/2] float32 inverse frequencies (HF layout); `inv_freq` overrides (e.g. Llama-3 scaling)."""
+  """[H/2] float32 inverse frequencies (HF layout, `common.rope.inv_frequencies`); `inv_freq`
+  overrides (e.g. Llama-3 scaling)."""
   if inv_freq is not None:
     inv = jnp.asarray(inv_freq, jnp.float32)
     if inv.shape != (head_dim // 2,):
       raise ValueError(f"inv_freq must have shape ({head_dim // 2},), got {inv.shape}")
     return inv
-  inv = 1.0 / (rope_theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim))
-  return jnp.asarray(inv, jnp.float32)
-
-
-def rope_angles(inv_freq, positions):
-  """[P, H/2] float32 angles fl(t * w) of integer positions t (the one formula every
-  implementation's cos/sin tables use)."""
-  t = jnp.asarray(positions, jnp.int32).astype(jnp.float32)
-  return t[:, None] * jnp.asarray(inv_freq, jnp.float32)[None, :]
+  return jnp.asarray(inv_frequencies(head_dim, rope_theta), jnp.float32)
 
 
 def check_shapes(q, hk, hv, b_k, lengths, k_bias):

@@ -5,9 +5,8 @@ products per tile (key reconstruction, probability x value latent) and a lot of
 elementwise work between them (RoPE, online softmax, dequantization); Triton
 pipelines the tile loads (`num_stages`) and places the loop-invariant
 reconstruction matrices in shared memory by itself, and its interpreter checks
-the same source on a CPU. Pallas Mosaic GPU would need hand-written warpgroup
-and barrier code (which is what the measured gap below calls for; see
-BENCHMARKS.md).
+the same source on a CPU. Overlapping the two products needs hand-written warpgroup
+and barrier code: that is the Pallas Mosaic GPU kernel `mosaic_palu` (why, below).
 
 Grid: (B * Gr * g / HPP, num_splits). Program (b, group gr, part, split) holds
 the HPP * QPK query heads of HPP KV heads of the group (padded to NQP >= 16 rows;
@@ -30,12 +29,12 @@ B operand, kept in shared memory); TRANS along N ([H/2, T]; they become the A
 operand, which Triton holds in registers: more spills, and on GQA shapes more
 shared memory than an H200 block may use at block_s = 32, 2 stages).
 
-Measured limits (H200, BENCHMARKS.md): the reconstruction operands of a group
+Limits (measurements: BENCHMARKS.md): the reconstruction operands of a group
 (rk x g*H bf16 = 128 KiB at Palu's 50% setting) live in shared memory, so one
 CTA runs per SM. With 128-token tiles on 8 warps (the default) the key product
 is a warpgroup MMA, but two stages of latent tiles no longer fit beside the
 operands, so the key and value stages of a tile run back to back instead of
-overlapping and the kernel stays slower than dense attention. Overlapping them
+overlapping, which keeps the kernel slower than dense attention. Overlapping them
 needs warp specialisation, TMA multicast over a CTA cluster or register-direct
 latent loads, none of which Triton 3.6 generates here.
 
@@ -43,10 +42,9 @@ RoPE angles come from an XLA-made [S, H] float32 table of fl(t w), cos and sin
 interleaved (exactly the reference's angles), read per tile at the key positions (L2
 resident, shared by all programs). No sin/cos code sits in the kernel (precise
 sin/cos inline a large range-reduction path that cost the kernel its registers),
-and no loop-invariant tables are held in registers: the first H200 runs showed
-255 registers/thread with hundreds of bytes of spills per thread in most
-configurations (experiments/ptx_stats.py), so register pressure is what this
-kernel is designed around. The GQA path rotates the reconstructed keys by the
+and no loop-invariant tables are held in registers: register pressure (spills at the
+register limit in early versions; the `ptx_stats.py` probe in experiments/ reports
+them) is what this kernel is designed around. The GQA path rotates the reconstructed keys by the
 full angle and scores them against the unrotated (already RoPE'd) queries.
 
 16-bit latents enter the products in their stored type: bf16, or fp16 (B_k then travels
@@ -56,7 +54,7 @@ are never rounded to bf16.
 Ranks need not be powers of two: each rank is split into a power-of-two piece
 A and a remainder B padded to a power of two (384 = 256 + 128 exactly).
 
-Quantized latents (`PackedLatent`, `bitpack` layout): key latents are
+Quantized latents (`PackedLatent`, `quant.packing` rows without padding): key latents are
 dequantized to fp16 in registers (x = c * s + z) before the reconstruction
 product; for value latents the per-token scale is folded into the probabilities
 and the zero into a per-row sum, so the codes enter the product as exact fp16
@@ -117,8 +115,7 @@ def _latent_body(q_ptr, hk_ptr, hks_ptr, hkz_ptr, hv_ptr, hvs_ptr, hvz_ptr, bk_p
                  RKBP: tl.constexpr, RV: tl.constexpr, RVA: tl.constexpr, RVB: tl.constexpr,
                  RVBP: tl.constexpr, KBITS: tl.constexpr, VBITS: tl.constexpr,
                  HAS_BIAS: tl.constexpr, BLOCK_S: tl.constexpr,
-                 ABSORB: tl.constexpr, TRANS: tl.constexpr, SKIP: tl.constexpr,
-                 HPP: tl.constexpr):
+                 ABSORB: tl.constexpr, TRANS: tl.constexpr, HPP: tl.constexpr):
   HH: tl.constexpr = H // 2
   NPART: tl.constexpr = G // HPP
   NQH: tl.constexpr = HPP * QPK
@@ -176,108 +173,101 @@ def _latent_body(q_ptr, hk_ptr, hks_ptr, hkz_ptr, hv_ptr, hvs_ptr, hvz_ptr, bk_p
         cos_t, sin_t = tl.split(tl.permute(tl.reshape(cs, [HH, 2, BLOCK_S]), [0, 2, 1]))
       else:
         cos_t, sin_t = tl.split(tl.reshape(cs, [BLOCK_S, HH, 2]))
-    if SKIP == 2:
-      # Ablation (timing only): no key latent load or reconstruction.
-      if TRANS:
-        scores = tl.zeros([NQP, BLOCK_S], tl.float32)
-      else:
-        scores = tl.zeros([BLOCK_S, NQP], tl.float32)
-    else:
-      hka = _key_piece(hk_ptr, hks_ptr, hkz_ptr, tok, t_ok, 0, RKA, RKA, RK, BLOCK_S, KBITS)
+    hka = _key_piece(hk_ptr, hks_ptr, hkz_ptr, tok, t_ok, 0, RKA, RKA, RK, BLOCK_S, KBITS)
+    if RKB > 0:
+      hkb = _key_piece(hk_ptr, hks_ptr, hkz_ptr, tok, t_ok, RKA, RKBP, RKB, RK, BLOCK_S, KBITS)
+    if TRANS:
+      hka = tl.trans(hka)
       if RKB > 0:
-        hkb = _key_piece(hk_ptr, hks_ptr, hkz_ptr, tok, t_ok, RKA, RKBP, RKB, RK, BLOCK_S, KBITS)
-      if TRANS:
-        hka = tl.trans(hka)
-        if RKB > 0:
-          hkb = tl.trans(hkb)
-        scores = tl.zeros([NQP, BLOCK_S], tl.float32)
-      else:
-        scores = tl.zeros([BLOCK_S, NQP], tl.float32)
-      for jj in tl.static_range(HPP):
-        j = j0 + jj
-        if ABSORB:
-          # One query head per KV head, folded into B_k outside the kernel (`absorbed_queries`):
-          #   q . RoPE_t(k) = sum_i cos_i (h P)_i + sin_i (h Q)_i,
-          #   P = q1 B1 + q2 B2, Q = q2 B1 - q1 B2 (per rotation pair i),
-          # as one MMA-ready operand [RK, H] per head with P_i in column 2i and Q_i in 2i + 1,
-          # so a single product gives x [T, H] and the score is sum_c x[:, c] * cs[:, c].
-          pq_base = pq_ptr + (b64 * N + gr * NQG + j) * (RK * H)
-          if TRANS:
-            pqm = tl.load(pq_base + rka[None, :] * H + hcol[:, None])
-            x = tl.dot(pqm, hka)
-            if RKB > 0:
-              pqb_ = tl.load(pq_base + rkb[None, :] * H + hcol[:, None], mask=rkb_ok[None, :],
-                             other=0.0)
-              x = tl.dot(pqb_, hkb, x)
-          else:
-            pqm = tl.load(pq_base + rka[:, None] * H + hcol[None, :])
-            x = tl.dot(hka, pqm)
-            if RKB > 0:
-              pqb_ = tl.load(pq_base + rkb[:, None] * H + hcol[None, :], mask=rkb_ok[:, None],
-                             other=0.0)
-              x = tl.dot(hkb, pqb_, x)
-          if HAS_BIAS:
-            # (q1 b1 + q2 b2, q2 b1 - q1 b2) of the key bias, also folded outside (interleaved).
-            qb = tl.load(pqb_ptr + (b64 * N + gr * NQG + j) * H + hcol)
-            if TRANS:
-              x += qb[:, None]
-            else:
-              x += qb[None, :]
-          if TRANS:
-            sj = tl.sum(x * cs, 0)
-            scores = tl.where((rows == jj)[:, None], sj[None, :], scores)
-          else:
-            sj = tl.sum(x * cs, 1)
-            scores = tl.where((rows == jj)[None, :], sj[:, None], scores)
+        hkb = tl.trans(hkb)
+      scores = tl.zeros([NQP, BLOCK_S], tl.float32)
+    else:
+      scores = tl.zeros([BLOCK_S, NQP], tl.float32)
+    for jj in tl.static_range(HPP):
+      j = j0 + jj
+      if ABSORB:
+        # One query head per KV head, folded into B_k outside the kernel (`absorbed_queries`):
+        #   q . RoPE_t(k) = sum_i cos_i (h P)_i + sin_i (h Q)_i,
+        #   P = q1 B1 + q2 B2, Q = q2 B1 - q1 B2 (per rotation pair i),
+        # as one MMA-ready operand [RK, H] per head with P_i in column 2i and Q_i in 2i + 1,
+        # so a single product gives x [T, H] and the score is sum_c x[:, c] * cs[:, c].
+        pq_base = pq_ptr + (b64 * N + gr * NQG + j) * (RK * H)
+        if TRANS:
+          pqm = tl.load(pq_base + rka[None, :] * H + hcol[:, None])
+          x = tl.dot(pqm, hka)
+          if RKB > 0:
+            pqb_ = tl.load(pq_base + rkb[None, :] * H + hcol[:, None], mask=rkb_ok[None, :],
+                           other=0.0)
+            x = tl.dot(pqb_, hkb, x)
         else:
-          # Reconstruct the KV head's keys (two halves: B_k[gr][:, jH : jH + H] as
-          # [HH, RK] (TRANS) or [RK, HH]), RoPE, then score its QPK query heads.
+          pqm = tl.load(pq_base + rka[:, None] * H + hcol[None, :])
+          x = tl.dot(hka, pqm)
+          if RKB > 0:
+            pqb_ = tl.load(pq_base + rkb[:, None] * H + hcol[None, :], mask=rkb_ok[:, None],
+                           other=0.0)
+            x = tl.dot(hkb, pqb_, x)
+        if HAS_BIAS:
+          # (q1 b1 + q2 b2, q2 b1 - q1 b2) of the key bias, also folded outside (interleaved).
+          qb = tl.load(pqb_ptr + (b64 * N + gr * NQG + j) * H + hcol)
           if TRANS:
-            b1 = tl.load(bk_base + rka[None, :] * GH + j * H + hh[:, None])
-            b2 = tl.load(bk_base + rka[None, :] * GH + j * H + HH + hh[:, None])
-            k1 = tl.dot(b1.to(KDT), hka)
-            k2 = tl.dot(b2.to(KDT), hka)
-            if RKB > 0:
-              b1b = tl.load(bk_base + rkb[None, :] * GH + j * H + hh[:, None],
-                            mask=rkb_ok[None, :], other=0.0)
-              b2b = tl.load(bk_base + rkb[None, :] * GH + j * H + HH + hh[:, None],
-                            mask=rkb_ok[None, :], other=0.0)
-              k1 = tl.dot(b1b.to(KDT), hkb, k1)
-              k2 = tl.dot(b2b.to(KDT), hkb, k2)
+            x += qb[:, None]
           else:
-            b1 = tl.load(bk_base + rka[:, None] * GH + j * H + hh[None, :])
-            b2 = tl.load(bk_base + rka[:, None] * GH + j * H + HH + hh[None, :])
-            k1 = tl.dot(hka, b1.to(KDT))
-            k2 = tl.dot(hka, b2.to(KDT))
-            if RKB > 0:
-              b1b = tl.load(bk_base + rkb[:, None] * GH + j * H + hh[None, :],
-                            mask=rkb_ok[:, None], other=0.0)
-              b2b = tl.load(bk_base + rkb[:, None] * GH + j * H + HH + hh[None, :],
-                            mask=rkb_ok[:, None], other=0.0)
-              k1 = tl.dot(hkb, b1b.to(KDT), k1)
-              k2 = tl.dot(hkb, b2b.to(KDT), k2)
-          if HAS_BIAS:
-            bias1 = tl.load(bias_ptr + gr * GH + j * H + hh).to(tl.float32)
-            bias2 = tl.load(bias_ptr + gr * GH + j * H + HH + hh).to(tl.float32)
-            if TRANS:
-              k1 += bias1[:, None]
-              k2 += bias2[:, None]
-            else:
-              k1 += bias1[None, :]
-              k2 += bias2[None, :]
-          r1 = k1 * cos_t - k2 * sin_t
-          r2 = k2 * cos_t + k1 * sin_t
-          sel = ((rows // QPK == jj) & row_ok)[:, None]
-          # fp16 operands (8x finer than bf16; rotated keys and scaled queries are far
-          # inside fp16's range).
-          qj1 = tl.where(sel, q1, 0.0).to(tl.float16)
-          qj2 = tl.where(sel, q2, 0.0).to(tl.float16)
+            x += qb[None, :]
+        if TRANS:
+          sj = tl.sum(x * cs, 0)
+          scores = tl.where((rows == jj)[:, None], sj[None, :], scores)
+        else:
+          sj = tl.sum(x * cs, 1)
+          scores = tl.where((rows == jj)[None, :], sj[:, None], scores)
+      else:
+        # Reconstruct the KV head's keys (two halves: B_k[gr][:, jH : jH + H] as
+        # [HH, RK] (TRANS) or [RK, HH]), RoPE, then score its QPK query heads.
+        if TRANS:
+          b1 = tl.load(bk_base + rka[None, :] * GH + j * H + hh[:, None])
+          b2 = tl.load(bk_base + rka[None, :] * GH + j * H + HH + hh[:, None])
+          k1 = tl.dot(b1.to(KDT), hka)
+          k2 = tl.dot(b2.to(KDT), hka)
+          if RKB > 0:
+            b1b = tl.load(bk_base + rkb[None, :] * GH + j * H + hh[:, None],
+                          mask=rkb_ok[None, :], other=0.0)
+            b2b = tl.load(bk_base + rkb[None, :] * GH + j * H + HH + hh[:, None],
+                          mask=rkb_ok[None, :], other=0.0)
+            k1 = tl.dot(b1b.to(KDT), hkb, k1)
+            k2 = tl.dot(b2b.to(KDT), hkb, k2)
+        else:
+          b1 = tl.load(bk_base + rka[:, None] * GH + j * H + hh[None, :])
+          b2 = tl.load(bk_base + rka[:, None] * GH + j * H + HH + hh[None, :])
+          k1 = tl.dot(hka, b1.to(KDT))
+          k2 = tl.dot(hka, b2.to(KDT))
+          if RKB > 0:
+            b1b = tl.load(bk_base + rkb[:, None] * GH + j * H + hh[None, :],
+                          mask=rkb_ok[:, None], other=0.0)
+            b2b = tl.load(bk_base + rkb[:, None] * GH + j * H + HH + hh[None, :],
+                          mask=rkb_ok[:, None], other=0.0)
+            k1 = tl.dot(hkb, b1b.to(KDT), k1)
+            k2 = tl.dot(hkb, b2b.to(KDT), k2)
+        if HAS_BIAS:
+          bias1 = tl.load(bias_ptr + gr * GH + j * H + hh).to(tl.float32)
+          bias2 = tl.load(bias_ptr + gr * GH + j * H + HH + hh).to(tl.float32)
           if TRANS:
-            scores = tl.dot(qj1, r1.to(tl.float16), scores)
-            scores = tl.dot(qj2, r2.to(tl.float16), scores)
+            k1 += bias1[:, None]
+            k2 += bias2[:, None]
           else:
-            scores = tl.dot(r1.to(tl.float16), tl.trans(qj1), scores)
-            scores = tl.dot(r2.to(tl.float16), tl.trans(qj2), scores)
+            k1 += bias1[None, :]
+            k2 += bias2[None, :]
+        r1 = k1 * cos_t - k2 * sin_t
+        r2 = k2 * cos_t + k1 * sin_t
+        sel = ((rows // QPK == jj) & row_ok)[:, None]
+        # fp16 operands (8x finer than bf16; rotated keys and scaled queries are far
+        # inside fp16's range).
+        qj1 = tl.where(sel, q1, 0.0).to(tl.float16)
+        qj2 = tl.where(sel, q2, 0.0).to(tl.float16)
+        if TRANS:
+          scores = tl.dot(qj1, r1.to(tl.float16), scores)
+          scores = tl.dot(qj2, r2.to(tl.float16), scores)
+        else:
+          scores = tl.dot(r1.to(tl.float16), tl.trans(qj1), scores)
+          scores = tl.dot(r2.to(tl.float16), tl.trans(qj2), scores)
     if not TRANS:
       scores = tl.trans(scores)
     scores = tl.where(t_ok[None, :], scores, float("-inf"))
@@ -294,12 +284,11 @@ def _latent_body(q_ptr, hk_ptr, hks_ptr, hkz_ptr, hv_ptr, hvs_ptr, hvz_ptr, bk_p
       psum = psum * alpha + tl.sum(pw.to(tl.float32), 1)
       pz = pz * alpha + tl.sum(p * vz[None, :], 1)
     pwt = tl.trans(pw)
-    if SKIP != 1:  # SKIP == 1: ablation (timing only), no value latent load or product.
-      va = _value_piece(hv_ptr, tok, t_ok, 0, RVA, RVA, RV, BLOCK_S, VBITS)
-      acc_a = tl.dot(tl.trans(va), pwt, acc_a * alpha[None, :])
-      if RVB > 0:
-        vb = _value_piece(hv_ptr, tok, t_ok, RVA, RVBP, RVB, RV, BLOCK_S, VBITS)
-        acc_b = tl.dot(tl.trans(vb), pwt, acc_b * alpha[None, :])
+    va = _value_piece(hv_ptr, tok, t_ok, 0, RVA, RVA, RV, BLOCK_S, VBITS)
+    acc_a = tl.dot(tl.trans(va), pwt, acc_a * alpha[None, :])
+    if RVB > 0:
+      vb = _value_piece(hv_ptr, tok, t_ok, RVA, RVBP, RVB, RV, BLOCK_S, VBITS)
+      acc_b = tl.dot(tl.trans(vb), pwt, acc_b * alpha[None, :])
     m_i = m_new
   if VBITS != 16:
     acc_a = (acc_a - psum[None, :]) * (1 << VBITS) + pz[None, :]
@@ -324,12 +313,11 @@ def latent_kernel(q_ptr, hk_ptr, hks_ptr, hkz_ptr, hv_ptr, hvs_ptr, hvz_ptr, bk_
                   RKBP: tl.constexpr, RV: tl.constexpr, RVA: tl.constexpr, RVB: tl.constexpr,
                   RVBP: tl.constexpr, KBITS: tl.constexpr, VBITS: tl.constexpr,
                   HAS_BIAS: tl.constexpr, BLOCK_S: tl.constexpr,
-                  ABSORB: tl.constexpr, TRANS: tl.constexpr, SKIP: tl.constexpr,
-                  HPP: tl.constexpr):
+                  ABSORB: tl.constexpr, TRANS: tl.constexpr, HPP: tl.constexpr):
   _latent_body(q_ptr, hk_ptr, hks_ptr, hkz_ptr, hv_ptr, hvs_ptr, hvz_ptr, bk_ptr, bias_ptr,
                pq_ptr, pqb_ptr, rope_ptr, len_ptr, S, NSPLIT, sm_scale, o_ptr, lse_ptr, GR, G, QPK, NQP,
                H, RK, RKA, RKB, RKBP, RV, RVA, RVB, RVBP, KBITS, VBITS, HAS_BIAS, BLOCK_S, ABSORB,
-               TRANS, SKIP, HPP)
+               TRANS, HPP)
 
 
 @triton.jit
@@ -341,9 +329,8 @@ def latent_kernel_poisoned(q_ptr, hk_ptr, hks_ptr, hkz_ptr, hv_ptr, hvs_ptr, hvz
                            RV: tl.constexpr, RVA: tl.constexpr, RVB: tl.constexpr,
                            RVBP: tl.constexpr, KBITS: tl.constexpr, VBITS: tl.constexpr,
                            HAS_BIAS: tl.constexpr, BLOCK_S: tl.constexpr,
-                           ABSORB: tl.constexpr, TRANS: tl.constexpr, SKIP: tl.constexpr,
-                  HPP: tl.constexpr):
+                           ABSORB: tl.constexpr, TRANS: tl.constexpr, HPP: tl.constexpr):
   _latent_body(q_ptr, hk_ptr, hks_ptr, hkz_ptr, hv_ptr, hvs_ptr, hvz_ptr, bk_ptr, bias_ptr,
                pq_ptr, pqb_ptr, rope_ptr, len_ptr, S, NSPLIT, sm_scale, o_ptr, lse_ptr, GR, G, QPK, NQP,
                H, RK, RKA, RKB, RKBP, RV, RVA, RVB, RVBP, KBITS, VBITS, HAS_BIAS, BLOCK_S, ABSORB,
-               TRANS, SKIP, HPP)
+               TRANS, HPP)

@@ -13,9 +13,13 @@ import numpy as np
 
 from ..common import splitk
 from ..common import triton_backend
+from ..quant import packing
 from .packed import PackedLatent
 from .reference import rope_angles
 from .triton_palu import latent_kernel, latent_kernel_poisoned
+
+
+DEFAULT_BLOCK_S = 128  # tokens per tile of `palu_attention_triton` (its default)
 
 
 def _split_rank(r: int):
@@ -28,10 +32,13 @@ def _split_rank(r: int):
 
 def plan(q_shape, hk_shape, hv_shape, bk_shape, *, kbits=16, vbits=16, has_bias=False,
          block_s=32, num_splits=None, absorb=None, target_programs=None, trans=False,
-         skip=0, heads_per_program=None):
+         heads_per_program=None):
   """Launch geometry shared by the JAX wrapper and the CPU interpreter check.
 
-  skip: 0, or an ablation for timing only (1: no value path, 2: no key path; wrong output).
+  Raises a one-line ValueError for inputs the kernel does not take (`triton_fit` in
+  `__init__` reports it).
+  kbits, vbits: 16 (bf16/fp16 latents) or the bits of a `PackedLatent` (2, 3 or 4, rows
+    without padding: the rank a multiple of `packing.row_block(bits)`).
   heads_per_program: KV heads of a group per program (divides g; default g). Fewer heads
     per program need fewer reconstruction operands in shared memory (more programs per
     SM) but read the group's latent tile once per program (L2 hits for the repeats).
@@ -42,9 +49,15 @@ def plan(q_shape, hk_shape, hv_shape, bk_shape, *, kbits=16, vbits=16, has_bias=
   g = bk_shape[2] // h
   qpk = n // (gr * g)
   nqg = g * qpk
-  for name, val in (("rk", rk), ("rv", rv)):
+  for name, val, bits in (("rk", rk, kbits), ("rv", rv, vbits)):
     if val % 16 or val < 16:
       raise ValueError(f"triton latent attention: {name} must be a multiple of 16, got {val}")
+    if bits not in (2, 3, 4, 16):
+      raise ValueError(f"triton latent attention: {name} latents must be 16-bit or packed "
+                       f"with 2, 3 or 4 bits, got {bits}")
+    if bits != 16 and val % packing.row_block(bits):
+      raise ValueError(f"triton latent attention: packed {name} ({val}) must be a multiple of "
+                       f"{packing.row_block(bits)} at {bits} bits (rows without padding)")
   if h < 32 or h & (h - 1):
     raise ValueError(f"triton latent attention: head dim must be a power of 2 >= 32, got {h}")
   if block_s < 16 or block_s & (block_s - 1):
@@ -78,7 +91,7 @@ def plan(q_shape, hk_shape, hv_shape, bk_shape, *, kbits=16, vbits=16, has_bias=
                       RK=rk, RKA=rka, RKB=rkb, RKBP=rkbp, RV=rv, RVA=rva, RVB=rvb, RVBP=rvbp,
                       KBITS=kbits, VBITS=vbits, HAS_BIAS=bool(has_bias),
                       BLOCK_S=block_s, ABSORB=bool(absorb), TRANS=bool(trans),
-                      SKIP=int(skip), HPP=hpp), num_splits=ns,
+                      HPP=hpp), num_splits=ns,
       out_shapes=[jax.ShapeDtypeStruct((b, n, ns, rv), jnp.float32),
                   jax.ShapeDtypeStruct((b, n, ns), jnp.float32)])
 
@@ -123,12 +136,15 @@ def absorbed_queries(q, b_k, k_bias, scale, kdt):
   return pq, pqb
 
 
+def latent_bits(x) -> int:
+  """16 for a float latent array, else the PackedLatent's bits (what `plan` takes)."""
+  return x.bits if isinstance(x, PackedLatent) else 16
+
+
 def _latent_args(x, dummy):
   """(data, scale, zero, bits) for an array or PackedLatent. fp16 latents stay fp16 (the
   kernel's products then run in fp16); any other float array is rounded to bf16."""
   if isinstance(x, PackedLatent):
-    if x.bits not in (2, 3, 4):
-      raise ValueError(f"triton latent attention supports 2/3/4-bit latents, got {x.bits}")
     return x.codes, x.scale, x.zero, x.bits
   return x.astype(_latent_dtype(x)), dummy, dummy, 16
 
@@ -139,18 +155,18 @@ def _latent_dtype(x):
 
 
 def palu_attention_triton(q, hk, hv, b_k, lengths, inv_freq, *, k_bias=None, scale=None,
-                            out_dtype=None, block_s=128, num_splits=None, absorb=None,
-                            target_programs=None, trans=False, skip=0, num_warps=8,
-                            num_stages=1, poison=False, return_partials=False, rope=None,
-                            heads_per_program=None, rope_dtype=jnp.float32):
+                          out_dtype=None, block_s=DEFAULT_BLOCK_S, num_splits=None,
+                          absorb=None, target_programs=None, trans=False, num_warps=8,
+                          num_stages=1, poison=False, return_partials=False, rope=None,
+                          heads_per_program=None, rope_dtype=jnp.float32):
   """Fused Palu decode attention; same contract as `palu_attention_reference`.
 
   Args (beyond the reference's): inv_freq [H/2] float32 (already resolved);
     block_s, num_splits, absorb, target_programs, trans, num_warps, num_stages: kernel knobs
       (trans: token tiles as the MMA N dim, [H/2, T]; else as M, [T, H/2]). Defaults: the
-      H200 sweep's winner (128-token tiles on two warpgroups, warpgroup MMAs for the key
-      product, no multi-stage pipelining: two stages of a 4-head group's latents do not fit
-      next to its 128 KiB of reconstruction operands);
+      fastest of the benchmark's sweep (BENCHMARKS.md): 128-token tiles on two warpgroups,
+      warpgroup MMAs for the key product, no multi-stage pipelining (two stages of a 4-head
+      group's latents do not fit next to its 128 KiB of reconstruction operands);
     poison: NaN-fill partial outputs first (tests); return_partials: also return them.
     rope: optional precomputed `rope_table(inv_freq, S)` (a model builds it once; by
       default it is built per call, inside the timed function in the benchmarks).
@@ -165,7 +181,7 @@ def palu_attention_triton(q, hk, hv, b_k, lengths, inv_freq, *, k_bias=None, sca
   hv_d, hvs, hvz, vbits = _latent_args(hv, lengths)
   p = plan(q.shape, hk.shape, hv.shape, b_k.shape, kbits=kbits, vbits=vbits,
            has_bias=k_bias is not None, block_s=block_s, num_splits=num_splits,
-           absorb=absorb, target_programs=target_programs, trans=trans, skip=skip,
+           absorb=absorb, target_programs=target_programs, trans=trans,
            heads_per_program=heads_per_program)
   bias = k_bias.astype(jnp.float32) if k_bias is not None else lengths
   rope = rope_table(inv_freq, int(hk.shape[1]), rope_dtype) if rope is None else rope

@@ -1,16 +1,18 @@
-"""Triton helpers that unpack `bitpack`-layout codes inside a kernel tile.
+"""Triton helpers that unpack `quant.packing` codes (plane width 1) inside a kernel tile.
 
 Codes never go through an int->float conversion: a code c < 2**bits is OR-ed
 into the top mantissa bits of fp16 1.0 (0x3C00), giving the exact fp16 value
 1 + c / 2**bits with two integer ops and a free bitcast. fp16 rather than bf16:
 the weights that multiply the codes (p * scale, q * scale) are rounded to the
-operand type, and the affine offsets below cancel most of the result, so the
-3 extra mantissa bits of fp16 cut the error of the quantized paths by 8x. Kernels feed these
-values straight to `tl.dot` and remove the affine offset with per-row sums:
+operand type, and the affine offsets below cancel most of the result, so fp16's
+3 extra mantissa bits make the rounding error of the quantized paths 8 times smaller.
+Kernels feed these values straight to `tl.dot` and remove the affine offset with per-row sums:
   sum_t w_t c_t = 2**bits * (sum_t w_t (1 + c_t / 2**bits) - sum_t w_t).
 Unpacking a byte row into adjacent channels uses nested `tl.join` (a new
-minor axis of 2) and one reshape; the join order below reproduces the LSB-first
-adjacent layout (channel w * ppb + k <- bits [k * bits, (k + 1) * bits) of byte w).
+minor axis of 2) and one reshape; the join order below reproduces the packing's
+LSB-first adjacent layout (code w * ppb + k <- bits [k * bits, (k + 1) * bits) of byte w).
+Rows must hold no padding (R a multiple of `packing.row_block(bits)`): the 3-bit high plane
+is then found at byte R / 4.
 """
 
 from __future__ import annotations

@@ -16,8 +16,11 @@ division by zero happens. Error bound: with scale_dtype=float32 every element
 satisfies |x - x_hat| <= s/2 (up to fp32 rounding); a rounded fp16/bf16 scale and
 zero add at most |mn - z| + (2^b - 1)|scale_fp32 - s| (the clip absorbs the top).
 
+This is the one quantizer of the project: the caches (KIVI, Palu latents, XQuant rows) and
+the kernels' test inputs all quantize through `quantize_codes`.
+
 Storage (`QTensor`): codes are packed along the LAST axis of the tensor with
-`kvlowrank_kernels.quant.packing` (dense: 3-bit codes use 3 words per 32 codes), whatever
+`packing.pack` (uint8, plane width 1; 3-bit codes as a 2-bit and a 1-bit plane), whatever
 the quantization axis; scale and zero have the tensor's shape with `shape[axis]`
 replaced by the number of groups. So per-channel key quantization of k [B,T,K,H]
 (axis=1, groups of G tokens) stores codes [B,T,K,words(H)] and scales [B,T/G,K,H].
@@ -75,7 +78,7 @@ def _static(**kw):
 class QTensor:
   """A quantized tensor: packed codes plus one (scale, zero) per group (see module doc)."""
 
-  codes: jax.Array   # uint32 [..., packed_words(shape[-1], bits)]
+  codes: jax.Array   # uint8 [..., packed_bytes(shape[-1], bits)]
   scale: jax.Array   # shape with shape[axis] -> shape[axis] // group_size
   zero: jax.Array    # same shape/dtype as scale
   bits: int = _static()
@@ -99,7 +102,7 @@ def quantized_nbytes(shape, *, bits: int, axis: int, group_size: Optional[int] =
   axis, g = resolve_group(tuple(shape), axis, group_size)
   shape = tuple(int(s) for s in shape)
   lead = int(np.prod(shape[:-1], dtype=np.int64))
-  code_bytes = 4 * lead * packing.packed_words(shape[-1], bits)
+  code_bytes = lead * packing.packed_bytes(shape[-1], bits)
   n_groups = int(np.prod(shape, dtype=np.int64)) // g
   sd = jnp.dtype(canonical_scale_dtype(scale_dtype)).itemsize
   return code_bytes + 2 * n_groups * sd

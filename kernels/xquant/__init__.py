@@ -3,8 +3,9 @@ rematerialise-and-attend decode kernel (K/V never written to HBM).
 
 `reference.py` is the plain-jnp definition, `xla.py` the library baseline (bf16 XLA
 dequant + cuBLAS GEMM + XLA attention), `triton_backend.py` the entry to the jax-triton
-0.3.1 GPU kernels (`triton_dm`, `triton_remat`, `triton_remat_v1`, sharing
-`triton_dequant`), `api.py` the `implementation=` dispatcher.
+0.3.1 GPU kernels (`triton_dm`, `triton_remat`, sharing `triton_dequant`), `api.py` the
+`implementation=` dispatcher. Codes are `kvlowrank_kernels.quant.packing` rows read as
+uint32 words (`packing.pack_words`).
 """
 
 from kvlowrank_kernels.xquant.api import (IMPLEMENTATIONS, dequant_matmul,

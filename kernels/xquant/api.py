@@ -69,8 +69,8 @@ def remat_decode_attention(q, k_rows, v_rows, wk, wv, bk, bv, cos, sin, lens, *,
                            return_lse: bool = False, **tuning):
   """Decode attention with K/V rematerialised from packed rows (see reference.py).
 
-  "triton" runs the fused kernel (K and V tiles live in registers only); `tuning`
-  (kernel="v2"|"v1" and that kernel's knobs, see triton_backend) goes to it.
+  "triton" runs the fused kernel `triton_remat` (K and V tiles live in registers only);
+  `tuning` (its knobs, see triton_backend.remat_decode_attention) goes to it.
   Returns:
     out [B, N, H] fp32, and lse [B, N] (natural log) when return_lse.
   """

@@ -50,7 +50,7 @@ def check_layout(codes, scale, zero, w, *, bits: int, axis: str, group: int):
 def dequantize_rows(codes, scale, zero, *, bits: int, width: int, axis: str, group: int,
                     dtype=jnp.float32):
   """X̂ [M, C] from packed codes (fp32 math, then cast to dtype)."""
-  q = packing.unpack(codes, bits, width)
+  q = packing.unpack_words(codes, bits, width)
   return dequantize_codes(q, scale, zero, axis=1 if axis == "token" else 0, group_size=group,
                           dtype=dtype)
 

@@ -1,9 +1,8 @@
 """GPU entry points of the XQuant Triton kernels (import-safe without Triton).
 
-The kernels are module-level `@triton.jit` functions in `triton_dm` (dequant-matmul),
-`triton_remat` (GEMM-shaped fused rematerialise-and-attend decode) and
-`triton_remat_v1` (the first fused kernel, kept for benchmark comparisons); every
-launch goes through `kvlowrank_kernels.common.triton_backend.launch`
+The kernels are module-level `@triton.jit` functions in `triton_dm` (dequant-matmul) and
+`triton_remat` (the GEMM-shaped fused rematerialise-and-attend decode kernel), sharing
+`triton_dequant`; every launch goes through `kvlowrank_kernels.common.triton_backend.launch`
 (jax-triton 0.3.1 on a GPU; `tests/kernels/triton_interpret.py` swaps it for Triton's
 CPU interpreter). This module imports them lazily so that it loads where Triton is
 not installed (the CPU CI).
@@ -12,8 +11,6 @@ not installed (the CPU CI).
 from __future__ import annotations
 
 from ..common import triton_backend as _launcher
-
-KERNELS = ("v2", "v1")
 
 
 def available() -> bool:
@@ -29,22 +26,15 @@ def dequant_matmul(codes, scale, zero, w, *, bits: int, axis: str, group: int, *
 
 
 def remat_decode_attention(q, k_rows, v_rows, wk, wv, bk, bv, cos, sin, lens, *,
-                           n_kv_heads: int, kernel: str = "v2", **tuning):
+                           n_kv_heads: int, **tuning):
   """Fused rematerialise-and-attend decode (args as reference.remat_decode_attention).
 
   Args:
-    kernel: "v2" (GEMM-shaped, `triton_remat`; tuning block_m, block_k, num_splits,
-      target_programs, num_warps, num_stages) or "v1" (`triton_remat_v1`; tuning
-      splits, block_s, block_k, num_warps, num_stages).
-    **tuning: kernel knobs, plus return_lse and poison.
+    **tuning: `triton_remat.remat_decode_attention`'s knobs (block_m, block_k, num_splits,
+      target_programs, num_warps, num_stages), plus return_lse and poison.
   Returns:
     out [B, N, H] fp32 (and lse [B, N] with return_lse=True).
   """
-  if kernel not in KERNELS:
-    raise ValueError(f"kernel must be one of {KERNELS}, got {kernel!r}")
-  if kernel == "v1":
-    from . import triton_remat_v1 as mod  # pylint: disable=import-outside-toplevel
-  else:
-    from . import triton_remat as mod  # pylint: disable=import-outside-toplevel
-  return mod.remat_decode_attention(q, k_rows, v_rows, wk, wv, bk, bv, cos, sin, lens,
-                                    n_kv_heads=n_kv_heads, **tuning)
+  from . import triton_remat  # pylint: disable=import-outside-toplevel
+  return triton_remat.remat_decode_attention(q, k_rows, v_rows, wk, wv, bk, bv, cos, sin, lens,
+                                             n_kv_heads=n_kv_heads, **tuning)

@@ -1,10 +1,14 @@
 """In-register dequantization of packed XQuant rows (Triton language), shared by the
-dequant-matmul kernel (`triton_dm`) and the fused rematerialise-and-attend kernels
-(`triton_remat`, `triton_remat_v1`).
+dequant-matmul kernel (`triton_dm`) and the fused rematerialise-and-attend kernel
+(`triton_remat`).
 
-Layout (reference.py / kvlowrank_kernels.quant.packing): codes are packed LSB-first along the
-channel axis in blocks of CPB codes filling WPB uint32 words (2 bits: 16 codes/word;
-4: 8; 8: 4; 3: 32 codes in 3 words, codes 10 and 21 straddle a word boundary).
+Layout (`kvlowrank_kernels.quant.packing` at plane width 1, read as uint32 words by
+`packing.pack_words`): codes are packed LSB-first along the channel axis, 32 / BITS codes
+per word for 2/4/8 bits (code c in word c // (32 / BITS) at bit BITS·(c % (32 / BITS))).
+3-bit rows are two planes: the low 2 bits of every code as a 2-bit plane (16 codes per
+word, the first 2/3 of the row's NW words), then the high bit as a 1-bit plane (32 codes
+per word, the last NW/3 words); no code straddles a word. NW = `packing.packed_words`
+(rows padded to whole 32-code blocks at 3 bits).
 Scales/zeros are one pair per GROUP channels of a row (token axis) or per GROUP rows
 of a channel (channel axis). The wrappers pass the code words bitcast to int32
 (jax-triton and the CPU interpreter both handle int32; the kernel bitcasts back so
@@ -21,9 +25,8 @@ from kvlowrank_kernels.quant import packing
 
 @triton.jit
 def dequant_tile(codes_ptr, scale_ptr, zero_ptr, rows, row_ok, row0, k0, C: tl.constexpr,
-                 NW: tl.constexpr, BITS: tl.constexpr, CPB: tl.constexpr, WPB: tl.constexpr,
-                 TOKEN_AXIS: tl.constexpr, GROUP: tl.constexpr, BLOCK_R: tl.constexpr,
-                 BLOCK_K: tl.constexpr):
+                 NW: tl.constexpr, BITS: tl.constexpr, TOKEN_AXIS: tl.constexpr,
+                 GROUP: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
   """[BLOCK_R, BLOCK_K] fp32 X̂ = code·scale + zero for channels k0 .. k0 + BLOCK_K.
 
   Args:
@@ -36,17 +39,20 @@ def dequant_tile(codes_ptr, scale_ptr, zero_ptr, rows, row_ok, row0, k0, C: tl.c
   """
   rows = rows.to(tl.int64)
   rk = k0 + tl.arange(0, BLOCK_K)
-  start = (rk % CPB) * BITS                   # bit offset of the code in its block
-  word = (rk // CPB) * WPB + start // 32
-  off = (start % 32).to(tl.uint32)
-  base = codes_ptr + rows[:, None] * NW + word[None, :]
-  lo = tl.load(base, mask=row_ok[:, None], other=0).to(tl.uint32, bitcast=True)
-  val = lo >> off[None, :]
-  if BITS == 3:  # codes 10 and 21 of each 32-code block straddle two words
-    spill = (start % 32) + BITS > 32
-    hi = tl.load(base + 1, mask=row_ok[:, None] & spill[None, :],
+  base = codes_ptr + rows[:, None] * NW
+  if BITS == 3:  # low bits from the 2-bit plane, the high bit from the 1-bit plane
+    LO: tl.constexpr = NW * 2 // 3
+    lo = tl.load(base + (rk // 16)[None, :], mask=row_ok[:, None],
                  other=0).to(tl.uint32, bitcast=True)
-    val = val | tl.where(spill[None, :], hi << (32 - off)[None, :], 0)
+    hi = tl.load(base + (LO + rk // 32)[None, :], mask=row_ok[:, None],
+                 other=0).to(tl.uint32, bitcast=True)
+    val = ((lo >> (2 * (rk % 16)).to(tl.uint32)[None, :]) & 3) | \
+        (((hi >> (rk % 32).to(tl.uint32)[None, :]) & 1) << 2)
+  else:
+    CPW: tl.constexpr = 32 // BITS
+    w = tl.load(base + (rk // CPW)[None, :], mask=row_ok[:, None],
+                other=0).to(tl.uint32, bitcast=True)
+    val = w >> ((rk % CPW) * BITS).to(tl.uint32)[None, :]
   code = (val & ((1 << BITS) - 1)).to(tl.float32)
   if TOKEN_AXIS:
     if GROUP % BLOCK_K == 0:
@@ -84,41 +90,33 @@ def mma(a, b, acc, EXACT: tl.constexpr):
 def load_codes(codes_ptr, rows, row_ok, k0, NW: tl.constexpr, BITS: tl.constexpr,
                BLOCK_K: tl.constexpr):
   """Packed words of channels [k0, k0 + BLOCK_K) of `rows`, as compact tiles (one load
-  per word, not per code): (w0, w1, w2) each [R, BLOCK_K·BITS/32] for 2/4/8 bits
-  (w1 = w2 = w0), or word j of every 32-code block, [R, BLOCK_K/32] each, for 3 bits."""
+  per word, not per code): (w0, w1) with w0 [R, BLOCK_K·BITS/32] and w1 = w0 for 2/4/8
+  bits, or for 3 bits the 2-bit plane's words w0 [R, BLOCK_K/16] and the 1-bit plane's
+  w1 [R, BLOCK_K/32] (k0 and BLOCK_K multiples of 32)."""
   r = rows.to(tl.int64)[:, None] * NW
   if BITS == 3:
-    NB: tl.constexpr = BLOCK_K // 32
-    wb = (k0 // 32) * 3 + tl.arange(0, NB) * 3
-    w0 = tl.load(codes_ptr + r + wb[None, :], mask=row_ok[:, None], other=0)
-    w1 = tl.load(codes_ptr + r + (wb + 1)[None, :], mask=row_ok[:, None], other=0)
-    w2 = tl.load(codes_ptr + r + (wb + 2)[None, :], mask=row_ok[:, None], other=0)
+    LO: tl.constexpr = NW * 2 // 3
+    wl = k0 // 16 + tl.arange(0, BLOCK_K // 16)
+    wh = LO + k0 // 32 + tl.arange(0, BLOCK_K // 32)
+    w0 = tl.load(codes_ptr + r + wl[None, :], mask=row_ok[:, None], other=0)
+    w1 = tl.load(codes_ptr + r + wh[None, :], mask=row_ok[:, None], other=0)
   else:
     NWB: tl.constexpr = BLOCK_K * BITS // 32
     wi = k0 * BITS // 32 + tl.arange(0, NWB)
     w0 = tl.load(codes_ptr + r + wi[None, :], mask=row_ok[:, None], other=0)
     w1 = w0
-    w2 = w0
-  return w0, w1, w2
+  return w0, w1
 
 
 @triton.jit
-def expand_codes(w0, w1, w2, BITS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
+def expand_codes(w0, w1, BITS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
   """[R, BLOCK_K] fp32 codes from `load_codes` words (in-register shifts and masks)."""
   if BITS == 3:
-    # 32 codes in 96 bits: codes 0..20 lie in bits [0, 63) of w0|w1<<32, codes 21..31 in
-    # bits [31, 64) of w1|w2<<32.
-    i = tl.arange(0, 32)
-    x0 = w0.to(tl.uint32, bitcast=True).to(tl.uint64)
-    x1 = w1.to(tl.uint32, bitcast=True).to(tl.uint64)
-    x2 = w2.to(tl.uint32, bitcast=True).to(tl.uint64)
-    lo = x0 | (x1 << 32)
-    hi = x1 | (x2 << 32)
-    sh_lo = (i * 3).to(tl.uint64)
-    sh_hi = tl.maximum(i * 3 - 32, 0).to(tl.uint64)
-    c = tl.where((i < 21)[None, None, :], lo[:, :, None] >> sh_lo[None, None, :],
-                 hi[:, :, None] >> sh_hi[None, None, :])
-    c = (c & 7).to(tl.uint32)
+    sh2 = (tl.arange(0, 16) * 2).to(tl.uint32)
+    lo = (w0.to(tl.uint32, bitcast=True)[:, :, None] >> sh2[None, None, :]) & 3
+    sh1 = tl.arange(0, 32).to(tl.uint32)
+    hi = (w1.to(tl.uint32, bitcast=True)[:, :, None] >> sh1[None, None, :]) & 1
+    c = tl.reshape(lo, [BLOCK_R, BLOCK_K]) | (tl.reshape(hi, [BLOCK_R, BLOCK_K]) << 2)
   else:
     CPW: tl.constexpr = 32 // BITS
     sh = (tl.arange(0, CPW) * BITS).to(tl.uint32)
@@ -144,18 +142,18 @@ def load_scales(scale_ptr, zero_ptr, rows, row_ok, row0, k0, C: tl.constexpr,
 
 def fast_path(bits: int, axis: str, group: int, block_r: int, block_k: int) -> bool:
   """Whether a tile layout takes the compact-load path (`load_codes`, `load_scales`):
-  3-bit codes need whole 32-code blocks per K step; the scales must be one vector per
-  tile (token axis: group % block_k == 0; channel axis: group % block_r == 0)."""
+  3-bit codes need whole words of the 1-bit plane (32 codes) per K step; the scales must
+  be one vector per tile (token axis: group % block_k == 0; channel axis:
+  group % block_r == 0)."""
   if bits == 3 and block_k % 32:
     return False
   return group % block_k == 0 if axis == "token" else group % block_r == 0
 
 
 def bits_meta(bits: int, width: int, prefix: str = "") -> dict:
-  """Constexprs describing a packed row of `width` channels at `bits` bits."""
-  cpb, wpb = packing.block_shape(bits)
-  return {f"NW{prefix}": packing.packed_words(width, bits), f"BITS{prefix}": bits,
-          f"CPB{prefix}": cpb, f"WPB{prefix}": wpb}
+  """Constexprs describing a packed row of `width` channels at `bits` bits: its uint32
+  words NW (padding included) and BITS."""
+  return {f"NW{prefix}": packing.packed_words(width, bits), f"BITS{prefix}": bits}
 
 
 def as_int32(words):

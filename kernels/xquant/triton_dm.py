@@ -21,10 +21,9 @@ from .triton_dequant import as_int32, bits_meta, dequant_tile, mma, pick_block_k
 
 @triton.jit
 def _dm_body(codes_ptr, scale_ptr, zero_ptr, w_ptr, out_ptr, M: tl.constexpr, C: tl.constexpr,
-             N: tl.constexpr, NW: tl.constexpr, BITS: tl.constexpr, CPB: tl.constexpr,
-             WPB: tl.constexpr, TOKEN_AXIS: tl.constexpr, GROUP: tl.constexpr,
-             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-             EXACT: tl.constexpr):
+             N: tl.constexpr, NW: tl.constexpr, BITS: tl.constexpr, TOKEN_AXIS: tl.constexpr,
+             GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+             BLOCK_K: tl.constexpr, EXACT: tl.constexpr):
   row0 = tl.program_id(0) * BLOCK_M
   rm = row0 + tl.arange(0, BLOCK_M)
   rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -32,7 +31,7 @@ def _dm_body(codes_ptr, scale_ptr, zero_ptr, w_ptr, out_ptr, M: tl.constexpr, C:
   n_ok = rn < N
   acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
   for k0 in range(0, C, BLOCK_K):
-    x = dequant_tile(codes_ptr, scale_ptr, zero_ptr, rm, m_ok, row0, k0, C, NW, BITS, CPB, WPB,
+    x = dequant_tile(codes_ptr, scale_ptr, zero_ptr, rm, m_ok, row0, k0, C, NW, BITS,
                      TOKEN_AXIS, GROUP, BLOCK_M, BLOCK_K)
     rk = k0 + tl.arange(0, BLOCK_K)
     w = tl.load(w_ptr + rk[:, None] * N + rn[None, :], mask=n_ok[None, :], other=0.0)
@@ -43,22 +42,21 @@ def _dm_body(codes_ptr, scale_ptr, zero_ptr, w_ptr, out_ptr, M: tl.constexpr, C:
 
 @triton.jit
 def dm_kernel(codes_ptr, scale_ptr, zero_ptr, w_ptr, out_ptr, M: tl.constexpr, C: tl.constexpr,
-              N: tl.constexpr, NW: tl.constexpr, BITS: tl.constexpr, CPB: tl.constexpr,
-              WPB: tl.constexpr, TOKEN_AXIS: tl.constexpr, GROUP: tl.constexpr,
-              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-              EXACT: tl.constexpr):
-  _dm_body(codes_ptr, scale_ptr, zero_ptr, w_ptr, out_ptr, M, C, N, NW, BITS, CPB, WPB,
-           TOKEN_AXIS, GROUP, BLOCK_M, BLOCK_N, BLOCK_K, EXACT)
+              N: tl.constexpr, NW: tl.constexpr, BITS: tl.constexpr, TOKEN_AXIS: tl.constexpr,
+              GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+              BLOCK_K: tl.constexpr, EXACT: tl.constexpr):
+  _dm_body(codes_ptr, scale_ptr, zero_ptr, w_ptr, out_ptr, M, C, N, NW, BITS, TOKEN_AXIS, GROUP,
+           BLOCK_M, BLOCK_N, BLOCK_K, EXACT)
 
 
 @triton.jit
 def dm_kernel_poisoned(codes_ptr, scale_ptr, zero_ptr, w_ptr, out_init, out_ptr,
                        M: tl.constexpr, C: tl.constexpr, N: tl.constexpr, NW: tl.constexpr,
-                       BITS: tl.constexpr, CPB: tl.constexpr, WPB: tl.constexpr,
-                       TOKEN_AXIS: tl.constexpr, GROUP: tl.constexpr, BLOCK_M: tl.constexpr,
-                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EXACT: tl.constexpr):
-  _dm_body(codes_ptr, scale_ptr, zero_ptr, w_ptr, out_ptr, M, C, N, NW, BITS, CPB, WPB,
-           TOKEN_AXIS, GROUP, BLOCK_M, BLOCK_N, BLOCK_K, EXACT)
+                       BITS: tl.constexpr, TOKEN_AXIS: tl.constexpr, GROUP: tl.constexpr,
+                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                       EXACT: tl.constexpr):
+  _dm_body(codes_ptr, scale_ptr, zero_ptr, w_ptr, out_ptr, M, C, N, NW, BITS, TOKEN_AXIS, GROUP,
+           BLOCK_M, BLOCK_N, BLOCK_K, EXACT)
 
 
 def dequant_matmul(codes, scale, zero, w, *, bits: int, axis: str, group: int,

@@ -20,29 +20,28 @@ in tiles of BLOCK_M rows. Per tile:
     heads sharing kh padded to GP >= 16 rows, scale·log2 e folded into q), no register
     half-swap of k. Online softmax in base 2, acc [GP, H] += P·acc_v; b_v is added once
     after the split merge (the weights sum to 1).
-  Each split writes its normalised partial and LSE (`decode_attention.triton_decode.
-  store_partial`); `splitk.combine_partials` merges them (flash-decoding).
+  Each split writes its normalised partial and LSE (`dense.triton_decode.store_partial`);
+  `splitk.combine_partials` merges them (flash-decoding).
 
 Program order and L2 (grid (KH, NSPLIT, B), axis 0 fastest): consecutive programs are
 the KH heads of one token range, so a tile's codes are read from HBM once and served
 from L2 to the other heads, while the weights are re-read from L2 by every tile. Per
-tile of 64 tokens (the default BLOCK_M): X path (Llama-2-7B, 2-bit) codes 64 KB + scales
-8 KB, W slices 2 MB, 134 MFLOP; latent path (Llama-3.1-8B) 32 KB + 0.5 MB, 34 MFLOP. A
-wave of 132 programs (one per SM) covers ~4 token ranges × all 32 heads on the X path,
-i.e. all of [W_k|W_v] (64 MB, streamed in k-order in lockstep, so only a BLOCK_K-row
-band of it is live in L2 at a time) plus ~0.3 MB of codes; on the latent path ~16
-ranges × 8 heads: all Σ·Bᵀ (4 MB, L2-resident) plus ~0.6 MB of codes. HBM traffic is
-therefore far below what the wave's MMA time allows; the cost that stays is L2 -> SM
-traffic of the weights, 2 MB per 64 tokens and head (~15 bytes per 1 kFLOP), which a
-larger BLOCK_M would halve but BLOCK_M = 128 does not fit the registers (ptxas: 255
-registers and ~600 bytes of spill per thread with 8 warps, 2x slower on an H200).
+tile of 64 tokens (the default BLOCK_M), by arithmetic: X path (Llama-2-7B, 2-bit) codes
+64 KB + scales 8 KB, W slices 2 MB, 134 MFLOP; latent path (Llama-3.1-8B) 32 KB + 0.5 MB,
+34 MFLOP. A wave of one program per SM covers a few token ranges × all 32 heads on the X
+path, i.e. all of [W_k|W_v] (64 MB, streamed in k-order in lockstep, so only a
+BLOCK_K-row band of it is live in L2 at a time) plus well under a MB of codes; on the
+latent path more ranges × 8 heads: all Σ·Bᵀ (4 MB, L2-resident) plus the codes. HBM
+traffic is therefore far below what the wave's MMA time allows; the cost that stays is
+the L2 -> SM traffic of the weights, 2 MB per 64 tokens and head, which a larger BLOCK_M
+would halve, but BLOCK_M = 128 does not fit the registers (it spills with 8 warps:
+`experiments/probes/ptx_stats.py`).
 
-Tuning (H200, `experiments/bench_xquant.py --quick`, 2-bit): BLOCK_M 64, BLOCK_K 64,
-8 warps (two warpgroups: the wgmma accumulators are 2 x 32 registers per thread),
-3 stages (the W slices two K steps ahead). The code words and scales are loaded in
-compact tiles one K step ahead in registers (`_mainloop`): with per-element loads and
-Triton's pipeliner the dequant loads stalled every K step and the kernel ran at the
-old kernel's rate.
+Defaults (tuned with `experiments/bench_xquant.py --quick` at 2 bits; measurements in
+BENCHMARKS.md): BLOCK_M 64, BLOCK_K 64, 8 warps (two warpgroups: the wgmma accumulators
+are 2 x 32 registers per thread), 3 stages (the W slices two K steps ahead). The code
+words and scales are loaded in compact tiles one K step ahead in registers (`_mainloop`):
+with per-element loads, Triton's pipeliner left the dequant loads stalling every K step.
 
 Numerics: MMA operands in W's dtype (bf16 in use), fp32 accumulation; the rotated keys,
 query, P and V enter their MMAs in the same dtype. fp32 weights (CPU-sized test models)
@@ -71,8 +70,8 @@ TARGET_PROGRAMS = 1056
 
 @triton.jit
 def _mainloop(codes_ptr, scale_ptr, zero_ptr, rows, ok, row0, wa_cols, wb_cols, C: tl.constexpr,
-              NW: tl.constexpr, BITS: tl.constexpr, CPB: tl.constexpr, WPB: tl.constexpr,
-              TOK: tl.constexpr, GRP: tl.constexpr, NCOL: tl.constexpr, H: tl.constexpr,
+              NW: tl.constexpr, BITS: tl.constexpr, TOK: tl.constexpr, GRP: tl.constexpr,
+              NCOL: tl.constexpr, H: tl.constexpr,
               BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, TWO: tl.constexpr,
               FAST: tl.constexpr, EXACT: tl.constexpr):
   """acc_a (, acc_b) [BLOCK_M, H] fp32 = X̂_tile @ W[:, cols] over all C channels.
@@ -85,26 +84,25 @@ def _mainloop(codes_ptr, scale_ptr, zero_ptr, rows, ok, row0, wa_cols, wb_cols, 
   acc_a = tl.zeros([BLOCK_M, H], tl.float32)
   acc_b = tl.zeros([BLOCK_M, H], tl.float32)
   if FAST:
-    w0, w1, w2 = load_codes(codes_ptr, rows, ok, 0, NW, BITS, BLOCK_K)
+    w0, w1 = load_codes(codes_ptr, rows, ok, 0, NW, BITS, BLOCK_K)
     s, z = load_scales(scale_ptr, zero_ptr, rows, ok, row0, 0, C, TOK, GRP, BLOCK_K)
     for c0 in range(0, C, BLOCK_K):
       nk = (c0 + BLOCK_K) % C           # the last step prefetches step 0 again (unused)
-      n0, n1, n2 = load_codes(codes_ptr, rows, ok, nk, NW, BITS, BLOCK_K)
+      n0, n1 = load_codes(codes_ptr, rows, ok, nk, NW, BITS, BLOCK_K)
       ns, nz = load_scales(scale_ptr, zero_ptr, rows, ok, row0, nk, C, TOK, GRP, BLOCK_K)
-      a = (expand_codes(w0, w1, w2, BITS, BLOCK_M, BLOCK_K) * s + z).to(DT)
+      a = (expand_codes(w0, w1, BITS, BLOCK_M, BLOCK_K) * s + z).to(DT)
       rk = (c0 + tl.arange(0, BLOCK_K))[:, None] * NCOL
       acc_a = mma(a, tl.load(wa_cols + rk), acc_a, EXACT)
       if TWO:
         acc_b = mma(a, tl.load(wb_cols + rk), acc_b, EXACT)
       w0 = n0
       w1 = n1
-      w2 = n2
       s = ns
       z = nz
   else:
     for c0 in range(0, C, BLOCK_K):
-      a = dequant_tile(codes_ptr, scale_ptr, zero_ptr, rows, ok, row0, c0, C, NW, BITS, CPB,
-                       WPB, TOK, GRP, BLOCK_M, BLOCK_K).to(DT)
+      a = dequant_tile(codes_ptr, scale_ptr, zero_ptr, rows, ok, row0, c0, C, NW, BITS, TOK,
+                       GRP, BLOCK_M, BLOCK_K).to(DT)
       rk = (c0 + tl.arange(0, BLOCK_K))[:, None] * NCOL
       acc_a = mma(a, tl.load(wa_cols + rk), acc_a, EXACT)
       if TWO:
@@ -116,12 +114,10 @@ def _mainloop(codes_ptr, scale_ptr, zero_ptr, rows, ok, row0, wa_cols, wb_cols, 
 def _remat_body(q_ptr, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, wk_ptr, wv_ptr, bk_ptr,
                 cos_ptr, sin_ptr, len_ptr, S, SV, NSPLIT, o_ptr, lse_ptr,
                 KH: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, H: tl.constexpr,
-                QSCALE: tl.constexpr, SHARED: tl.constexpr, CK: tl.constexpr,
-                NWK: tl.constexpr, BITSK: tl.constexpr, CPBK: tl.constexpr, WPBK: tl.constexpr,
-                TOKK: tl.constexpr, GRPK: tl.constexpr, CV: tl.constexpr, NWV: tl.constexpr,
-                BITSV: tl.constexpr, CPBV: tl.constexpr, WPBV: tl.constexpr,
-                TOKV: tl.constexpr, GRPV: tl.constexpr, BLOCK_M: tl.constexpr,
-                BLOCK_K: tl.constexpr, EXACT: tl.constexpr,
+                QSCALE: tl.constexpr, SHARED: tl.constexpr, CK: tl.constexpr, NWK: tl.constexpr,
+                BITSK: tl.constexpr, TOKK: tl.constexpr, GRPK: tl.constexpr, CV: tl.constexpr,
+                NWV: tl.constexpr, BITSV: tl.constexpr, TOKV: tl.constexpr, GRPV: tl.constexpr,
+                BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, EXACT: tl.constexpr,
                 FASTK: tl.constexpr, FASTV: tl.constexpr):
   kh = tl.program_id(0)
   sid = tl.program_id(1)
@@ -155,8 +151,7 @@ def _remat_body(q_ptr, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, wk_ptr, w
     row0 = b64 * S + s0
     rows = row0 + tl.arange(0, BLOCK_M)
     acc_k, acc_v = _mainloop(kc_ptr, ks_ptr, kz_ptr, rows, ok, row0, wk_cols, wv_cols, CK, NWK,
-                             BITSK, CPBK, WPBK, TOKK, GRPK, NCOL, H, BLOCK_M, BLOCK_K, SHARED,
-                             FASTK, EXACT)
+                             BITSK, TOKK, GRPK, NCOL, H, BLOCK_M, BLOCK_K, SHARED, FASTK, EXACT)
     # Scores with RoPE on the query side (module doc).
     # (Bias loaded per tile, not held across the loop: a [H] vector in the accumulator
     # layout costs H/4 registers per thread.)
@@ -175,8 +170,7 @@ def _remat_body(q_ptr, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, wk_ptr, w
       vrow0 = b64 * SV + s0
       vrows = vrow0 + tl.arange(0, BLOCK_M)
       acc_v, _ = _mainloop(vc_ptr, vs_ptr, vz_ptr, vrows, ok, vrow0, wv_cols, wv_cols, CV, NWV,
-                           BITSV, CPBV, WPBV, TOKV, GRPV, NCOL, H, BLOCK_M, BLOCK_K, False,
-                           FASTV, EXACT)
+                           BITSV, TOKV, GRPV, NCOL, H, BLOCK_M, BLOCK_K, False, FASTV, EXACT)
     v = acc_v.to(DT)   # b_v is added after the split merge (Σ p = 1)
     acc = mma(p.to(DT), v, acc * alpha[:, None], EXACT)
     m_i = m_new
@@ -187,36 +181,32 @@ def _remat_body(q_ptr, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, wk_ptr, w
 def remat_kernel(q_ptr, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, wk_ptr, wv_ptr, bk_ptr,
                  cos_ptr, sin_ptr, len_ptr, S, SV, NSPLIT, o_ptr, lse_ptr,
                  KH: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, H: tl.constexpr,
-                 QSCALE: tl.constexpr, SHARED: tl.constexpr, CK: tl.constexpr,
-                 NWK: tl.constexpr, BITSK: tl.constexpr, CPBK: tl.constexpr, WPBK: tl.constexpr,
-                 TOKK: tl.constexpr, GRPK: tl.constexpr, CV: tl.constexpr, NWV: tl.constexpr,
-                 BITSV: tl.constexpr, CPBV: tl.constexpr, WPBV: tl.constexpr,
-                 TOKV: tl.constexpr, GRPV: tl.constexpr, BLOCK_M: tl.constexpr,
-                 BLOCK_K: tl.constexpr, EXACT: tl.constexpr, FASTK: tl.constexpr,
-                 FASTV: tl.constexpr):
+                 QSCALE: tl.constexpr, SHARED: tl.constexpr, CK: tl.constexpr, NWK: tl.constexpr,
+                 BITSK: tl.constexpr, TOKK: tl.constexpr, GRPK: tl.constexpr, CV: tl.constexpr,
+                 NWV: tl.constexpr, BITSV: tl.constexpr, TOKV: tl.constexpr, GRPV: tl.constexpr,
+                 BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, EXACT: tl.constexpr,
+                 FASTK: tl.constexpr, FASTV: tl.constexpr):
   _remat_body(q_ptr, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, wk_ptr, wv_ptr, bk_ptr,
-              cos_ptr, sin_ptr, len_ptr, S, SV, NSPLIT, o_ptr, lse_ptr, KH, G, GP, H,
-              QSCALE, SHARED, CK, NWK, BITSK, CPBK, WPBK, TOKK, GRPK, CV, NWV, BITSV, CPBV, WPBV,
-              TOKV, GRPV, BLOCK_M, BLOCK_K, EXACT, FASTK, FASTV)
+              cos_ptr, sin_ptr, len_ptr, S, SV, NSPLIT, o_ptr, lse_ptr, KH, G, GP, H, QSCALE,
+              SHARED, CK, NWK, BITSK, TOKK, GRPK, CV, NWV, BITSV, TOKV, GRPV, BLOCK_M, BLOCK_K,
+              EXACT, FASTK, FASTV)
 
 
 @triton.jit
 def remat_kernel_poisoned(q_ptr, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, wk_ptr, wv_ptr,
                           bk_ptr, cos_ptr, sin_ptr, len_ptr, S, SV, NSPLIT, o_init,
-                          lse_init, o_ptr, lse_ptr, KH: tl.constexpr, G: tl.constexpr,
-                          GP: tl.constexpr, H: tl.constexpr, QSCALE: tl.constexpr,
-                          SHARED: tl.constexpr, CK: tl.constexpr, NWK: tl.constexpr,
-                          BITSK: tl.constexpr, CPBK: tl.constexpr, WPBK: tl.constexpr,
-                          TOKK: tl.constexpr,
+                          lse_init, o_ptr, lse_ptr,
+                          KH: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, H: tl.constexpr,
+                          QSCALE: tl.constexpr, SHARED: tl.constexpr, CK: tl.constexpr,
+                          NWK: tl.constexpr, BITSK: tl.constexpr, TOKK: tl.constexpr,
                           GRPK: tl.constexpr, CV: tl.constexpr, NWV: tl.constexpr,
-                          BITSV: tl.constexpr, CPBV: tl.constexpr, WPBV: tl.constexpr,
-                          TOKV: tl.constexpr, GRPV: tl.constexpr, BLOCK_M: tl.constexpr,
-                          BLOCK_K: tl.constexpr, EXACT: tl.constexpr, FASTK: tl.constexpr,
-                          FASTV: tl.constexpr):
+                          BITSV: tl.constexpr, TOKV: tl.constexpr, GRPV: tl.constexpr,
+                          BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, EXACT: tl.constexpr,
+                          FASTK: tl.constexpr, FASTV: tl.constexpr):
   _remat_body(q_ptr, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, wk_ptr, wv_ptr, bk_ptr,
-              cos_ptr, sin_ptr, len_ptr, S, SV, NSPLIT, o_ptr, lse_ptr, KH, G, GP, H,
-              QSCALE, SHARED, CK, NWK, BITSK, CPBK, WPBK, TOKK, GRPK, CV, NWV, BITSV, CPBV, WPBV,
-              TOKV, GRPV, BLOCK_M, BLOCK_K, EXACT, FASTK, FASTV)
+              cos_ptr, sin_ptr, len_ptr, S, SV, NSPLIT, o_ptr, lse_ptr, KH, G, GP, H, QSCALE,
+              SHARED, CK, NWK, BITSK, TOKK, GRPK, CV, NWV, BITSV, TOKV, GRPV, BLOCK_M, BLOCK_K,
+              EXACT, FASTK, FASTV)
 
 
 def plan(q_shape, k_rows, v_rows, wk_shape, wv_shape, *, n_kv_heads: int, block_m: int = 64,

@@ -18,7 +18,10 @@ by XLA's dead-code elimination under jit.
 
 `attend` returns (out [B,T,N,Hv], lse [B,T,N]) so that attention over several
 segments (e.g. a compressed prefix and an exact recent window) can be merged
-with `kvlowrank.model.attention.combine`. Hv is the cache's value width: the
+with `kvlowrank.model.attention.combine`. Its `implementation` argument (None: the
+cache's own, from its method spec's `implementation` field; None there too: the fastest
+that fits) picks the method's fused decode kernel or its jnp reference
+(`kvlowrank.cache.dispatch`): the cache's arrays are the kernel's operands. Hv is the cache's value width: the
 head dim for caches that reconstruct V, a latent rank for caches whose value
 reconstruction is folded into W_o (Palu).
 
@@ -91,8 +94,12 @@ class KVCache(abc.ABC):
     """Stores the new tokens; returns the new cache."""
 
   @abc.abstractmethod
-  def attend(self, q, q_positions, lp: dict, *, spec: ModelSpec):
-    """q [B,T,N,H] (RoPE applied) → (out [B,T,N,Hv], lse [B,T,N])."""
+  def attend(self, q, q_positions, lp: dict, *, spec: ModelSpec,
+             implementation: Optional[str] = None):
+    """q [B,T,N,H] (RoPE applied) → (out [B,T,N,Hv], lse [B,T,N]).
+
+    implementation: None (the cache's own choice) | "reference" | one of the method's
+    kernels (`kvlowrank.cache.dispatch`)."""
 
   @abc.abstractmethod
   def materialize(self):

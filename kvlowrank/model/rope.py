@@ -3,38 +3,23 @@ with optional Llama-3 frequency scaling."""
 
 from __future__ import annotations
 
-import math
-
 import jax.numpy as jnp
 import numpy as np
 
 from kvlowrank.spec import ModelSpec
+from kvlowrank_kernels.common import rope
 
 
 def inv_frequencies(spec: ModelSpec) -> np.ndarray:
-  """[H/2] inverse frequencies (float64 numpy, static), Llama-3 scaled when configured."""
-  h = spec.head_dim
-  inv = 1.0 / (spec.rope_theta ** (np.arange(0, h, 2, dtype=np.float64) / h))
-  rs = spec.rope_scaling
-  if rs is None:
-    return inv
-  # HF `_compute_llama3_parameters`: keep high frequencies, divide low ones by
-  # `factor`, interpolate smoothly in between.
-  low_wavelen = rs.original_max_position_embeddings / rs.low_freq_factor
-  high_wavelen = rs.original_max_position_embeddings / rs.high_freq_factor
-  wavelen = 2 * math.pi / inv
-  scaled = np.where(wavelen > low_wavelen, inv / rs.factor, inv)
-  smooth = ((rs.original_max_position_embeddings / wavelen - rs.low_freq_factor)
-            / (rs.high_freq_factor - rs.low_freq_factor))
-  smoothed = (1 - smooth) * scaled / rs.factor + smooth * scaled
-  is_medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
-  return np.where(is_medium, smoothed, scaled)
+  """[H/2] inverse frequencies (float64 numpy, static), Llama-3 scaled when configured: the
+  project's one RoPE-frequency function (`kvlowrank_kernels.common.rope`), which the
+  kernels' tables use too."""
+  return rope.inv_frequencies(spec.head_dim, spec.rope_theta, spec.rope_scaling)
 
 
 def rope_cos_sin(positions, spec: ModelSpec):
   """cos, sin of shape [..., H/2] in fp32 for integer `positions` [...]."""
-  inv = jnp.asarray(inv_frequencies(spec), jnp.float32)
-  ang = positions.astype(jnp.float32)[..., None] * inv
+  ang = rope.rope_angles(inv_frequencies(spec), positions)
   return jnp.cos(ang), jnp.sin(ang)
 
 

@@ -81,9 +81,15 @@ def check_kivi():
     raise AssertionError("kivi: a corrupted key scale went unnoticed")
 
 
-def check_latent():
+def check_palu():
+  """Every Palu test shape (MHA absorbed / GQA reconstruction paths, bias, bf16, fp16 and
+  2/3/4-bit `PackedLatent` latents from the one quantizer and packing module), ragged lengths,
+  several tilings; then latents with constant token slices (the quantizer's scale-0 rule) and
+  a negative control (one corrupted key latent must break the agreement)."""
+  import dataclasses  # pylint: disable=import-outside-toplevel
   from kvlowrank_kernels.dense import shapes as ds  # pylint: disable=import-outside-toplevel
   from kvlowrank_kernels.palu import shapes as ls  # pylint: disable=import-outside-toplevel
+  from kvlowrank_kernels.palu.packed import quantize_latent  # pylint: disable=import-outside-toplevel
   from kvlowrank_kernels.palu.reference import (  # pylint: disable=import-outside-toplevel
       palu_attention_reference, rope_inv_freq)
   from kvlowrank_kernels.palu.triton_palu_launch import palu_attention_triton  # pylint: disable=import-outside-toplevel
@@ -101,23 +107,53 @@ def check_latent():
       latents.append(("fp16 ", hk.astype(jnp.float16), hv.astype(jnp.float16)))
     for tag, lk, lv in latents:
       ref, ref_lse = palu_attention_reference(q, lk, lv, b_k, lens, inv_freq=inv,
-                                                k_bias=bias, out_dtype=F32)
+                                              k_bias=bias, out_dtype=F32)
       for o in variants:
         with interpreted_launch():
           out, lse = palu_attention_triton(q, lk, lv, b_k, lens, inv, k_bias=bias,
-                                             out_dtype=F32, poison=True, **o)
-        assert_close(out, ref, 2e-2, 2e-2, f"latent[{i}] {tag}{o} out")
-        assert_close(lse, ref_lse, 2e-2, 1e-3, f"latent[{i}] {tag}{o} lse")
+                                           out_dtype=F32, poison=True, **o)
+        assert_close(out, ref, 2e-2, 2e-2, f"palu[{i}] {tag}{o} out")
+        assert_close(lse, ref_lse, 2e-2, 1e-3, f"palu[{i}] {tag}{o} lse")
+  # Constant token slices quantize to scale 0 and code 0 (dequantized: the zero point).
+  shape = ls.TEST_SHAPES[4]  # 2-bit keys, 4-bit values
+  q, hk, hv, b_k, bias, lens = ls.make_inputs(shape, jax.random.key(390))
+  inv = rope_inv_freq(shape.head_dim, 10000.0)
+  raw = ls.make_inputs(dataclasses.replace(shape, k_bits=16, v_bits=16), jax.random.key(390))
+  hk = quantize_latent(raw[1].at[:, 3::7].set(0.75), shape.k_bits)
+  hv = quantize_latent(raw[2].at[:, 5::9].set(-0.5), shape.v_bits)
+  assert not np.asarray(hk.scale[:, 3::7]).any() and not np.asarray(hv.scale[:, 5::9]).any()
+  ref, ref_lse = palu_attention_reference(q, hk, hv, b_k, lens, inv_freq=inv, out_dtype=F32)
+  with interpreted_launch():
+    out, lse = palu_attention_triton(q, hk, hv, b_k, lens, inv, out_dtype=F32, poison=True,
+                                     block_s=32)
+  assert_close(out, ref, 2e-2, 2e-2, "palu constant slices out")
+  assert_close(lse, ref_lse, 2e-2, 1e-3, "palu constant slices lse")
+  # Negative control: batch row 1 attends its full capacity; scale one key latent slot.
+  shape = ls.TEST_SHAPES[0]
+  q, hk, hv, b_k, bias, lens = ls.make_inputs(shape, jax.random.key(399))
+  inv = rope_inv_freq(shape.head_dim, 10000.0)
+  ref, _ = palu_attention_reference(q, hk, hv, b_k, lens, inv_freq=inv, k_bias=bias,
+                                    out_dtype=F32)
+  with interpreted_launch():
+    out, _ = palu_attention_triton(q, hk.at[1, 0].multiply(40.0), hv, b_k, lens, inv,
+                                   k_bias=bias, out_dtype=F32, block_s=32)
+  try:
+    assert_close(out, ref, 2e-2, 2e-2, "palu corrupted key latent")
+  except AssertionError as e:
+    print(f"negative control failed as it must: {e}")
+  else:
+    raise AssertionError("palu: a corrupted key latent went unnoticed")
 
 
 def _xq_rows(seed, b, s, c, bits, axis, group):
-  """Packed XQuant rows [B, S, C] of seeded normal data (kvlowrank.quant layout)."""
-  from kvlowrank_kernels.quant import pack, quantize_codes  # pylint: disable=import-outside-toplevel
+  """Packed XQuant rows [B, S, C] of seeded normal data (`quant.packing` words)."""
+  from kvlowrank_kernels.quant import quantize_codes  # pylint: disable=import-outside-toplevel
+  from kvlowrank_kernels.quant.packing import pack_words  # pylint: disable=import-outside-toplevel
   from kvlowrank_kernels.xquant.reference import PackedRows  # pylint: disable=import-outside-toplevel
   x = jax.random.normal(jax.random.key(seed), (b, s, c), F32)
   codes, sc, zr = quantize_codes(x, bits=bits, axis=-1 if axis == "token" else 1,
                                  group_size=group)
-  return PackedRows(codes=pack(codes, bits), scale=sc, zero=zr, bits=bits, axis=axis,
+  return PackedRows(codes=pack_words(codes, bits), scale=sc, zero=zr, bits=bits, axis=axis,
                     group=group)
 
 
@@ -127,10 +163,10 @@ def check_xquant():
   2/3/4 bits with ragged lengths (1, full, non-multiples of BLOCK_M) and 1 or many splits,
   both mainloop paths (compact one-step-ahead loads where `fast_path` holds, per-element
   dequant otherwise), fewer V than K slots, fp32 weights (exact algebra: tight bound) and
-  bf16 weights (bf16 MMA operands); the first fused kernel (v1); the plain dequant-matmul
+  bf16 weights (bf16 MMA operands); the plain dequant-matmul
   kernel at every bit width and both axes. Every partial is NaN-poisoned first."""
   from kvlowrank_kernels.xquant import reference as ref  # pylint: disable=import-outside-toplevel
-  from kvlowrank_kernels.xquant import triton_dm, triton_remat, triton_remat_v1  # pylint: disable=import-outside-toplevel
+  from kvlowrank_kernels.xquant import triton_dm, triton_remat  # pylint: disable=import-outside-toplevel
   theta = 10000.0
   # (name, shared, B, S, lens, N, KH, H, C, k (bits, axis, group), v (bits, axis, group), tuning)
   cases = [
@@ -176,12 +212,6 @@ def check_xquant():
       tag = f"xquant fused {name} w={jnp.dtype(wdt).name}"
       assert_close(got, want, tol * scale, tol, f"{tag} out")
       assert_close(lse, want_lse, lse_tol, 0, f"{tag} lse")
-    if name in ("x2", "lat3"):  # the first kernel, same contract (equal K/V slot counts)
-      with interpreted_launch():
-        got = triton_remat_v1.remat_decode_attention(*args[:3], wk, wv, *args[5:], n_kv_heads=kh,
-                                                     block_s=16, block_k=16, poison=True)
-      want = ref.remat_decode_attention(*args[:3], wk, wv, *args[5:], n_kv_heads=kh)
-      assert_close(got, want, 1e-3 * float(jnp.max(jnp.abs(want))), 1e-3, f"xquant v1 {name}")
   # Plain dequant-matmul: ragged M and N tiles, every width and both axes.
   for bits, axis, group in ((2, "token", 32), (3, "token", 64), (4, "channel", 16),
                             (8, "channel", 32), (3, "channel", 8)):

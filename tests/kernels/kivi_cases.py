@@ -1,4 +1,4 @@
-"""Seeded KIVI-2bit cases shared by the Mosaic kernel tests (`test_kivi_mosaic*.py`)."""
+"""Seeded KIVI-2bit cases shared by the Mosaic warp kernel tests (`test_kivi_mosaic_warp.py`)."""
 
 import jax
 import numpy as np
@@ -26,7 +26,7 @@ def case(idx, seed, ragged=True):
   return shape, shapes.make_inputs(shape, jax.random.key(seed), q_len=lens, w_len=wl)
 
 
-# (change to a valid plan request, the ValueError's expected words), for both kernels' `plan`.
+# (change to a valid plan request, the ValueError's expected words), for the kernel's `plan`.
 PLAN_REJECTS = (
     (dict(q_shape=(2, 8, 64)), "head dim"),
     (dict(q_shape=(3, 8, 128)), "batch"),
@@ -35,7 +35,6 @@ PLAN_REJECTS = (
     (dict(warpgroups=4), "warpgroups"),
     (dict(stages=3), "multiple of warpgroups"),
     (dict(stages=40), "shared memory"),
-    (dict(skip=9), "skip"),
 )
 
 

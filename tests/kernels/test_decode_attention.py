@@ -9,7 +9,8 @@ import pytest
 
 from kvlowrank.model.attention import dot_product_attention
 from kvlowrank_kernels.common import splitk
-from kvlowrank_kernels.dense import decode_attention, resolve_implementation
+from kvlowrank_kernels.common import triton_backend
+from kvlowrank_kernels.dense import decode_attention, kernel_fit, resolve_implementation
 from kvlowrank_kernels.dense import shapes
 from kvlowrank_kernels.dense.reference import decode_attention_reference
 
@@ -137,3 +138,95 @@ def test_shape_errors_name_the_argument():
     decode_attention_reference(q, k, v, lens[:2])
   with pytest.raises(ValueError, match="v shape"):
     decode_attention_reference(q, k, v[:, :5], lens)
+
+
+def _spec(b=2, s=64, n=8, kh=2, h=64, hv=None, dtype=jnp.bfloat16, v_dtype=None):
+  """Abstract (q, k, v, lengths): kernel_fit reads shapes and dtypes only."""
+  sds = jax.ShapeDtypeStruct
+  return (sds((b, n, h), dtype), sds((b, s, kh, h), dtype),
+          sds((b, s, kh, h if hv is None else hv), v_dtype or dtype), sds((b,), jnp.int32))
+
+
+@pytest.mark.parametrize("idx", range(len(shapes.TEST_SHAPES)))
+def test_kernel_fit_takes_the_test_shapes(idx):
+  """bf16 and fp16 caches of every test shape fit the Triton kernel; cuDNN takes them
+  unless V's head dim differs from K's (shape 2); fp32 K/V fit neither."""
+  q, k, v, lens = case(idx, jnp.bfloat16)
+  shape = shapes.TEST_SHAPES[idx]
+  assert kernel_fit(q, k, v, lens) is None
+  assert kernel_fit(q, k.astype(jnp.float16), v.astype(jnp.float16), lens) is None
+  cudnn = kernel_fit(q, k, v, lens, "cudnn")
+  if shape.v_head_dim == shape.head_dim:
+    assert cudnn is None
+  else:
+    assert "v head dim" in cudnn
+  for impl in ("triton", "cudnn"):   # negative control: fp32 K/V
+    assert "k is float32" in kernel_fit(q, k.astype(F32), v.astype(F32), lens, impl)
+
+
+@pytest.mark.parametrize("kw,triton_why,cudnn_why", [
+    (dict(h=128), None, None),
+    (dict(h=256), None, "<= 128"),
+    (dict(h=48), "head dim must be a power of 2", None),      # 48 = 6 x 8: cuDNN takes it
+    (dict(h=8), "head dim must be a power of 2 >= 16", None),
+    (dict(h=60), "head dim must be a power of 2", "multiple of 8"),
+    (dict(h=64, hv=32), None, "v head dim == k head dim"),
+    (dict(h=64, hv=24), "value head dim", "v head dim == k head dim"),
+    (dict(h=64, dtype=jnp.float16), None, None),
+    (dict(h=64, v_dtype=jnp.float32), "v is float32", "v is float32"),
+    (dict(h=64, v_dtype=jnp.float16), None, "v dtype == k dtype"),
+    (dict(h=64, dtype=jnp.float32), "k is float32", "k is float32"),
+    (dict(b=1, s=1 << 21, kh=8, h=128), "int32 indexing", None),
+    (dict(b=1, s=(1 << 21) - 1, kh=8, h=128), None, None),
+])
+def test_kernel_fit_reasons(kw, triton_why, cudnn_why):
+  """Each refusal is one line naming the field; the boundary cases (int32 indexing, powers of
+  two, cuDNN's head-dim bound) fall on the right side."""
+  args = _spec(**kw)
+  for impl, why in (("triton", triton_why), ("cudnn", cudnn_why)):
+    got = kernel_fit(*args, implementation=impl)
+    if why is None:
+      assert got is None, (impl, got)
+    else:
+      assert got is not None and why in got and "\n" not in got, (impl, got)
+
+
+def test_kernel_fit_shape_errors_and_bad_implementation():
+  q, k, v, lens = _spec()
+  assert "lengths" in kernel_fit(q, k, v, jax.ShapeDtypeStruct((3,), jnp.int32))
+  assert "v shape" in kernel_fit(q, k, jax.ShapeDtypeStruct((2, 63, 2, 64), jnp.bfloat16), lens)
+  with pytest.raises(ValueError, match="implementation"):
+    kernel_fit(q, k, v, lens, "xla")
+
+
+def test_kernel_fit_agrees_with_the_triton_plan():
+  """kernel_fit's Triton verdict is the kernel's own: `triton_decode.plan` raises exactly
+  when kernel_fit refuses the shapes (bf16 K/V)."""
+  pytest.importorskip("triton")
+  from kvlowrank_kernels.dense import triton_decode  # pylint: disable=import-outside-toplevel
+  for h in (8, 16, 24, 32, 64, 96, 128, 256):
+    for hv in (16, 48, h):
+      q, k, v, lens = _spec(h=h, hv=hv)
+      why = kernel_fit(q, k, v, lens)
+      try:
+        triton_decode.plan(q.shape, k.shape, v.shape)
+      except ValueError as e:
+        assert why == str(e), (h, hv)
+      else:
+        assert why is None, (h, hv, why)
+
+
+def test_dispatcher_default_follows_kernel_fit(monkeypatch):
+  """With a GPU and jax-triton (simulated), None runs "triton" on inputs that fit it, and
+  "reference" on fp32 K/V or head dims it does not take, unless Triton knobs are passed;
+  a named implementation is never overridden."""
+  monkeypatch.setattr(triton_backend, "available", lambda: True)
+  monkeypatch.setattr(triton_backend, "gpu_available", lambda: True)
+  fit, fp32, odd = _spec(), _spec(dtype=F32), _spec(h=48)
+  assert resolve_implementation(None, args=fit) == "triton"
+  assert resolve_implementation(None, args=fp32) == "reference"
+  assert resolve_implementation(None, args=odd) == "reference"
+  assert resolve_implementation(None, args=fp32, options={"block_s": 16}) == "triton"
+  assert resolve_implementation(None) == "triton"
+  assert resolve_implementation("triton", args=fp32) == "triton"
+  assert resolve_implementation("cudnn", args=odd) == "cudnn"

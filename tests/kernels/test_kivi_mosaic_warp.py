@@ -1,11 +1,13 @@
-"""KIVI Mosaic GPU kernel with warp-level products (`mosaic_kivi_warp`) and its "warp" layout.
+"""KIVI Mosaic GPU kernel with warp-level products (`mosaic_kivi_warp`) and its layout.
 
-CPU (CI): every thread's m16n8k16 A fragments, rebuilt from the "warp" words with the
-kernel's arithmetic (`mosaic_dequant.dequant_pairs_numpy`) and the PTX fragment formula
-written out here, reproduce the planar cache's keys and values; `plan` rejects bad shapes
-and knobs; a cache in the other layout is refused; the kernel lowers for CUDA. GPU
-(`-m gpu`): seeded inputs with ragged lengths against the float32 reference, every partial
-finite, bitwise reruns, the dispatcher, a negative control.
+CPU (CI): the relayout `mosaic_layout.to_mosaic` is lossless (dequantized equal to the planar
+cache, `from_mosaic` its exact inverse), its words are the packing module's 2-bit words and
+its maps are permutations; every thread's m16n8k16 A fragments, rebuilt from the words with
+the kernel's arithmetic (`mosaic_dequant.code_pairs_numpy`) and the PTX fragment formula
+written out here, reproduce the planar cache's keys and values; the layout and `plan` reject
+what the kernel cannot take; the kernel lowers for CUDA. GPU (`-m gpu`): seeded inputs with
+ragged lengths against the float32 reference, every partial finite, bitwise reruns, the
+dispatcher on a KiviMosaic cache and on planar inputs, a negative control.
 """
 
 import dataclasses
@@ -21,11 +23,113 @@ from kivi_cases import PLAN_REJECTS, SHAPES, assert_plan_rejects, case  # noqa: 
 from kvlowrank_kernels.common import triton_backend  # noqa: E402
 from kvlowrank_kernels.kivi import kivi_attention  # noqa: E402
 from kvlowrank_kernels.kivi import (  # noqa: E402
-    mosaic_dequant, mosaic_kivi_warp, mosaic_layout)
-from kvlowrank_kernels.kivi import planar as packing  # noqa: E402
+    mosaic_dequant, mosaic_kivi_warp, mosaic_layout, planar)
 from kvlowrank_kernels.kivi.reference import kivi_attention_reference  # noqa: E402
+from kvlowrank_kernels.quant import packing  # noqa: E402
 
 F32 = jnp.float32
+
+
+def _quantized(dtype, seed=0, shape=(2, 256, 3, 128)):
+  k = jax.random.normal(jax.random.key(seed), shape).astype(jnp.bfloat16)
+  v = jax.random.normal(jax.random.key(seed + 1), shape).astype(jnp.bfloat16)
+  return (planar.quantize_keys(k, 2, 32, jnp.dtype(dtype)),
+          planar.quantize_values(v, 2, 32, jnp.dtype(dtype)))
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_relayout_is_lossless(dtype):
+  kq, vq = _quantized(dtype)
+  cache = mosaic_layout.to_mosaic(kq, vq)
+  assert cache.kc.dtype == jnp.uint32 and cache.ks.dtype == jnp.dtype(dtype)
+  assert cache.capacity == 256 and cache.kc.shape == (2, 3, 2, 4, 256)
+  # Same bytes as the planar cache: codes 2 bits, scale/zero unchanged in number.
+  assert cache.kc.size * 4 == kq.codes.size and cache.ks.size == 2 * kq.scale.size
+  kf, vf = mosaic_layout.dequantize_mosaic(cache)
+  np.testing.assert_array_equal(np.asarray(kf), np.asarray(planar.dequantize_keys(kq, 128)))
+  np.testing.assert_array_equal(np.asarray(vf), np.asarray(planar.dequantize_values(vq, 128)))
+  # from_mosaic is the exact inverse: the planar arrays come back bit for bit.
+  back_k, back_v = mosaic_layout.from_mosaic(cache)
+  for want, got in ((kq, back_k), (vq, back_v)):
+    assert (got.bits, got.group) == (want.bits, want.group)
+    for field in ("codes", "scale", "zero"):
+      a, b = np.asarray(getattr(want, field)), np.asarray(getattr(got, field))
+      assert a.dtype == b.dtype and np.array_equal(a, b), field
+  # Negative control: one flipped code bit changes exactly one element.
+  bad = dataclasses.replace(cache, kc=cache.kc.at[0, 0, 0, 1, 22].set(cache.kc[0, 0, 0, 1, 22]
+                                                                        ^ 1))
+  kb, _ = mosaic_layout.dequantize_mosaic(bad)
+  assert int((np.asarray(kb) != np.asarray(kf)).sum()) == 1
+
+
+def test_words_are_the_packing_modules_2bit_words():
+  """A word's slot k, element e sits at bits 2 k + 16 e: its 16 codes in (e, k) order are an
+  LSB-first 2-bit stream, which is `packing.pack_words(.., 2)`; the relayout's words equal
+  that formula applied to the planar codes gathered by `code_maps` (numpy)."""
+  rng = np.random.default_rng(0)
+  stream = rng.integers(0, 4, (64, 16))
+  want = (stream.astype(np.uint64) << (2 * np.arange(16, dtype=np.uint64))).sum(-1)
+  np.testing.assert_array_equal(np.asarray(packing.pack_words(jnp.asarray(stream), 2))[:, 0],
+                                want.astype(np.uint32))
+  kq, vq = _quantized("float16", seed=3, shape=(1, 128, 1, 128))
+  cache = mosaic_layout.to_mosaic(kq, vq)
+  (kt, kd), (vt, vd) = mosaic_layout.code_maps()
+  shift = (2 * np.arange(8)[:, None] + 16 * np.arange(2)[None, :]).astype(np.uint64)
+  for codes, rows, cols, words in ((planar.key_codes(kq), kt, kd, cache.kc),
+                                   (planar.value_codes(vq), vt, vd, cache.vc)):
+    c = np.asarray(codes)[0, 0][rows, cols].astype(np.uint64)         # [1024, 8, 2]
+    formula = (c << shift).sum((-2, -1)).astype(np.uint32)
+    np.testing.assert_array_equal(np.asarray(words).reshape(1024), formula)
+    # Negative control: (k, e) order instead of (e, k) (bits 4 k + 2 e).
+    swapped = (c << (4 * np.arange(8)[:, None] + 2 * np.arange(2)).astype(np.uint64)).sum(
+        (-2, -1)).astype(np.uint32)
+    assert not np.array_equal(np.asarray(words).reshape(1024), swapped)
+
+
+def test_maps_are_permutations():
+  """Every planar element of a block is stored exactly once (what a cache writing this layout
+  directly relies on); the returned arrays are copies."""
+  (kt, kd), (vt, vd) = mosaic_layout.code_maps()
+  for t, d in ((kt, kd), (vt, vd)):
+    assert t.shape == d.shape == (1024, 8, 2)
+    assert np.array_equal(np.sort((t * 128 + d).ravel()), np.arange(128 * 128))
+  (kg, kx), (vx, vg) = mosaic_layout.scale_maps()
+  assert kg.shape == (4, 8, 4, 2, 2)
+  assert np.array_equal(np.sort((kg * 128 + kx).ravel()), np.arange(4 * 128))
+  assert np.array_equal(np.sort((vx * 4 + vg).ravel()), np.arange(128 * 4))
+  kt[...] = 0
+  assert mosaic_layout.code_maps()[0][0].max() == 127
+  # Each key word's 16 codes lie in one 32-token key group (its warp's): one scale row.
+  (kt, _), _ = mosaic_layout.code_maps()
+  assert np.array_equal(kt.reshape(1024, 16).min(1) // 32, kt.reshape(1024, 16).max(1) // 32)
+
+
+def test_layout_rejects():
+  k = jnp.zeros((1, 64, 1, 128), jnp.bfloat16)
+  kq = planar.quantize_keys(k, 2, 32, jnp.float16)
+  vq = planar.quantize_values(k, 2, 32, jnp.float16)
+  with pytest.raises(ValueError, match="multiple of 128"):
+    mosaic_layout.to_mosaic(kq, vq)
+  k = jnp.zeros((1, 128, 1, 128), jnp.bfloat16)
+  with pytest.raises(ValueError, match="keys must be 2-bit with groups of 32"):
+    mosaic_layout.to_mosaic(planar.quantize_keys(k, 4, 32, jnp.float16),
+                            planar.quantize_values(k, 2, 32, jnp.float16))
+  with pytest.raises(ValueError, match="values must be 2-bit with groups of 32"):
+    mosaic_layout.to_mosaic(planar.quantize_keys(k, 2, 32, jnp.float16),
+                            planar.quantize_values(k, 2, 16, jnp.float16))
+  with pytest.raises(ValueError, match="float16 or bfloat16"):
+    mosaic_layout.to_mosaic(planar.quantize_keys(k, 2, 32, F32),
+                            planar.quantize_values(k, 2, 32, F32))
+  with pytest.raises(ValueError, match="head dim must be 128"):
+    mosaic_layout.to_mosaic(planar.quantize_keys(k[..., :64], 2, 32, jnp.float16),
+                            planar.quantize_values(k[..., :64], 2, 32, jnp.float16))
+  cache = mosaic_layout.to_mosaic(planar.quantize_keys(k, 2, 32, jnp.float16),
+                                  planar.quantize_values(k, 2, 32, jnp.float16))
+  with pytest.raises(ValueError, match="KiviMosaic.vs shape"):
+    mosaic_layout.check_mosaic(dataclasses.replace(cache, vs=cache.vs[:, :, :, :2]))
+  with pytest.raises(ValueError, match="KiviMosaic.kc must be uint32"):
+    mosaic_layout.check_mosaic(dataclasses.replace(cache, kc=cache.kc.astype(jnp.int32)))
+  assert mosaic_layout.check_mosaic(cache) == "float16"
 
 
 def _a_fragment(lane):
@@ -39,21 +143,27 @@ def _a_fragment(lane):
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 @pytest.mark.parametrize("what", ["keys", "values"])
 def test_warp_fragments_rebuild_the_cache(dtype, what):
+  """The codes as the kernel makes them (`code_pairs_numpy`), times the scale and plus the
+  zero point each fragment element reads, reassemble the planar cache's dequantized block
+  (rounded once to the 16-bit type)."""
   rng = np.random.default_rng(5)
   x = jnp.asarray(rng.normal(size=(1, 128, 1, 128)) * 3 + 1, jnp.bfloat16)
   sdt = jnp.dtype(dtype)
-  kq = packing.quantize_keys(x, 2, 32, sdt)
-  vq = packing.quantize_values(x, 2, 32, sdt)
-  cache = mosaic_layout.to_mosaic(kq, vq, layout="warp")
+  kq = planar.quantize_keys(x, 2, 32, sdt)
+  vq = planar.quantize_values(x, 2, 32, sdt)
+  cache = mosaic_layout.to_mosaic(kq, vq)
   if what == "keys":
-    want = np.asarray(packing.dequantize_keys(kq, 128)[0, :, 0])          # [token, channel]
+    want = np.asarray(planar.dequantize_keys(kq, 128)[0, :, 0])          # [token, channel]
     words = np.asarray(cache.kc[0, 0, 0]).reshape(2, 128, 4)               # [m, tau, u]
     sc = np.asarray(cache.ks[0, 0, 0].astype(F32)).reshape(4, 8, 4, 2, 2, 2)
   else:
-    want = np.asarray(packing.dequantize_values(vq, 128)[0, :, 0]).T      # [channel, token]
+    want = np.asarray(planar.dequantize_values(vq, 128)[0, :, 0]).T      # [channel, token]
     words = np.asarray(cache.vc[0, 0, 0]).reshape(128, 8)                  # [tau, u]
     sc = np.asarray(cache.vs[0, 0, 0].astype(F32)).reshape(4, 8, 4, 2, 2, 2)
   want = np.asarray(jnp.asarray(want).astype(sdt).astype(F32))
+
+  def scaled(word, s_pairs, z_pairs):  # [8 slots, 2 elements]
+    return mosaic_dequant.code_pairs_numpy(np.uint32(word), dtype) * s_pairs + z_pairs
 
   def assemble(order):
     got = np.full((128, 128), np.nan)
@@ -65,9 +175,8 @@ def test_warp_fragments_rebuild_the_cache(dtype, what):
           s = sc[w, :, lane % 4]                                   # [r, jj, sz, e]
           for u in range(4):
             ks = [(u % 2) * 8 + k for k in range(8)]               # pair columns j
-            vals = mosaic_dequant.dequant_pairs_numpy(
-                np.uint32(words[m, tau, u]), np.stack([s[j // 2, j % 2, 0] for j in ks]),
-                np.stack([s[j // 2, j % 2, 1] for j in ks]), dtype)
+            vals = scaled(words[m, tau, u], np.stack([s[j // 2, j % 2, 0] for j in ks]),
+                          np.stack([s[j // 2, j % 2, 1] for j in ks]))
             for k, j in enumerate(ks):
               kk, reg = j // 2, 2 * (j % 2) + u // 2                # a0..a3 = (rh, jh)
               row, col = frag[2 * reg]
@@ -76,9 +185,8 @@ def test_warp_fragments_rebuild_the_cache(dtype, what):
         for u in range(8):
           kk, gq = divmod(u, 4)
           chunk = sc[w, u, lane % 4]                               # [jh, sz, e]
-          vals = mosaic_dequant.dequant_pairs_numpy(
-              np.uint32(words[tau, u]), np.stack([chunk[(k % 4) // 2, 0] for k in range(8)]),
-              np.stack([chunk[(k % 4) // 2, 1] for k in range(8)]), dtype)
+          vals = scaled(words[tau, u], np.stack([chunk[(k % 4) // 2, 0] for k in range(8)]),
+                        np.stack([chunk[(k % 4) // 2, 1] for k in range(8)]))
           for k in range(8):
             t, reg = 2 * gq + k // 4, k % 4
             row, col = frag[2 * reg]
@@ -90,27 +198,37 @@ def test_warp_fragments_rebuild_the_cache(dtype, what):
   assert not np.allclose(assemble([0, 1, 4, 5, 2, 3, 6, 7]), want)
 
 
+def test_code_pairs_are_exact():
+  """The kernel's lop3 + packed FMA give every code of a word exactly, in fp16 and bf16
+  (random codes in every slot and element); misaligned words do not (negative control)."""
+  rng = np.random.default_rng(9)
+  codes = rng.integers(0, 4, (256, 8, 2))
+  shift = (2 * np.arange(8)[:, None] + 16 * np.arange(2)[None, :]).astype(np.uint64)
+  words = (codes.astype(np.uint64) << shift).sum((-2, -1)).astype(np.uint32)
+  for dtype in ("float16", "bfloat16"):
+    np.testing.assert_array_equal(mosaic_dequant.code_pairs_numpy(words, dtype), codes)
+  assert not np.array_equal(mosaic_dequant.code_pairs_numpy(words >> np.uint32(2), "float16"),
+                            codes)
+
+
 @pytest.mark.parametrize("change, match", PLAN_REJECTS)
 def test_plan_rejects(change, match):
   assert_plan_rejects(mosaic_kivi_warp.plan, change, match)
 
 
-@pytest.mark.parametrize("change, match", [(dict(dequant="int"), "dequant must be"),
-                                           (dict(skip=5), "ablation of dequant='fma'"),
-                                           (dict(skip=7), "skip must be")])
-def test_plan_rejects_warp_options(change, match):
-  assert_plan_rejects(mosaic_kivi_warp.plan, change, match)
-
-
-def test_plan_defaults_and_layout_check():
+def test_plan_defaults_and_cache_check():
   p = mosaic_kivi_warp.plan((8, 32, 128), (8, 8, 128), warpgroups=3)
   assert p["stages"] % 3 == 0 and p["np"] == 8 and (3 * p["regs"] + 40) * 128 <= 65536
-  assert p["fold"] == (True, True) and mosaic_kivi_warp.plan(
-      (8, 32, 128), (8, 8, 128), dequant="fma")["fold"] == (False, False)
+  assert "skip" not in p and "fold" not in p
+  p2 = mosaic_kivi_warp.plan((8, 32, 128), (8, 8, 128))
+  assert p2["w"] == 2 and p2["stages"] % 2 == 0 and p2["regs"] <= 232
+  with pytest.raises(TypeError):  # the removed knobs
+    mosaic_kivi_warp.plan((8, 32, 128), (8, 8, 128), dequant="fma")
   _, (q, kq, vq, kw, vw, ql, wl) = case(0, 1)
-  with pytest.raises(ValueError, match="'warp' layout"):
-    mosaic_kivi_warp.kivi_attention_mosaic_warp(q, mosaic_layout.to_mosaic(kq, vq), kw, vw,
-                                                ql, wl)
+  cache = mosaic_layout.to_mosaic(kq, vq)
+  bad = dataclasses.replace(cache, ks=cache.ks.astype(F32), vs=cache.vs.astype(F32))
+  with pytest.raises(ValueError, match="float16 or bfloat16"):
+    mosaic_kivi_warp.kivi_attention_mosaic_warp(q, bad, kw, vw, ql, wl)
 
 
 @pytest.mark.parametrize("idx", range(len(SHAPES)))
@@ -118,7 +236,7 @@ def test_plan_defaults_and_layout_check():
                                   dict(warpgroups=2, num_splits=2)])
 def test_mosaic_kivi_warp_lowers_for_cuda(idx, opts):
   _, (q, kq, vq, kw, vw, ql, wl) = case(idx, 20 + idx)
-  cache = mosaic_layout.to_mosaic(kq, vq, layout="warp")
+  cache = mosaic_layout.to_mosaic(kq, vq)
   f = jax.jit(lambda *a: mosaic_kivi_warp.kivi_attention_mosaic_warp(*a, **opts))
   text = f.trace(q, cache, kw, vw, ql, wl).lower(lowering_platforms=("cuda",)).as_text()
   assert "mosaic_gpu" in text
@@ -129,16 +247,14 @@ def test_mosaic_kivi_warp_lowers_for_cuda(idx, opts):
 @pytest.mark.parametrize("opts", [dict(), dict(warpgroups=1, stages=1),
                                   dict(warpgroups=1, stages=4, num_splits=1),
                                   dict(warpgroups=2, stages=2, num_splits=3),
+                                  dict(warpgroups=1, stages=2, num_splits=3),
                                   dict(warpgroups=2), dict(warpgroups=3, stages=3,
-                                                           num_splits=2),
-                                  dict(dequant="fma"),
-                                  dict(warpgroups=1, stages=2, num_splits=3, dequant="fma"),
-                                  dict(dequant="fold-keys"), dict(dequant="fold-values")])
+                                                           num_splits=2)])
 def test_mosaic_kivi_warp_matches_reference(idx, opts):
   if not triton_backend.gpu_available():
     pytest.skip("needs a GPU")
   shape, (q, kq, vq, kw, vw, ql, wl) = case(idx, 700 + idx)
-  cache = mosaic_layout.to_mosaic(kq, vq, layout="warp")
+  cache = mosaic_layout.to_mosaic(kq, vq)
   ref, ref_lse = kivi_attention_reference(q, kq, vq, kw, vw, ql, wl, out_dtype=F32)
   run = jax.jit(lambda *a: mosaic_kivi_warp.kivi_attention_mosaic_warp(
       *a, out_dtype=F32, return_partials=True, **opts))
@@ -153,17 +269,25 @@ def test_mosaic_kivi_warp_matches_reference(idx, opts):
 
 @pytest.mark.gpu
 def test_mosaic_kivi_warp_dispatcher_and_negative_control():
+  """The dispatcher runs the warp kernel on a KiviMosaic cache as stored (bitwise the
+  kernel's result) and on planar inputs (relaid out per call: the same result); a corrupted
+  scale/zero row must break the agreement with the reference."""
   if not triton_backend.gpu_available():
     pytest.skip("needs a GPU")
   _, (q, kq, vq, kw, vw, ql, wl) = case(0, 750)
   ref, _ = kivi_attention_reference(q, kq, vq, kw, vw, ql, wl, out_dtype=F32)
-  out, _ = kivi_attention(q, kq, vq, kw, vw, ql, wl, out_dtype=F32, implementation="mosaic")
-  assert_close(out, ref, 2e-2, 2e-2, "dispatcher (warp kernel)")
-  cache = mosaic_layout.to_mosaic(kq, vq, layout="warp")
+  cache = mosaic_layout.to_mosaic(kq, vq)
+  direct, _ = mosaic_kivi_warp.kivi_attention_mosaic_warp(q, cache, kw, vw, ql, wl,
+                                                          out_dtype=F32)
+  for keys, values in ((cache, None), (kq, vq)):
+    out, _ = kivi_attention(q, keys, values, kw, vw, ql, wl, out_dtype=F32,
+                            implementation="mosaic")
+    assert_close(out, ref, 2e-2, 2e-2, f"dispatcher ({type(keys).__name__})")
+    assert np.array_equal(np.asarray(out), np.asarray(direct))
   row = int(np.argmax(np.asarray(ql)))
   for what in ("ks", "vs"):  # the scale/zero rows of the first block, times 9
     bad = dataclasses.replace(cache, **{what: getattr(cache, what).at[row, 0, 0].multiply(9.0)})
-    out, _ = mosaic_kivi_warp.kivi_attention_mosaic_warp(q, bad, kw, vw, ql, wl,
-                                                         out_dtype=F32)
+    out, _ = kivi_attention(q, bad, None, kw, vw, ql, wl, out_dtype=F32,
+                            implementation="mosaic")
     with pytest.raises(AssertionError):
       assert_close(out, ref, 2e-2, 2e-2, f"corrupted {what}")

@@ -1,20 +1,44 @@
-"""Exact dense K/V cache (bf16 or fp32): the oracle every compressed cache is tested against."""
+"""Exact dense K/V cache (bf16 or fp32): the oracle every compressed cache is tested against.
+
+A decode step (T = 1) on a GPU runs the best dense decode kernel that fits
+(`kvlowrank_kernels.dense.decode_attention`: cuDNN, else the Triton split-K kernel) on the
+cache's own [B, S, K, H] arrays, so the compressed methods are compared with a fast
+uncompressed cache, not with the jnp reference; everything else runs the reference
+(`model.attention.dot_product_attention`, in query chunks for long prompts).
+"""
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 
 import jax
 import jax.numpy as jnp
 
-from kvlowrank.cache import base
+from typing import Optional
+
+from kvlowrank.cache import base, dispatch
 from kvlowrank.model.attention import dot_product_attention
 from kvlowrank.spec import ModelSpec
+from kvlowrank_kernels import dense as dense_kernels
+
+IMPLEMENTATIONS = ("cudnn", "triton")   # the kernels, fastest first (besides "reference")
 
 
 @dataclasses.dataclass(frozen=True)
 class DenseSpec:
-  """No knobs: stores post-RoPE K and V at the cache dtype."""
+  """Stores post-RoPE K and V at the cache dtype.
+
+  implementation: None (the fastest that fits: `cache.dispatch`), "reference", "cudnn" or
+    "triton".
+  """
+
+  implementation: Optional[str] = None
+
+  def __post_init__(self):
+    if self.implementation not in (None, dispatch.REFERENCE) + IMPLEMENTATIONS:
+      raise ValueError(f"DenseSpec.implementation must be None, 'reference' or one of "
+                       f"{IMPLEMENTATIONS}, got {self.implementation!r}")
 
 
 @jax.tree_util.register_dataclass
@@ -24,14 +48,17 @@ class DenseCache(base.KVCache):
   v: jax.Array        # [B, S, K, H]
   lens: jax.Array     # [B] int32
   sliding_window: int | None = base.static_field(default=None)
+  implementation: Optional[str] = base.static_field(default=None)
 
   name = "dense"
 
   @classmethod
-  def init(cls, spec: ModelSpec, *, batch: int, capacity: int, dtype=jnp.bfloat16):
+  def init(cls, spec: ModelSpec, *, batch: int, capacity: int, dtype=jnp.bfloat16,
+           implementation: Optional[str] = None):
     shape = (batch, capacity, spec.n_kv_heads, spec.head_dim)
     return cls(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype),
-               lens=jnp.zeros((batch,), jnp.int32), sliding_window=spec.sliding_window)
+               lens=jnp.zeros((batch,), jnp.int32), sliding_window=spec.sliding_window,
+               implementation=implementation)
 
   @property
   def capacity(self) -> int:
@@ -52,7 +79,31 @@ class DenseCache(base.KVCache):
     k_pos = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
     return k_pos, k_pos < self.lens[:, None]
 
-  def attend(self, q, q_positions, lp, *, spec: ModelSpec):
+  def choose_implementation(self, q_shape, implementation=None, platform=None):
+    """(implementation, reason) for an attend call with queries [B, T, N, H]."""
+    req = self.implementation if implementation is None else implementation
+    b, t, n, h = q_shape
+
+    def fit(name):
+      def go():
+        if self.sliding_window is not None:
+          return "sliding-window attention"
+        q = jax.ShapeDtypeStruct((b, n, h), self.k.dtype)
+        return dense_kernels.kernel_fit(q, self.k, self.v, self.lens, name)
+      return go
+
+    cands = [(name, "gpu", fit(name)) for name in IMPLEMENTATIONS]
+    return dispatch.choose("dense", req, cands, decode=t == 1, platform=platform)
+
+  def attend(self, q, q_positions, lp, *, spec: ModelSpec, implementation=None):
+    impl, reason = self.choose_implementation(q.shape, implementation)
+    dispatch.log_once("dense", impl, reason)
+    if impl != dispatch.REFERENCE:
+      out, lse = dense_kernels.decode_attention(q[:, 0], self.k, self.v, self.lens,
+                                                out_dtype=q.dtype, implementation=impl)
+      live = q_positions >= 0
+      return (jnp.where(live[..., None, None], out[:, None], 0).astype(q.dtype),
+              jnp.where(live[..., None], lse[:, None], -jnp.inf))
     k_pos, valid = self.slot_positions()
     return dot_product_attention(q, self.k, self.v, q_positions, k_pos, valid,
                                  sliding_window=self.sliding_window, out_dtype=q.dtype)
@@ -67,5 +118,11 @@ class DenseCache(base.KVCache):
 
 @base.register_cache("dense")
 def _make_dense(method_spec, spec: ModelSpec, params, *, batch, capacity, dtype):
-  return tuple(DenseCache.init(spec, batch=batch, capacity=capacity, dtype=dtype)
+  if isinstance(method_spec, Mapping):
+    method_spec = DenseSpec(**method_spec)
+  # Other methods' specs may build a dense cache (e.g. a baseline with extra knobs): only
+  # an `implementation` field is read.
+  impl = getattr(method_spec, "implementation", None)
+  return tuple(DenseCache.init(spec, batch=batch, capacity=capacity, dtype=dtype,
+                               implementation=impl)
                for _ in range(spec.n_layers))

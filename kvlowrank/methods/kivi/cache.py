@@ -11,17 +11,23 @@ Algorithm (KIVI §3.3-3.4 / Alg. 1, following jy-yuan/KIVI `models/llama_kivi.py
   * Values are quantized PER TOKEN in groups of G channels and kept in a sliding
     window: the last R tokens stay exact; a token leaving the window is quantized.
     At length L the quantized values are positions [0, max(0, L - R)).
-  * Quantizer: `kvlowrank.quant` (asymmetric min/max, scale/zero in `scale_dtype`,
-    fp16 by default like KIVI; codes really bit-packed into uint32).
+  * Quantizer: the project's one quantizer (`kvlowrank_kernels.quant`: asymmetric
+    min/max, scale/zero in `scale_dtype`, fp16 by default like KIVI).
 
-Storage (preallocated, per layer; S = capacity rounded up to a multiple of G):
-  k_codes [B,S,K,words(H)] uint32, k_scale/k_zero [B,S/G,K,H],
-  v_codes [B,S,K,words(H)] uint32, v_scale/v_zero [B,S,K,H/G],
-  k_res/v_res [B,F,K,H] exact ring buffers (cache dtype) holding the last F tokens
-  (F = R, or F = G when R = 0: keys always need an exact buffer until a group of G
-  tokens completes; the value ring is then allocated but never read), lens [B].
-  Slot s of the quantized store holds position s; ring slot i holds the position
-  p = i (mod F) among the last F.
+Storage (preallocated, per layer): the quantized store is kept in its decode kernel's
+layout (`kvlowrank_kernels.kivi.store`), so a decode step hands the cache's arrays to the
+kernel as they are:
+  * "warp" (2-bit keys and values, G = 32, head dim 128, fp16/bf16 scales): the Mosaic
+    warp kernel's fragment order, capacity rounded up to a multiple of 128;
+  * "planar" (everything else): the Triton kernel's head-major planar rows, capacity
+    rounded up to a multiple of lcm(G, 32).
+  k_res/v_res [B,F,K,H] ring buffers (cache dtype) hold the last F tokens (F = R, or F = G
+  when R = 0: keys always need an exact buffer until a group of G tokens completes) AS
+  ATTENTION SEES THEM: exact, or dequantized once a token's key (value) is quantized; lens
+  [B]. Slot s of the quantized store holds position s; ring slot i holds the position
+  p = i (mod F) among the last F. With the KIVI rules below, the tokens that are not in
+  the quantized prefix [0, m) (m = min of the two quantized prefixes) are exactly ring
+  slots [0, L - m): the kernels' exact window is the ring as stored.
 
 `update` handles prefill (T > 1) and decode (T = 1) with one traced code path:
 it assembles the exact values of positions [L0 - F, L0 + T) (ring + new tokens),
@@ -31,10 +37,12 @@ on traced lengths). Rows are ragged: each row's new tokens must continue its own
 sequence (positions lens[b], lens[b]+1, ...; -1 = padding anywhere; positions >=
 capacity are dropped like padding).
 
-Attention reads the post-update cache: tokens [0, m) (m = min of the two quantized
-prefixes) from the dequantized store, the last F tokens from the ring with each
-token's K/V taken dequantized or exact per the rules above; the two segments are
-merged with `combine` (LSE).
+Attention reads the post-update cache: tokens [0, m) from the quantized store and ring
+slots [0, L - m); the two segments are merged by their log-sum-exp. A decode step (T = 1)
+on a GPU runs the fused kernel (`kvlowrank_kernels.kivi.kivi_attention`: Mosaic warp
+kernel on the warp layout, Triton on planar 2/4-bit); anything else runs the jnp
+reference below (prefill attends the dequantized store in query chunks, see
+`model.attention`), with the reason logged once (`cache.dispatch`).
 
 Deviations from the KIVI code (documented, deliberate):
   1. Prefill: KIVI runs exact flash attention over the prompt; here prompt queries
@@ -43,8 +51,9 @@ Deviations from the KIVI code (documented, deliberate):
   2. Decode: KIVI attends *before* flushing (the query sees R+1 exact values, and on a
      flush step R exact keys); here attention follows the update, so the value leaving
      the window and, on a flush step, the block's keys are already quantized.
-  3. Dequantization is computed in fp32 (code * scale + zero from the stored
-     fp16 scale/zero) and cast to the cache dtype; KIVI's kernels work in fp16.
+  3. The jnp reference dequantizes in fp32 (code * scale + zero from the stored fp16
+     scale/zero) and casts to the cache dtype; the kernels dequantize in fp16/bf16, as
+     KIVI's own kernels do.
   4. R = 0 is allowed (KIVI divides by R): values are quantized immediately, keys
      once a G-group completes.
 """
@@ -53,17 +62,23 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping
-from typing import Optional
+from typing import Any, Optional
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kvlowrank.cache import base
+from kvlowrank.cache import base, dispatch
 from kvlowrank.model.attention import combine, dot_product_attention
-from kvlowrank_kernels.quant import packing
-from kvlowrank_kernels.quant.quantizer import canonical_scale_dtype, dequantize_codes, quantize_codes
 from kvlowrank.spec import ModelSpec
+from kvlowrank_kernels import kivi as kivi_kernels
+from kvlowrank_kernels.kivi import store as kstore
+from kvlowrank_kernels.quant import packing
+from kvlowrank_kernels.quant.quantizer import (canonical_scale_dtype, dequantize_codes,
+                                               quantize_codes)
+
+IMPLEMENTATIONS = ("mosaic", "triton")   # the kernels, fastest first (besides "reference")
+LAYOUTS = ("auto",) + kstore.LAYOUTS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,7 +88,12 @@ class KiviSpec:
   bits: key bits (2/3/4/8); v_bits: value bits (None = same as bits);
   group_size G: tokens per key group and channels per value group;
   residual R: exact window length (multiple of G, may be 0);
-  scale_dtype: dtype of scales and zero points (float16 | bfloat16 | float32).
+  scale_dtype: dtype of scales and zero points (float16 | bfloat16 | float32);
+  layout: storage layout of the quantized store, "auto" (the warp layout where it applies
+    and a Hopper GPU runs the Mosaic kernel that reads it, else planar: the Triton kernel's),
+    "warp" or "planar" (`kvlowrank_kernels.kivi.store`; both hold the same codes);
+  implementation: None (the fastest that fits: `cache.dispatch`), "reference", "mosaic" or
+    "triton".
   """
 
   bits: int = 2
@@ -81,6 +101,8 @@ class KiviSpec:
   residual: int = 128
   v_bits: Optional[int] = None
   scale_dtype: str = "float16"
+  layout: str = "auto"
+  implementation: Optional[str] = None
 
   def __post_init__(self):
     packing.check_bits(self.bits, "KiviSpec.bits")
@@ -97,6 +119,11 @@ class KiviSpec:
                        f"({g}): keys are flushed in R-token blocks of whole G-token groups")
     object.__setattr__(self, "scale_dtype",
                        canonical_scale_dtype(self.scale_dtype, "KiviSpec.scale_dtype"))
+    if self.layout not in LAYOUTS:
+      raise ValueError(f"KiviSpec.layout must be one of {LAYOUTS}, got {self.layout!r}")
+    if self.implementation not in (None, dispatch.REFERENCE) + IMPLEMENTATIONS:
+      raise ValueError(f"KiviSpec.implementation must be None, 'reference' or one of "
+                       f"{IMPLEMENTATIONS}, got {self.implementation!r}")
 
   @property
   def value_bits(self) -> int:
@@ -106,6 +133,20 @@ class KiviSpec:
   def flush_block(self) -> int:
     """F: key flush block and ring length (R, or G when R = 0)."""
     return self.residual if self.residual > 0 else self.group_size
+
+  def store_layout(self, head_dim: int) -> str:
+    """The quantized store's layout for a model of this head dim (ValueError naming
+    KiviSpec.layout when "warp" is asked for where it does not apply)."""
+    cfg = dict(k_bits=self.bits, v_bits=self.value_bits, group=self.group_size,
+               head_dim=head_dim, scale_dtype=self.scale_dtype)
+    if self.layout == "auto":
+      return "warp" if (kstore.warp_fit(**cfg) is None
+                        and dispatch.Platform.detect().hopper) else "planar"
+    if self.layout == "warp":
+      why = kstore.warp_fit(**cfg)
+      if why is not None:
+        raise ValueError(f"KiviSpec.layout='warp' does not hold {why}")
+    return self.layout
 
 
 def _rows(a, idx):
@@ -123,13 +164,8 @@ def _scatter_rows(buf, idx, ok, vals):
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class KiviCache(base.KVCache):
-  k_codes: jax.Array   # [B, S, K, Wk] uint32, packed along H
-  k_scale: jax.Array   # [B, S/G, K, H]
-  k_zero: jax.Array    # [B, S/G, K, H]
-  v_codes: jax.Array   # [B, S, K, Wv] uint32
-  v_scale: jax.Array   # [B, S, K, H/G]
-  v_zero: jax.Array    # [B, S, K, H/G]
-  k_res: jax.Array     # [B, F, K, H] exact post-RoPE keys of the last F tokens (ring)
+  store: Any           # kvlowrank_kernels.kivi.store: KiviMosaic ("warp") or PlanarStore
+  k_res: jax.Array     # [B, F, K, H] keys of the last F tokens as attention sees them (ring)
   v_res: jax.Array     # [B, F, K, H]
   lens: jax.Array      # [B] int32
   k_bits: int = base.static_field(default=2)
@@ -137,34 +173,35 @@ class KiviCache(base.KVCache):
   group_size: int = base.static_field(default=32)
   residual: int = base.static_field(default=128)
   sliding_window: Optional[int] = base.static_field(default=None)
+  implementation: Optional[str] = base.static_field(default=None)
 
   name = "kivi"
 
   @classmethod
   def init(cls, kspec: KiviSpec, spec: ModelSpec, *, batch: int, capacity: int,
            dtype=jnp.bfloat16):
-    """Allocates an empty cache for `capacity` positions (rounded up to a multiple of G)."""
+    """Allocates an empty cache for `capacity` positions (rounded up to the store's
+    capacity multiple)."""
     g, h, kh = kspec.group_size, spec.head_dim, spec.n_kv_heads
     if h % g:
       raise ValueError(f"KiviSpec.group_size ({g}) must divide head_dim ({h}): values are "
                        f"quantized per token in groups of group_size channels")
-    s = -(-capacity // g) * g
+    layout = kspec.store_layout(h)
+    m = kstore.capacity_multiple(layout, g)
+    s = -(-capacity // m) * m
     f = kspec.flush_block
-    sd = jnp.dtype(kspec.scale_dtype)
-    wk = packing.packed_words(h, kspec.bits)
-    wv = packing.packed_words(h, kspec.value_bits)
+    store = kstore.empty(layout, batch=batch, kv_heads=kh, capacity=s, head_dim=h,
+                         k_bits=kspec.bits, v_bits=kspec.value_bits, group=g,
+                         scale_dtype=kspec.scale_dtype)
     z = jnp.zeros
-    return cls(
-        k_codes=z((batch, s, kh, wk), jnp.uint32), k_scale=z((batch, s // g, kh, h), sd),
-        k_zero=z((batch, s // g, kh, h), sd), v_codes=z((batch, s, kh, wv), jnp.uint32),
-        v_scale=z((batch, s, kh, h // g), sd), v_zero=z((batch, s, kh, h // g), sd),
-        k_res=z((batch, f, kh, h), dtype), v_res=z((batch, f, kh, h), dtype),
-        lens=z((batch,), jnp.int32), k_bits=kspec.bits, v_bits=kspec.value_bits,
-        group_size=g, residual=kspec.residual, sliding_window=spec.sliding_window)
+    return cls(store=store, k_res=z((batch, f, kh, h), dtype), v_res=z((batch, f, kh, h), dtype),
+               lens=z((batch,), jnp.int32), k_bits=kspec.bits, v_bits=kspec.value_bits,
+               group_size=g, residual=kspec.residual, sliding_window=spec.sliding_window,
+               implementation=kspec.implementation)
 
   @property
   def capacity(self) -> int:
-    return self.k_codes.shape[1]
+    return kstore.capacity(self.store)
 
   @property
   def lengths(self):
@@ -173,6 +210,10 @@ class KiviCache(base.KVCache):
   @property
   def flush_block(self) -> int:
     return self.k_res.shape[1]
+
+  @property
+  def layout(self) -> str:
+    return "planar" if isinstance(self.store, kstore.PlanarStore) else "warp"
 
   def _n_quantized(self, lens):
     """(keys quantized [0, nqk), values quantized [0, nqv)) at lengths `lens`."""
@@ -187,7 +228,8 @@ class KiviCache(base.KVCache):
     l1 = base.new_lengths(l0, pos)
     nqk0, nqv0 = self._n_quantized(l0)
     nqk1, nqv1 = self._n_quantized(l1)
-    # Exact window E: slot j holds position l0 - f + j (ring for j < f, then new tokens).
+    # Window E: slot j holds position l0 - f + j (ring for j < f, then new tokens), each
+    # as attention sees it (the ring already is; new tokens are exact until quantized).
     lw = -(-(f + t) // g) * g           # key-window length: covers [nqk0, l0 + t)
     e_len = f + lw
     e_pos = l0[:, None] - f + jnp.arange(e_len)[None, :]
@@ -199,34 +241,39 @@ class KiviCache(base.KVCache):
       return _scatter_rows(e.astype(ring.dtype), new_slot, pos >= 0, new)
 
     ek, ev = window(self.k_res, inputs.k), window(self.v_res, inputs.v)
-    sd = self.k_scale.dtype
-    # Keys: per-channel groups of G tokens over window positions [nqk0, nqk0 + lw);
-    # only the groups inside the newly flushed blocks [nqk0, nqk1) are written.
+    sd = jnp.dtype(self._scale_dtype())
+    dt = self.k_res.dtype
+    # Keys: per-channel groups of G tokens over window positions [nqk0, nqk0 + lw); only
+    # the groups inside the newly flushed blocks [nqk0, nqk1) are written.
     kw_idx = (nqk0 - l0 + f)[:, None] + jnp.arange(lw)[None, :]
     kc, ks, kz = quantize_codes(_rows(ek, kw_idx), bits=self.k_bits, axis=1, group_size=g,
                                 scale_dtype=sd)
     tok = nqk0[:, None] + jnp.arange(lw)[None, :]
     grp = nqk0[:, None] // g + jnp.arange(lw // g)[None, :]
     tok_ok, grp_ok = tok < nqk1[:, None], (grp + 1) * g <= nqk1[:, None]
-    k_codes = _scatter_rows(self.k_codes, tok, tok_ok, packing.pack(kc, self.k_bits))
-    k_scale = _scatter_rows(self.k_scale, grp, grp_ok, ks)
-    k_zero = _scatter_rows(self.k_zero, grp, grp_ok, kz)
+    store = kstore.write_keys(self.store, grp, grp_ok, kc, ks, kz)
+    k_seen = dequantize_codes(kc, ks, kz, axis=1, group_size=g, dtype=dt)
+    ek = _scatter_rows(ek, kw_idx, tok_ok, k_seen)
     # Values: per-token groups of G channels; positions [l0 - r, l0 - r + t) may leave
     # the window in this step; those in [nqv0, nqv1) are written.
+    v_idx = (f - r) + jnp.arange(t)[None, :]
     vc, vs, vz = quantize_codes(ev[:, f - r:f - r + t], bits=self.v_bits, axis=-1,
                                 group_size=g, scale_dtype=sd)
     vpos = (l0 - r)[:, None] + jnp.arange(t)[None, :]
     v_ok = (vpos >= nqv0[:, None]) & (vpos < nqv1[:, None])
-    v_codes = _scatter_rows(self.v_codes, vpos, v_ok, packing.pack(vc, self.v_bits))
-    v_scale = _scatter_rows(self.v_scale, vpos, v_ok, vs)
-    v_zero = _scatter_rows(self.v_zero, vpos, v_ok, vz)
+    store = kstore.write_values(store, jnp.maximum(vpos, 0), v_ok, vc, vs, vz)
+    v_seen = dequantize_codes(vc, vs, vz, axis=-1, group_size=g, dtype=dt)
+    ev = _scatter_rows(ev, jnp.broadcast_to(v_idx, (b, t)), v_ok, v_seen)
     # Ring: slot i <- position p_i = i (mod f) among [l1 - f, l1), read from E.
     p = self._ring_positions(l1)
     e_idx = p - l0[:, None] + f
-    return dataclasses.replace(
-        self, k_codes=k_codes, k_scale=k_scale, k_zero=k_zero, v_codes=v_codes,
-        v_scale=v_scale, v_zero=v_zero, k_res=_rows(ek, e_idx), v_res=_rows(ev, e_idx),
-        lens=l1)
+    return dataclasses.replace(self, store=store, k_res=_rows(ek, e_idx),
+                               v_res=_rows(ev, e_idx), lens=l1)
+
+  def _scale_dtype(self):
+    if isinstance(self.store, kstore.PlanarStore):
+      return self.store.keys.scale.dtype
+    return self.store.ks.dtype
 
   def _ring_positions(self, lens):
     """[B, F]: position held by each ring slot at lengths `lens` (may be < 0: empty)."""
@@ -236,33 +283,66 @@ class KiviCache(base.KVCache):
 
   def dequantized(self):
     """Dequantized store (K_hat, V_hat) [B,S,K,H] in the cache dtype (fp32 math)."""
-    h, dt, g = self.k_res.shape[-1], self.k_res.dtype, self.group_size
-    kc = packing.unpack(self.k_codes, self.k_bits, h)
-    vc = packing.unpack(self.v_codes, self.v_bits, h)
-    k = dequantize_codes(kc, self.k_scale, self.k_zero, axis=1, group_size=g, dtype=dt)
-    v = dequantize_codes(vc, self.v_scale, self.v_zero, axis=3, group_size=g, dtype=dt)
-    return k, v
+    k, v = kstore.dequantize(self.store, self.k_res.shape[-1])
+    return k.astype(self.k_res.dtype), v.astype(self.k_res.dtype)
 
-  def _ring_segment(self, k_hat, v_hat):
-    """Ring tokens with each K/V dequantized or exact per the KIVI rules."""
+  def segments(self):
+    """(m [B], w_len [B]): the quantized prefix [0, m) and the ring slots [0, w_len) that
+    hold the other tokens (module docstring)."""
     nqk, nqv = self._n_quantized(self.lens)
-    p = self._ring_positions(self.lens)
-    safe = jnp.clip(p, 0, self.capacity - 1)
-    k = jnp.where((p < nqk[:, None])[..., None, None], _rows(k_hat, safe), self.k_res)
-    v = jnp.where((p < nqv[:, None])[..., None, None], _rows(v_hat, safe), self.v_res)
-    return p, k, v
+    m = jnp.minimum(nqk, nqv)
+    return m, self.lens - m
 
-  def attend(self, q, q_positions, lp, *, spec: ModelSpec):
-    nqk, nqv = self._n_quantized(self.lens)
-    m = jnp.minimum(nqk, nqv)   # [0, m): both K and V quantized
+  def kernel_candidates(self, q_shape):
+    """The decode kernels for a query [B, N, H] (fastest first) with their fit checks."""
+    k_win = self.k_res
+    if isinstance(self.store, kstore.PlanarStore):
+      mosaic_fit = lambda: "the cache is stored in the planar layout"
+      triton_fit = lambda: kivi_kernels.triton_fit(q_shape, self.store.keys, self.store.values,
+                                                   k_win.shape[1])
+    else:
+      mosaic_fit = lambda: kivi_kernels.mosaic_fit(q_shape, self.store)
+      triton_fit = lambda: "the cache is stored in the warp layout"
+
+    def fit(check):
+      def go():
+        if self.sliding_window is not None:
+          return "sliding-window attention"
+        if k_win.dtype not in (jnp.bfloat16, jnp.float16):
+          return f"{jnp.dtype(k_win.dtype).name} cache (the kernels take bf16/fp16)"
+        return check()
+      return go
+
+    return [("mosaic", "hopper", fit(mosaic_fit)), ("triton", "gpu", fit(triton_fit))]
+
+  def choose_implementation(self, q_shape, implementation=None, platform=None):
+    """(implementation, reason) for an attend call with queries [B, T, N, H]."""
+    req = self.implementation if implementation is None else implementation
+    b, t, n, h = q_shape
+    return dispatch.choose("kivi", req, self.kernel_candidates((b, n, h)), decode=t == 1,
+                           platform=platform)
+
+  def attend(self, q, q_positions, lp, *, spec: ModelSpec, implementation=None):
+    impl, reason = self.choose_implementation(q.shape, implementation)
+    dispatch.log_once("kivi", impl, reason)
+    m, w_len = self.segments()
+    if impl != dispatch.REFERENCE:
+      kw = dict(keys=self.store) if impl == "mosaic" else dict(keys=self.store.keys,
+                                                             values=self.store.values)
+      out, lse = kivi_kernels.kivi_attention(
+          q[:, 0], **kw, k_win=self.k_res, v_win=self.v_res, q_len=m, w_len=w_len,
+          out_dtype=q.dtype, implementation=impl)
+      live = q_positions >= 0                                         # [B, 1]
+      return (jnp.where(live[..., None, None], out[:, None], 0).astype(q.dtype),
+              jnp.where(live[..., None], lse[:, None], -jnp.inf))
     k_hat, v_hat = self.dequantized()
     b, s = k_hat.shape[:2]
     s_pos = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
     quant = dot_product_attention(q, k_hat, v_hat, q_positions, s_pos, s_pos < m[:, None],
                                   sliding_window=self.sliding_window, out_dtype=jnp.float32)
-    p, k_r, v_r = self._ring_segment(k_hat, v_hat)
-    ring_valid = (p >= m[:, None]) & (p >= 0)
-    exact = dot_product_attention(q, k_r, v_r, q_positions, p, ring_valid,
+    p = self._ring_positions(self.lens)
+    ring_valid = jnp.arange(self.flush_block)[None, :] < w_len[:, None]
+    exact = dot_product_attention(q, self.k_res, self.v_res, q_positions, p, ring_valid,
                                   sliding_window=self.sliding_window, out_dtype=jnp.float32)
     return combine([quant, exact], out_dtype=q.dtype)
 
@@ -281,18 +361,22 @@ class KiviCache(base.KVCache):
   def nbytes_breakdown(self) -> dict[str, int]:
     """Allocated bytes by role (sums to `nbytes()`)."""
     size = lambda *xs: int(sum(x.size * x.dtype.itemsize for x in xs))
-    return {"codes": size(self.k_codes, self.v_codes), "scales": size(self.k_scale, self.v_scale),
-            "zeros": size(self.k_zero, self.v_zero), "residual": size(self.k_res, self.v_res),
-            "lengths": size(self.lens)}
+    st = self.store
+    if isinstance(st, kstore.PlanarStore):
+      codes, scales = (st.keys.codes, st.values.codes), (st.keys.scale, st.values.scale,
+                                                         st.keys.zero, st.values.zero)
+    else:
+      codes, scales = (st.kc, st.vc), (st.ks, st.vs)
+    half = size(*scales) // 2
+    return {"codes": size(*codes), "scales": half, "zeros": half,
+            "residual": size(self.k_res, self.v_res), "lengths": size(self.lens)}
 
   def bytes_per_token(self) -> float:
     """Asymptotic bytes per cached token (this layer): packed codes + amortised scales
     and zero points of K (2H per G tokens) and V (2H/G per token); the O(R) exact
     window and the per-row lengths are excluded."""
-    kh, h = self.k_res.shape[2], self.k_res.shape[3]
-    sd = self.k_scale.dtype.itemsize
-    codes = 4 * (self.k_codes.shape[-1] + self.v_codes.shape[-1])
-    return float(kh * (codes + 2 * sd * h / self.group_size + 2 * sd * h / self.group_size))
+    return float(self.nbytes_breakdown()["codes"] + 2 * self.nbytes_breakdown()["scales"]) \
+        / (self.k_res.shape[0] * self.capacity)
 
 
 @base.register_cache("kivi")

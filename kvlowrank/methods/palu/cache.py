@@ -17,7 +17,13 @@ Per layer, with G groups of gs KV heads, group ranks r_k / r_v:
     log-sum-exp stays exact for segment merging).
 
 One code path serves prefill (T > 1) and decode (T = 1), any GQA ratio, batch > 1
-and ragged rows (padding positions −1 are never written or attended).
+and ragged rows (padding positions −1 are never written or attended). A decode step on a
+GPU runs the fused kernel (`kvlowrank_kernels.palu.palu_attention`: key reconstruction,
+RoPE, online softmax and the value-latent product in one pass; Mosaic GPU on Hopper for
+bf16 latents, else Triton) on the cache's arrays; with a window, the kernel takes the
+quantized prefix and the ring's exact latents are attended in jnp and LSE-merged.
+Everything else (CPU, prefill, interleaved or no RoPE, shapes a kernel does not take)
+runs the jnp reference below, with the reason logged once (`cache.dispatch`).
 
 Storage accounting: `nbytes()` counts what grows with the cache (latents or packed
 codes + scales + zeros, the ring, lengths). The reconstruction matrices B_k, B_v
@@ -34,12 +40,14 @@ from typing import Any, Optional
 import jax
 import jax.numpy as jnp
 
-from kvlowrank_kernels import quant
-from kvlowrank.cache import base
-from kvlowrank.model.attention import dot_product_attention
-from kvlowrank.model.rope import apply_rope
+from kvlowrank.cache import base, dispatch
+from kvlowrank.model.attention import combine, dot_product_attention
+from kvlowrank.model.rope import apply_rope, inv_frequencies
 from kvlowrank.methods.palu.spec import PaluSpec, layout_from_params
 from kvlowrank.spec import ModelSpec
+from kvlowrank_kernels import palu as palu_kernels
+from kvlowrank_kernels.palu.packed import PackedLatent, dequantize_latent, quantize_latent
+from kvlowrank_kernels.quant import packing
 
 # One (scale, zero) pair per token per group latent, stored like KIVI's (fp16).
 SCALE_DTYPE = "float16"
@@ -57,7 +65,7 @@ def _per_kv_head_b(b, n_kv_heads: int):
 class LatentCache(base.KVCache):
   """One layer of Palu latents (see module docstring)."""
 
-  hk: Any                      # [B,S,G,r_k] array at cache dtype, or QTensor (bits set)
+  hk: Any                      # [B,S,G,r_k] array at cache dtype, or PackedLatent (bits set)
   hv: Any                      # [B,S,G,r_v] likewise
   ring_k: Optional[jax.Array]  # [B,W,G,r_k] unquantized recent latents (window > 0)
   ring_v: Optional[jax.Array]
@@ -69,24 +77,28 @@ class LatentCache(base.KVCache):
   spec: ModelSpec = base.static_field()
   bits: Optional[int] = base.static_field(default=None)
   window: int = base.static_field(default=0)
+  implementation: Optional[str] = base.static_field(default=None)
 
   name = "palu"
 
   @classmethod
   def init(cls, spec: ModelSpec, lp: dict, *, batch: int, capacity: int,
-           dtype=jnp.bfloat16, bits: Optional[int] = None, window: int = 0):
+           dtype=jnp.bfloat16, bits: Optional[int] = None, window: int = 0,
+           implementation: Optional[str] = None):
     """Empty cache for one compressed layer `lp` (needs palu_bk / palu_bv)."""
     if bits is not None:
-      quant.packing.check_bits(bits, "PaluSpec.bits")
+      packing.check_bits(bits, "PaluSpec.bits")
     g, rk, _ = lp["palu_bk"].shape
     rv = lp["palu_bv"].shape[1]
 
     def store(r):
-      zeros = jnp.zeros((batch, capacity, g, r), dtype)
       if bits is None:
-        return zeros
-      return quant.quantize(zeros, bits=bits, axis=-1, group_size=r,
-                            scale_dtype=SCALE_DTYPE)
+        return jnp.zeros((batch, capacity, g, r), dtype)
+      sd = jnp.dtype(SCALE_DTYPE)
+      return PackedLatent(
+          codes=jnp.zeros((batch, capacity, g, packing.packed_bytes(r, bits)), jnp.uint8),
+          scale=jnp.zeros((batch, capacity, g), sd), zero=jnp.zeros((batch, capacity, g), sd),
+          bits=bits, dim=r)
 
     use_ring = bits is not None and window > 0
     ring = lambda r: jnp.zeros((batch, window, g, r), dtype) if use_ring else None
@@ -96,7 +108,8 @@ class LatentCache(base.KVCache):
     return cls(hk=store(rk), hv=store(rv), ring_k=ring(rk), ring_v=ring(rv),
                lens=jnp.zeros((batch,), jnp.int32), bk=own(lp["palu_bk"]),
                bv=own(lp["palu_bv"]), k_bias=own(lp.get("bk")), v_bias=own(lp.get("bv")),
-               spec=spec, bits=bits, window=window if use_ring else 0)
+               spec=spec, bits=bits, window=window if use_ring else 0,
+               implementation=implementation)
 
   # -- protocol -------------------------------------------------------------
 
@@ -109,7 +122,7 @@ class LatentCache(base.KVCache):
     return self.lens
 
   def batch_capacity(self):
-    """(B, S); a QTensor also carries its logical shape."""
+    """(B, S); a PackedLatent also carries its logical shape."""
     return tuple(self.hk.shape[:2])
 
   def update(self, inputs: base.AttnInputs, lp):
@@ -131,7 +144,70 @@ class LatentCache(base.KVCache):
                                hv=self._write(self.hv, hv, pos), ring_k=ring_k,
                                ring_v=ring_v, lens=lens)
 
-  def attend(self, q, q_positions, lp, *, spec: ModelSpec):
+  def kernel_candidates(self, q_shape):
+    """The decode kernels for a query [B, N, H] (fastest first) with their fit checks."""
+    b, n, h = q_shape
+    args = lambda: (jax.ShapeDtypeStruct(q_shape, jnp.bfloat16), self.hk, self.hv,
+                    self.bk, jax.ShapeDtypeStruct((b,), jnp.int32), self._kernel_bias())
+
+    def fit(check):
+      def go():
+        if self.spec.rope_layout != "half":
+          return f"{self.spec.rope_layout} RoPE (the kernels rotate half-layout keys)"
+        if self.spec.sliding_window is not None:
+          return "sliding-window attention"
+        return check(*args())
+      return go
+
+    return [("mosaic", "hopper", fit(palu_kernels.mosaic_fit)),
+            ("triton", "gpu", fit(palu_kernels.triton_fit))]
+
+  def choose_implementation(self, q_shape, implementation=None, platform=None):
+    """(implementation, reason) for an attend call with queries [B, T, N, H]."""
+    req = self.implementation if implementation is None else implementation
+    b, t, n, h = q_shape
+    return dispatch.choose("palu", req, self.kernel_candidates((b, n, h)), decode=t == 1,
+                           platform=platform)
+
+  def _kernel_bias(self):
+    if self.k_bias is None:
+      return None
+    return self.k_bias.reshape(self.bk.shape[0], self.bk.shape[2])
+
+  def _attend_kernel(self, q, q_positions, spec: ModelSpec, impl: str):
+    """Decode attention of q [B, 1, N, H] through the fused kernel (+ the exact ring)."""
+    n_kernel = self.lens
+    if self.window:   # the ring's latents are exact: the kernel takes the older tokens
+      n_kernel = jnp.maximum(self.lens - self.window, 0)
+    out, lse = palu_kernels.palu_attention(
+        q[:, 0], self.hk, self.hv, self.bk, n_kernel, inv_freq=inv_frequencies(spec),
+        k_bias=self._kernel_bias(), out_dtype=jnp.float32, implementation=impl)
+    parts = [(out[:, None], lse[:, None])]
+    if self.window:
+      parts.append(self._attend_ring(q, q_positions, spec))
+    out, lse = combine(parts, out_dtype=q.dtype)
+    live = q_positions >= 0
+    return (jnp.where(live[..., None, None], out, 0).astype(q.dtype),
+            jnp.where(live[..., None], lse, -jnp.inf))
+
+  def _attend_ring(self, q, q_positions, spec: ModelSpec):
+    """Reference attention over the ring's exact latents (positions >= length − window)."""
+    b = self.lens.shape[0]
+    w = self.window
+    start = (self.lens - w)[:, None]
+    pos = start + jnp.mod(jnp.arange(w)[None, :] - start, w)          # ring slot i's position
+    hk = self.ring_k.astype(jnp.float32)
+    hv = self.ring_v.astype(jnp.float32)
+    k = apply_rope(self._reconstruct_k(hk), jnp.maximum(pos, 0), spec)
+    kv_group = jnp.arange(spec.n_kv_heads) // (spec.n_kv_heads // self.bk.shape[0])
+    return dot_product_attention(q, k, hv[:, :, kv_group], q_positions, pos, pos >= 0,
+                                 out_dtype=jnp.float32)
+
+  def attend(self, q, q_positions, lp, *, spec: ModelSpec, implementation=None):
+    impl, reason = self.choose_implementation(q.shape, implementation)
+    dispatch.log_once("palu", impl, reason)
+    if impl != dispatch.REFERENCE:
+      return self._attend_kernel(q, q_positions, spec, impl)
     k_pos, valid = self.slot_positions()
     hk, hv = self.latents()
     kv_group = jnp.arange(spec.n_kv_heads) // (spec.n_kv_heads // self.bk.shape[0])
@@ -191,17 +267,16 @@ class LatentCache(base.KVCache):
   def _write(self, store, h, pos):
     if self.bits is None:
       return base.scatter_slots(store, h, pos)
-    qt = quant.quantize(h, bits=self.bits, axis=-1, group_size=h.shape[-1],
-                        scale_dtype=SCALE_DTYPE)
+    pl = quantize_latent(h, self.bits, scale_dtype=jnp.dtype(SCALE_DTYPE))
     return dataclasses.replace(
-        store, codes=base.scatter_slots(store.codes, qt.codes, pos),
-        scale=base.scatter_slots(store.scale, qt.scale, pos),
-        zero=base.scatter_slots(store.zero, qt.zero, pos))
+        store, codes=base.scatter_slots(store.codes, pl.codes, pos),
+        scale=base.scatter_slots(store.scale, pl.scale, pos),
+        zero=base.scatter_slots(store.zero, pl.zero, pos))
 
   def _read(self, store, ring):
     if self.bits is None:
       return store.astype(jnp.float32)
-    h = quant.dequantize(store, jnp.float32)
+    h = dequantize_latent(store)
     if ring is None:
       return h
     k_pos, _ = self.slot_positions()
@@ -242,5 +317,7 @@ def _make_latent(method_spec, spec: ModelSpec, params, *, batch, capacity, dtype
   layout_from_params(params, spec)  # clear error if params are not compressed
   bits = None if method_spec is None else method_spec.bits
   window = 0 if method_spec is None else method_spec.window
+  impl = None if method_spec is None else method_spec.implementation
   return tuple(LatentCache.init(spec, lp, batch=batch, capacity=capacity, dtype=dtype,
-                                bits=bits, window=window) for lp in params["layers"])
+                                bits=bits, window=window, implementation=impl)
+               for lp in params["layers"])

@@ -44,6 +44,8 @@ class PaluSpec:
     damping: relative Cholesky damping used only when XᵀX is not positive definite.
     fisher_samples: calibration windows used for the Fisher scores (0 = all of them;
       the whitening Grams always use all). Fisher needs a backward pass per window.
+    implementation: decode attention: None (the fastest that fits, `cache.dispatch`),
+      "reference", "mosaic" or "triton".
   """
 
   granularity: str = "g"
@@ -58,6 +60,7 @@ class PaluSpec:
   window: int = 0
   damping: float = 1e-6
   fisher_samples: int = 0
+  implementation: Optional[str] = None
 
   def __post_init__(self):
     if self.granularity not in GRANULARITIES:
@@ -87,6 +90,9 @@ class PaluSpec:
       raise ValueError(f"PaluSpec.fisher_samples must be >= 0, got {self.fisher_samples}")
     if not self.damping > 0:
       raise ValueError(f"PaluSpec.damping must be > 0, got {self.damping}")
+    if self.implementation not in (None, "reference", "mosaic", "triton"):
+      raise ValueError("PaluSpec.implementation must be None, 'reference', 'mosaic' or "
+                       f"'triton', got {self.implementation!r}")
 
   def replace(self, **kw) -> "PaluSpec":
     return dataclasses.replace(self, **kw)

@@ -39,7 +39,7 @@ Attention dispatch (`XCache.attend`; `implementation` in CACHE_IMPLEMENTATIONS):
     and `implementation` resolving to "triton" (head_dim a power of 2 >= 16 and the
     quantized widths multiples of 16) or "reference_fused". Keys [0, n) with
     n = min(positions held as codes by every store, q_pos + 1) go through
-    `dequant_matmul.remat_decode_attention` (on the GPU the fused Triton kernel: K/V
+    `kvlowrank_kernels.xquant.remat_decode_attention` (on the GPU the fused Triton kernel: K/V
     are rematerialised tile by tile in registers and never written to HBM); the
     remaining keys [n, L), the exact tails of the stores (at most their flush block
     F, e.g. the incomplete token group of a per-channel latent), are rematerialised
@@ -68,7 +68,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kvlowrank.cache import base
+from kvlowrank.cache import base, dispatch
 from kvlowrank.methods.xquant.store import AXES, TokenStore
 from kvlowrank.model.attention import combine, dot_product_attention
 from kvlowrank.model.rope import apply_rope, interleaved_to_half_perm, rope_cos_sin
@@ -97,8 +97,8 @@ class XQuantSpec:
   key_axis / value_axis: quantization axis of X·U_k / X·U_v on the latent path.
   n_high_layers / high_bits: the first n layers use high_bits (paper Table 4: 3, 4).
   scale_dtype: dtype of scales and zero points.
-  implementation: "reference" | "xla" | "triton" | "auto" | "reference_fused" (the
-    module doc's attention dispatch).
+  implementation: None (the fastest that fits: "auto") | "reference" | "xla" | "triton" |
+    "auto" | "reference_fused" (the module doc's attention dispatch).
   """
 
   bits: Optional[int] = 4
@@ -110,7 +110,7 @@ class XQuantSpec:
   n_high_layers: int = 0
   high_bits: int = 4
   scale_dtype: str = "float16"
-  implementation: str = "reference"
+  implementation: Optional[str] = None
 
   def __post_init__(self):
     _check_bits(self.bits, "XQuantSpec.bits")
@@ -124,9 +124,9 @@ class XQuantSpec:
       v = getattr(self, f)
       if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < (f == "group_size"):
         raise ValueError(f"XQuantSpec.{f} must be an int >= {int(f == 'group_size')}, got {v!r}")
-    if self.implementation not in CACHE_IMPLEMENTATIONS:
-      raise ValueError(f"XQuantSpec.implementation must be one of {CACHE_IMPLEMENTATIONS}, "
-                       f"got {self.implementation!r}")
+    if self.implementation is not None and self.implementation not in CACHE_IMPLEMENTATIONS:
+      raise ValueError(f"XQuantSpec.implementation must be None or one of "
+                       f"{CACHE_IMPLEMENTATIONS}, got {self.implementation!r}")
 
   def layer_bits(self, i: int) -> Optional[int]:
     """Bits of layer i (None: exact)."""
@@ -154,25 +154,41 @@ def svd_factors(w) -> tuple[np.ndarray, np.ndarray]:
   return u, s[:, None] * vt
 
 
-def op_implementation(implementation: str) -> str:
+def op_implementation(implementation: Optional[str]) -> str:
   """The dequant-matmul op implementation behind a cache implementation name."""
+  if implementation is None:
+    return "auto"
   return "reference" if implementation == "reference_fused" else implementation
 
 
-def fused_decode_backend(implementation: str, spec: ModelSpec, stores, sliding_window,
-                         n_query: int) -> Optional[str]:
-  """Implementation of the fused decode op for this attend call, or None to materialise
-  K/V (the module doc's dispatch rule)."""
-  if n_query != 1 or sliding_window is not None or any(s.bits is None for s in stores):
-    return None
+def fused_decode_choice(implementation: Optional[str], spec: ModelSpec, stores, sliding_window,
+                        n_query: int) -> tuple[Optional[str], Optional[str]]:
+  """(implementation of the fused decode op for this attend call or None to materialise
+  K/V, the reason when None) (the module doc's dispatch rule)."""
+  if n_query != 1:
+    return None, "prefill (T > 1): the kernels are decode kernels"
+  if sliding_window is not None:
+    return None, "sliding-window attention"
+  if any(s.bits is None for s in stores):
+    return None, "exact (bits=None) stores"
   if implementation == "reference_fused":
-    return "reference"
+    return "reference", None
+  if implementation not in (None, "auto", "triton"):   # "reference", "xla": materialise
+    return None, None
   if dm.resolve(op_implementation(implementation)) != "triton":
-    return None
+    return None, "triton: needs a GPU"
   h = spec.head_dim
-  if h < 16 or h & (h - 1) or any(s.width % 16 for s in stores):
-    return None
-  return "triton"
+  if h < 16 or h & (h - 1):
+    return None, f"triton: head dim {h} is not a power of 2 >= 16"
+  if any(s.width % 16 for s in stores):
+    return None, f"triton: quantized widths {[s.width for s in stores]} are not multiples of 16"
+  return "triton", None
+
+
+def fused_decode_backend(implementation: Optional[str], spec: ModelSpec, stores,
+                         sliding_window, n_query: int) -> Optional[str]:
+  """`fused_decode_choice` without the reason."""
+  return fused_decode_choice(implementation, spec, stores, sliding_window, n_query)[0]
 
 
 def remat(store: TokenStore, w, implementation: str):
@@ -227,7 +243,7 @@ class XCache(base.KVCache):
   stores: tuple                # ("x" path) (X,); ("latent") (X·U_k, X·U_v)
   proj: tuple                  # () or (U_k, Σ_kB_kᵀ, U_v, Σ_vB_vᵀ) (weights)
   path: str = base.static_field(default="x")
-  implementation: str = base.static_field(default="reference")
+  implementation: Optional[str] = base.static_field(default=None)
   sliding_window: Optional[int] = base.static_field(default=None)
 
   name = "xquant"
@@ -273,24 +289,26 @@ class XCache(base.KVCache):
     return dataclasses.replace(self, stores=(self.stores[0].append(xk, pos),
                                              self.stores[1].append(xv, pos)))
 
-  def rematerialize(self, lp, spec: ModelSpec, dtype):
+  def rematerialize(self, lp, spec: ModelSpec, dtype, implementation=None):
     """(k post-RoPE, v) [B,S,K,H] for every slot, from the stored representation."""
+    impl = self.implementation if implementation is None else implementation
     if self.path == "x":
-      kv = remat(self.stores[0], jnp.concatenate([lp["wk"], lp["wv"]], axis=1),
-                 self.implementation)
+      kv = remat(self.stores[0], jnp.concatenate([lp["wk"], lp["wv"]], axis=1), impl)
       k_pre, v = kv[..., :spec.kv_dim], kv[..., spec.kv_dim:]
     else:
       _, rk, _, rv = self.proj
-      k_pre = remat(self.stores[0], rk, self.implementation)
-      v = remat(self.stores[1], rv, self.implementation)
+      k_pre = remat(self.stores[0], rk, impl)
+      v = remat(self.stores[1], rv, impl)
     return kv_from_rows(k_pre, v, lp, spec, dtype)
 
-  def attend(self, q, q_positions, lp, *, spec: ModelSpec):
-    fused = fused_decode_backend(self.implementation, spec, self.stores, self.sliding_window,
-                                 q.shape[1])
+  def attend(self, q, q_positions, lp, *, spec: ModelSpec, implementation=None):
+    impl = self.implementation if implementation is None else implementation
+    fused, reason = fused_decode_choice(impl, spec, self.stores, self.sliding_window,
+                                        q.shape[1])
+    dispatch.log_once("xquant", "the materialising path", reason)
     if fused is not None:
       return fused_decode(self, q, q_positions, lp, spec, fused)
-    k, v = self.rematerialize(lp, spec, q.dtype)
+    k, v = self.rematerialize(lp, spec, q.dtype, impl)
     return attend_rows(k, v, self.lengths, q, q_positions, self.sliding_window)
 
   def fused_operands(self, lp):

@@ -92,7 +92,7 @@ class XQuantCLSpec:
   key_axis: str = "channel"
   value_axis: str = "token"
   scale_dtype: str = "float16"
-  implementation: str = "reference"
+  implementation: Optional[str] = None
 
   def __post_init__(self):
     if self.bits is not None:
@@ -214,7 +214,7 @@ class XCLCache(base.KVCache):
   def update(self, inputs, lp):
     self._needs_carry("update")
 
-  def attend(self, q, q_positions, lp, *, spec):
+  def attend(self, q, q_positions, lp, *, spec, implementation=None):
     self._needs_carry("attend")
 
   def materialize(self):

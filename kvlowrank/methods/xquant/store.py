@@ -160,7 +160,7 @@ class TokenStore:
     else:
       c, s, z = quantize_codes(rows, bits=self.bits, axis=1, group_size=self.group,
                                scale_dtype=self.scale.dtype)
-    return packing.pack(c, self.bits), s, z
+    return packing.pack_words(c, self.bits), s, z
 
   def append(self, rows, positions) -> "TokenStore":
     """Writes rows [B, T, C] at slots = positions [B, T] (< 0: padding).
@@ -207,7 +207,7 @@ class TokenStore:
 
   def dequantize_codes(self, dtype=jnp.float32):
     """Dequantized code rows [B, S_alloc, C] (rows past n_quantized are meaningless)."""
-    codes = packing.unpack(self.codes, self.bits, self.width)
+    codes = packing.unpack_words(self.codes, self.bits, self.width)
     ax = 2 if self.axis == "token" else 1
     return dequantize_codes(codes, self.scale, self.zero, axis=ax, group_size=self.group,
                             dtype=dtype)
@@ -230,7 +230,7 @@ class TokenStore:
     if self.bits is None:
       return _rows(self.raw, jnp.clip(positions, 0, self.raw.shape[1] - 1)).astype(dtype)
     p = jnp.clip(positions, 0, self.codes.shape[1] - 1)
-    q = packing.unpack(_rows(self.codes, p), self.bits, self.width).astype(jnp.float32)
+    q = packing.unpack_words(_rows(self.codes, p), self.bits, self.width).astype(jnp.float32)
     if self.axis == "token":
       s, z = _rows(self.scale, p), _rows(self.zero, p)
       s = jnp.repeat(s.astype(jnp.float32), self.group, axis=-1)

@@ -1,0 +1,81 @@
+r"""Whole-model decode benchmark: `kvlowrank.bench.decode.run` for one model on this GPU.
+
+  python experiments/bench_decode.py --model=llama3-8b --out=$OUT/decode_l3.json \
+      --png=$OUT/decode_l3.png
+
+Prints a markdown table (tokens/s, x dense, the step split into attention and the rest,
+cache bytes = nbytes(), peak bytes, the largest batch), writes the JSON (with the device
+and versions) and a plot of tokens/s per method. Results and the command used for the
+current tables: BENCHMARKS.md.
+"""
+
+import json
+
+from absl import app
+from absl import flags
+
+from kvlowrank.bench import decode
+from kvlowrank.bench.env import environment
+
+_MODEL = flags.DEFINE_enum("model", "llama3-8b", sorted(decode.MODELS), "Model shape.")
+_METHODS = flags.DEFINE_list("methods", list(decode.METHODS), "Methods (decode.METHODS).")
+_CONTEXTS = flags.DEFINE_list("contexts", ["8192", "32768"], "Context lengths.")
+_BATCHES = flags.DEFINE_list("batches", ["1", "8", "32"], "Batch sizes.")
+_STEPS = flags.DEFINE_integer("steps", 20, "Timed decode steps per configuration.")
+_LAYERS = flags.DEFINE_integer("layers", 0, "Layers (0: the model's).")
+_PREFILL = flags.DEFINE_list("prefill_methods", [], "Methods whose long prefill is timed.")
+_PREFILL_LEN = flags.DEFINE_integer("prefill_length", 32768, "Prefill prompt length.")
+_BUDGET = flags.DEFINE_float("time_budget", 1e9, "Seconds; later configurations are skipped.")
+_OUT = flags.DEFINE_string("out", None, "JSON output path.")
+_PNG = flags.DEFINE_string("png", None, "Plot output path (tokens/s per method).")
+
+
+def plot(result, path):
+  """Tokens/s per method, one panel per context, batches side by side."""
+  import matplotlib  # pylint: disable=import-outside-toplevel
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt  # pylint: disable=import-outside-toplevel
+  recs = result["records"]
+  contexts = sorted({r["context"] for r in recs})
+  methods = list(dict.fromkeys(r["method"] for r in recs))
+  batches = sorted({r["batch"] for r in recs})
+  fig, axes = plt.subplots(1, len(contexts), figsize=(5 * len(contexts), 4), squeeze=False)
+  width = 0.8 / max(1, len(methods))
+  for ax, ctx in zip(axes[0], contexts):
+    for i, m in enumerate(methods):
+      vals = [next((r["tokens_per_s"] for r in recs if (r["method"], r["context"], r["batch"])
+                    == (m, ctx, b)), 0.0) for b in batches]
+      ax.bar([j + i * width for j in range(len(batches))], vals, width, label=m)
+    ax.set_xticks([j + 0.4 - width / 2 for j in range(len(batches))],
+                  [f"B={b}" for b in batches])
+    ax.set_title(f"{result['model']}, {ctx // 1024}K context")
+    ax.set_ylabel("decode tokens/s")
+  axes[0][0].legend(fontsize=8)
+  fig.tight_layout()
+  fig.savefig(path, dpi=120)
+
+
+def main(argv):
+  if len(argv) > 1:
+    raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+  result = decode.run(_MODEL.value, methods=_METHODS.value,
+                      contexts=[int(c) for c in _CONTEXTS.value],
+                      batches=[int(b) for b in _BATCHES.value], steps=_STEPS.value,
+                      n_layers=_LAYERS.value or None, prefill_methods=_PREFILL.value,
+                      prefill_length=_PREFILL_LEN.value, time_budget_s=_BUDGET.value,
+                      log=lambda s: print(s, flush=True))
+  result["environment"] = environment()
+  print(decode.table(result))
+  for s in result["skipped"]:
+    print(f"not run: {s['method']} ctx={s['context']} B={s['batch']}: {s['why']}")
+  if _OUT.value:
+    with open(_OUT.value, "w") as f:
+      json.dump(result, f, indent=1)
+    print(f"wrote {_OUT.value}")
+  if _PNG.value and result["records"]:
+    plot(result, _PNG.value)
+    print(f"wrote {_PNG.value}")
+
+
+if __name__ == "__main__":
+  app.run(main)

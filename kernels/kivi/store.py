@@ -1,0 +1,309 @@
+"""A KIVI cache's quantized store in its kernel's layout, written in place token by token.
+
+The library's KIVI cache keeps its quantized keys and values in exactly the arrays a decode
+kernel reads, so a decode step passes them to the kernel as they are:
+  * "warp" (`mosaic_layout.KiviMosaic`): the register order of the Mosaic warp kernel's MMA
+    fragments; 2-bit codes, key and value groups of 32, head dim 128, fp16/bf16 scales,
+    capacity a multiple of 128 (`mosaic_layout`);
+  * "planar" (`PlanarStore`: `planar.KiviKeys` + `planar.KiviValues`): the Triton kernel's
+    head-major planar rows (any bits the packing module takes; the kernel reads 2 and 4).
+`layout_for` picks "warp" wherever it applies. Both take the same writes:
+  * `write_keys`: whole key groups (G tokens quantized per channel), as KIVI flushes them;
+  * `write_values`: single tokens (quantized per token), as they leave the exact window.
+Codes are given unpacked (integers); the store packs them through `quant.packing`. In the
+warp layout a value token's 128 codes share 32 words with 3 other tokens, so they are
+written by read-modify-write: each write adds (new field - old field) to its words, which
+is exact even when several tokens of one word are written at once (disjoint bit fields).
+Writes with `ok` False are dropped (out-of-range scatter indices).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ..quant import packing
+from . import mosaic_layout as ml
+from .planar import (VALUE_BLOCK, KiviKeys, KiviValues, dequantize_keys, dequantize_values)
+
+LAYOUTS = ("warp", "planar")
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class PlanarStore:
+  """Planar keys and values (`planar`), capacity S."""
+
+  keys: KiviKeys
+  values: KiviValues
+
+
+def warp_fit(*, k_bits: int, v_bits: int, group: int, head_dim: int, scale_dtype) -> str | None:
+  """None when the warp layout holds this configuration, else why not (one line)."""
+  if (k_bits, v_bits) != (ml.BITS, ml.BITS):
+    return f"{k_bits}/{v_bits}-bit keys/values (the warp layout is {ml.BITS}-bit)"
+  if group != ml.GROUP:
+    return f"group size {group} (the warp layout takes {ml.GROUP})"
+  if head_dim != ml.HEAD_DIM:
+    return f"head dim {head_dim} (the warp layout takes {ml.HEAD_DIM})"
+  if jnp.dtype(scale_dtype) not in (jnp.float16, jnp.bfloat16):
+    return f"{jnp.dtype(scale_dtype).name} scales (the warp layout takes float16/bfloat16)"
+  return None
+
+
+def layout_for(**config) -> str:
+  """"warp" where `warp_fit(**config)` holds, else "planar"."""
+  return "warp" if warp_fit(**config) is None else "planar"
+
+
+def capacity_multiple(layout: str, group: int) -> int:
+  """The store's capacity is rounded up to a multiple of this."""
+  if layout == "warp":
+    return ml.BLOCK
+  return group * VALUE_BLOCK // math.gcd(group, VALUE_BLOCK)
+
+
+def empty(layout: str, *, batch: int, kv_heads: int, capacity: int, head_dim: int,
+          k_bits: int, v_bits: int, group: int, scale_dtype):
+  """A zeroed store of `capacity` slots (a multiple of `capacity_multiple`)."""
+  if layout not in LAYOUTS:
+    raise ValueError(f"KIVI store layout must be one of {LAYOUTS}, got {layout!r}")
+  if capacity % capacity_multiple(layout, group):
+    raise ValueError(f"KIVI store capacity ({capacity}) must be a multiple of "
+                     f"{capacity_multiple(layout, group)}")
+  sd = jnp.dtype(scale_dtype)
+  z = jnp.zeros
+  if layout == "warp":
+    why = warp_fit(k_bits=k_bits, v_bits=v_bits, group=group, head_dim=head_dim,
+                   scale_dtype=sd)
+    if why is not None:
+      raise ValueError(f"KIVI warp layout: {why}")
+    shape = (batch, kv_heads, capacity // ml.BLOCK, 4, 256)
+    return ml.KiviMosaic(kc=z(shape, jnp.uint32), ks=z(shape, sd), vc=z(shape, jnp.uint32),
+                         vs=z(shape, sd))
+  h, b, k, s = head_dim, batch, kv_heads, capacity
+  kw = packing.packed_bytes(h, k_bits, packing.plane_width(h, k_bits))
+  vw = packing.packed_bytes(h, v_bits, packing.plane_width(h, v_bits, group))
+  keys = KiviKeys(codes=z((b, k, s, kw), jnp.uint8), scale=z((b, k, s // group, h), sd),
+                  zero=z((b, k, s // group, h), sd), bits=k_bits, group=group)
+  values = KiviValues(codes=z((b, k, s, vw), jnp.uint8), scale=z((b, k, s, h // group), sd),
+                      zero=z((b, k, s, h // group), sd), bits=v_bits, group=group)
+  return PlanarStore(keys=keys, values=values)
+
+
+def capacity(store) -> int:
+  if isinstance(store, ml.KiviMosaic):
+    return store.capacity
+  return store.keys.codes.shape[2]
+
+
+def dequantize(store, head_dim: int):
+  """(keys, values) float32 [B, S, K, H] (code * scale + zero of every slot)."""
+  if isinstance(store, ml.KiviMosaic):
+    return ml.dequantize_mosaic(store)
+  return dequantize_keys(store.keys, head_dim), dequantize_values(store.values, head_dim)
+
+
+def _drop(idx, ok, size):
+  return jnp.where(ok, idx, size)
+
+
+# ---------------------------------------------------------------------------- planar
+
+def _planar_keys(keys: KiviKeys, groups, ok, codes, scale, zero):
+  b, k, s, _ = keys.codes.shape
+  g = keys.group
+  h = codes.shape[-1]
+  tok = (groups[:, :, None] * g + jnp.arange(g)[None, None, :]).reshape(b, -1)
+  tok = _drop(tok, jnp.repeat(ok, g, axis=1), s)
+  rows = packing.pack(codes, keys.bits, packing.plane_width(h, keys.bits))   # [B, M, K, R]
+  bi = jnp.arange(b)[:, None]
+  grp = _drop(groups, ok, s // g)
+  sd = keys.scale.dtype
+  return dataclasses.replace(
+      keys, codes=keys.codes.at[bi, :, tok].set(rows, mode="drop"),
+      scale=keys.scale.at[bi, :, grp].set(scale.astype(sd), mode="drop"),
+      zero=keys.zero.at[bi, :, grp].set(zero.astype(sd), mode="drop"))
+
+
+def _planar_values(values: KiviValues, pos, ok, codes, scale, zero):
+  b, k, s, r = values.codes.shape
+  h = codes.shape[-1]
+  rows = packing.pack(codes, values.bits, packing.plane_width(h, values.bits, values.group))
+  bi = jnp.arange(b)[:, None]
+  p = _drop(pos, ok, s)
+  # Token-blocked storage: byte r of token 32 i + u at [.., i, r, u] (`planar`).
+  blocked = values.codes.reshape(b, k, s // VALUE_BLOCK, r, VALUE_BLOCK)
+  blocked = blocked.at[bi, :, p // VALUE_BLOCK, :, p % VALUE_BLOCK].set(rows, mode="drop")
+  sd = values.scale.dtype
+  return dataclasses.replace(
+      values, codes=blocked.reshape(b, k, s, r),
+      scale=values.scale.at[bi, :, p].set(scale.astype(sd), mode="drop"),
+      zero=values.zero.at[bi, :, p].set(zero.astype(sd), mode="drop"))
+
+
+# ---------------------------------------------------------------------------- warp
+
+@functools.lru_cache(maxsize=None)
+def _warp_tables():
+  """Static index tables of the warp layout, derived from `mosaic_layout`'s maps.
+
+  Returns a dict of numpy arrays:
+    key_words [4, 256]: the block's word indices holding key group w (tokens 32 w ..),
+    key_tok, key_ch [256, 8, 2]: (token within the group, channel) of each code of those
+      words, in (word, slot k, element e) order (the same for every group);
+    key_scale_ch [256]: channel of each half of a key group's scale row (its (s, z)
+      entries: key_scale_sz [256]);
+    val_words [128, 32]: the words holding token t's value codes; val_ch, val_shift
+      [128, 32, 4]: channel and bit offset of t's 4 codes in each;
+    val_scale_idx [128, 4, 2]: flat index (of the block's 1024 halves) of token t's scale
+      (0) and zero (1) of channel group gv.
+  """
+  (kt, kd), (vt, vd) = ml.code_maps()
+  (kg, kx), (vx, vg) = ml.scale_maps()
+  words = np.arange(1024)
+  owner = kt[:, 0, 0] // ml.GROUP
+  if not all(np.all(kt[w] // ml.GROUP == owner[w]) for w in words):
+    raise AssertionError("warp layout: a key word spans two key groups")
+  key_words = np.stack([words[owner == w] for w in range(4)])
+  key_tok = kt[key_words[0]] % ml.GROUP
+  if not all(np.array_equal(kt[key_words[w]] % ml.GROUP, key_tok) and
+             np.array_equal(kd[key_words[w]], kd[key_words[0]]) for w in range(4)):
+    raise AssertionError("warp layout: key groups are not laid out alike")
+  key_ch = kd[key_words[0]]
+  # scale rows: [4 g, 8, 4, 2, (s, z), 2 e] flat; entry (g, ...) is channel kx of group kg
+  sz = np.broadcast_to(np.arange(2)[:, None], (2, 2))
+  ch = np.stack([kx[0], kx[0]], axis=-2)                      # [8, 4, 2, (s, z), 2]
+  key_scale_ch = ch.reshape(256)
+  key_scale_sz = np.broadcast_to(sz, (8, 4, 2, 2, 2)).reshape(256)
+  val_words = np.zeros((128, 32), np.int64)
+  val_ch = np.zeros((128, 32, 4), np.int64)
+  val_shift = np.zeros((128, 32, 4), np.int64)
+  shift = (2 * np.arange(8)[:, None] + 16 * np.arange(2)[None, :])   # [8 k, 2 e]
+  for t in range(128):
+    w_idx, k_idx, e_idx = np.nonzero(vt == t)
+    order = np.lexsort((e_idx, k_idx, w_idx))
+    w_idx, k_idx, e_idx = w_idx[order], k_idx[order], e_idx[order]
+    if len(w_idx) != 128:
+      raise AssertionError("warp layout: a value token does not have 128 codes")
+    val_words[t] = w_idx.reshape(32, 4)[:, 0]
+    if not np.all(w_idx.reshape(32, 4) == val_words[t][:, None]):
+      raise AssertionError("warp layout: a value token's codes are not 4 per word")
+    val_ch[t] = vd[w_idx, k_idx, e_idx].reshape(32, 4)
+    val_shift[t] = shift[k_idx, e_idx].reshape(32, 4)
+  flat = np.arange(1024).reshape(4, 8, 4, 2, 2, 2)        # [w, c, quad, jh, (s, z), e]
+  val_scale_idx = np.zeros((128, 4, 2), np.int64)
+  for t in range(128):
+    for gv in range(4):
+      hit = np.argwhere((vx == t) & (vg == gv))
+      if len(hit) != 1:
+        raise AssertionError("warp layout: a value scale is not stored exactly once")
+      w, c, quad, jh, e = hit[0]
+      val_scale_idx[t, gv] = flat[w, c, quad, jh, :, e]
+  return dict(key_words=key_words, key_tok=key_tok, key_ch=key_ch, key_scale_ch=key_scale_ch,
+              key_scale_sz=key_scale_sz, val_words=val_words, val_ch=val_ch,
+              val_shift=val_shift, val_scale_idx=val_scale_idx)
+
+
+def _flat(a):
+  """[B, K, nb, 4, 256] -> [B, K, nb * 1024]."""
+  b, k, nb = a.shape[:3]
+  return a.reshape(b, k, nb * 1024)
+
+
+def _warp_keys(store: ml.KiviMosaic, groups, ok, codes, scale, zero):
+  t = _warp_tables()
+  b, k, nb = store.kc.shape[:3]
+  gc = groups.shape[1]
+  blk, w = groups // 4, groups % 4                                   # [B, Gc]
+  c = codes.reshape(b, gc, ml.GROUP, k, ml.HEAD_DIM)
+  c = jnp.moveaxis(c, 3, 2)                                          # [B, Gc, K, 32, H]
+  c = c[:, :, :, t["key_tok"], t["key_ch"]]                          # [B, Gc, K, 256, 8, 2]
+  c = jnp.swapaxes(c, -1, -2).reshape(b, gc, k, 256, 16)              # code 8 e + k
+  words = packing.pack_words(c, ml.BITS)[..., 0]                     # [B, Gc, K, 256]
+  idx = blk[:, :, None] * 1024 + jnp.asarray(t["key_words"])[w]      # [B, Gc, 256]
+  idx = _drop(idx, ok[:, :, None], nb * 1024).reshape(b, gc * 256)
+  bi = jnp.arange(b)[:, None]
+  kc = _flat(store.kc).at[bi, :, idx].set(
+      jnp.moveaxis(words, 2, 3).reshape(b, gc * 256, k), mode="drop")
+  sz = jnp.stack([scale, zero], axis=0).astype(store.ks.dtype)        # [2, B, Gc, K, H]
+  rows = sz[t["key_scale_sz"], :, :, :, t["key_scale_ch"]]          # [256, B, Gc, K]
+  sidx = _drop(blk * 1024 + w * 256, ok, nb * 1024)[:, :, None] + jnp.arange(256)
+  ks = _flat(store.ks).at[bi, :, sidx.reshape(b, gc * 256)].set(
+      jnp.moveaxis(rows, 0, 2).reshape(b, gc * 256, k), mode="drop")
+  shape = store.kc.shape
+  return dataclasses.replace(store, kc=kc.reshape(shape), ks=ks.reshape(shape))
+
+
+def _warp_values(store: ml.KiviMosaic, pos, ok, codes, scale, zero):
+  t = _warp_tables()
+  b, k, nb = store.kc.shape[:3]
+  n_tok = pos.shape[1]
+  tb = pos % ml.BLOCK                                               # [B, T]
+  base = (pos // ml.BLOCK) * 1024
+  idx = _drop(base[:, :, None] + jnp.asarray(t["val_words"])[tb], ok[:, :, None],
+              nb * 1024)                                            # [B, T, 32]
+  ch = jnp.asarray(t["val_ch"])[tb]                                 # [B, T, 32, 4]
+  sh = jnp.asarray(t["val_shift"], jnp.uint32)[tb]
+  c = jnp.take_along_axis(codes.astype(jnp.uint32)[:, :, :, None, :],   # [B, T, K, 1, H]
+                          ch[:, :, None, :, :].reshape(b, n_tok, 1, 1, 128), axis=-1)
+  c = c.reshape(b, n_tok, k, 32, 4)
+  new = jnp.sum(c << sh[:, :, None], axis=-1, dtype=jnp.uint32)     # [B, T, K, 32]
+  mask = jnp.sum(jnp.uint32(3) << sh, axis=-1, dtype=jnp.uint32)    # [B, T, 32]
+  vc = _flat(store.vc)
+  bi = jnp.arange(b)[:, None]
+  flat_idx = idx.reshape(b, n_tok * 32)
+  old = vc.at[bi, :, flat_idx].get(mode="fill", fill_value=0)        # [B, T*32, K]
+  old = jnp.moveaxis(old.reshape(b, n_tok, 32, k), 3, 2)             # [B, T, K, 32]
+  delta = new - (old & mask[:, :, None, :])                          # mod 2^32
+  vc = vc.at[bi, :, flat_idx].add(jnp.moveaxis(delta, 2, 3).reshape(b, n_tok * 32, k),
+                                  mode="drop")
+  sz = jnp.stack([scale, zero], axis=-1).astype(store.vs.dtype)      # [B, T, K, 4, 2]
+  sidx = _drop(base[:, :, None, None] + jnp.asarray(t["val_scale_idx"])[tb],
+               ok[:, :, None, None], nb * 1024)                     # [B, T, 4, 2]
+  vs = _flat(store.vs).at[bi, :, sidx.reshape(b, n_tok * 8)].set(
+      jnp.moveaxis(sz, 2, 4).reshape(b, n_tok * 8, k), mode="drop")
+  shape = store.vc.shape
+  return dataclasses.replace(store, vc=vc.reshape(shape), vs=vs.reshape(shape))
+
+
+# ---------------------------------------------------------------------------- writes
+
+def write_keys(store, groups, ok, codes, scale, zero):
+  """Writes whole key groups.
+
+  Args:
+    store: a KiviMosaic or PlanarStore of capacity S, key group G.
+    groups: [B, Gc] int group indices (group j holds tokens [j G, (j + 1) G)).
+    ok: [B, Gc] bool; False drops the write.
+    codes: [B, Gc * G, K, H] integer codes of those tokens (group-major).
+    scale, zero: [B, Gc, K, H] per-channel scale and zero point of each group.
+  Returns:
+    the new store.
+  """
+  if isinstance(store, ml.KiviMosaic):
+    return _warp_keys(store, groups, ok, codes, scale, zero)
+  return dataclasses.replace(store, keys=_planar_keys(store.keys, groups, ok, codes, scale,
+                                                       zero))
+
+
+def write_values(store, pos, ok, codes, scale, zero):
+  """Writes single value tokens.
+
+  Args:
+    store: a KiviMosaic or PlanarStore.
+    pos: [B, T] int slots; ok: [B, T] bool (False drops the write; the written slots of
+      one row must be distinct).
+    codes: [B, T, K, H] integer codes; scale, zero: [B, T, K, H / Gv] per-token groups.
+  Returns:
+    the new store.
+  """
+  if isinstance(store, ml.KiviMosaic):
+    return _warp_values(store, pos, ok, codes, scale, zero)
+  return dataclasses.replace(store, values=_planar_values(store.values, pos, ok, codes, scale,
+                                                           zero))

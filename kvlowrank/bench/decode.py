@@ -1,0 +1,345 @@
+"""Whole-model decode benchmark: tokens/s of kvlowrank's own model through each cache.
+
+One run, on the GPU it runs on, for one model shape (Llama-2-7B or Llama-3-8B, all layers,
+random bf16 weights of the real shapes) and each (method, context, batch):
+  * decode tokens/s: batch / the median of >= `steps` decode steps (`forward` with T = 1,
+    the call `generate`'s loop makes, caches donated), after warm-up;
+  * the step split into attention and the rest: every layer's `cache.attend` for one
+    query token, timed alone in one executable (the same calls the step makes), and
+    the step minus that;
+  * cache bytes on the device (the caches' arrays, less model weights a cache keeps beside
+    its storage) and `caches_nbytes()`, which must agree;
+  * device bytes in use after set-up (weights + caches) plus the step's XLA temporaries
+    (compiled memory analysis) as the step's peak;
+  * the largest batch that fits at this context: (device memory - weights - margin) /
+    (measured cache bytes + temporaries per sequence).
+Caches are filled with random codes / latents / values (and lengths = the context), not by
+a prefill: a decode step's time does not depend on the values, and a 32K prefill per
+configuration would cost minutes. `prefill` separately times one long prompt through the
+chunked prefill path (the user's path: one `forward` over the prompt).
+
+Methods (`METHODS`): dense (bf16), KIVI-2 / KIVI-4 (G = 32, R = 128, fp16 scales), Palu-50%
+(G-LRD groups of 4 KV heads, key rank 25%, value rank 75% of a group's width: the paper's
+latency configuration; bf16 latents and 4-bit latents), XQuant-2 (group 128; "x" path
+for MHA, "latent" for GQA). Palu's factors are random matrices of the compressed shapes
+(the step's work does not depend on their values).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import statistics
+import time
+from typing import Callable, Optional, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from kvlowrank.bench import memory
+from kvlowrank.bench.inputs import rand
+from kvlowrank.cache.base import caches_nbytes, init_caches
+from kvlowrank.methods import DenseSpec, KiviSpec, PaluSpec, XQuantSpec
+from kvlowrank.methods.palu.spec import default_group_size
+from kvlowrank.model.params import layer_shapes
+from kvlowrank.model.transformer import forward, qkv_projections, rms_norm
+from kvlowrank.spec import ModelSpec, RopeScaling
+
+# max_seq_len is raised to the longest benchmarked context: random weights, no trained range.
+MODELS = {
+    "llama2-7b": ModelSpec(vocab_size=32000, dim=4096, n_layers=32, n_heads=32, n_kv_heads=32,
+                           head_dim=128, ffn_dim=11008, norm_eps=1e-5, rope_theta=10000.0,
+                           max_seq_len=131072 + 1024),
+    "llama3-8b": ModelSpec(vocab_size=128256, dim=4096, n_layers=32, n_heads=32, n_kv_heads=8,
+                           head_dim=128, ffn_dim=14336, norm_eps=1e-5, rope_theta=500000.0,
+                           rope_scaling=RopeScaling(8.0, 1.0, 4.0, 8192),
+                           max_seq_len=131072 + 1024),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class BenchMethod:
+  label: str
+  cache: str
+  spec: object
+  palu_bits: Optional[int] = None
+
+
+METHODS = {
+    "dense": BenchMethod("dense", "dense", DenseSpec()),
+    "kivi2": BenchMethod("KIVI-2", "kivi", KiviSpec(bits=2)),
+    "kivi4": BenchMethod("KIVI-4", "kivi", KiviSpec(bits=4)),
+    "palu50": BenchMethod("Palu-50%", "palu", PaluSpec()),
+    "palu50-4bit": BenchMethod("Palu-50% 4-bit", "palu", PaluSpec(bits=4)),
+    "xquant2": BenchMethod("XQuant-2", "xquant", XQuantSpec(bits=2)),
+}
+PALU_GROUP = 4          # KV heads per G-LRD group (the paper's gs-4)
+
+
+def _rand(key, shape, dtype=jnp.bfloat16, scale=1.0):
+  """Uniform [-scale, scale) (`inputs.rand`, one fused kernel per input)."""
+  x = rand(key, tuple(shape), jnp.dtype(dtype))
+  return x if scale == 1.0 else x * jnp.asarray(scale, x.dtype)
+
+
+def random_params(spec: ModelSpec, key, method: BenchMethod):
+  """Random bf16 parameters of the model's shapes (+ Palu factors of the compressed shapes)."""
+  keys = iter(jax.random.split(key, 16 * spec.n_layers + 4))
+  layers = []
+  std = 0.02 * math.sqrt(3)                    # uniform with std 0.02
+  for _ in range(spec.n_layers):
+    lp = {}
+    for name, shape in layer_shapes(spec).items():
+      lp[name] = (jnp.ones(shape, jnp.bfloat16) if name.endswith("norm")
+                  else _rand(next(keys), shape, scale=std))
+    if method.cache == "palu":
+      gs = default_group_size(spec.n_kv_heads, PALU_GROUP)
+      g = spec.n_kv_heads // gs
+      width = gs * spec.head_dim
+      rk, rv = width // 4, 3 * width // 4
+      lp.update(palu_ak=_rand(next(keys), (spec.dim, g * rk), scale=std),
+                palu_av=_rand(next(keys), (spec.dim, g * rv), scale=std),
+                palu_bk=_rand(next(keys), (g, rk, width), scale=rk ** -0.5),
+                palu_bv=_rand(next(keys), (g, rv, width), scale=rv ** -0.5),
+                wo=_rand(next(keys), (spec.n_heads * rv, spec.dim), scale=std))
+    layers.append(lp)
+  return {"embed": _rand(next(keys), (spec.vocab_size, spec.dim), scale=std),
+          "final_norm": jnp.ones((spec.dim,), jnp.bfloat16), "layers": layers,
+          "lm_head": _rand(next(keys), (spec.dim, spec.vocab_size), scale=std)}
+
+
+def fill_caches(caches, key, length: int):
+  """Random contents: codes random bits, floats in [-1, 1) (scales in [0.01, 0.5)),
+  every int32 leaf (the lengths) = `length`."""
+  leaves, treedef = jax.tree_util.tree_flatten_with_path(caches)
+  keys = jax.random.split(key, len(leaves))
+  out = []
+  for (path, x), k in zip(leaves, keys):
+    name = jax.tree_util.keystr(path).lower()
+    if x.dtype == jnp.int32:
+      out.append(jnp.full(x.shape, length, jnp.int32))
+    elif jnp.issubdtype(x.dtype, jnp.unsignedinteger):
+      out.append(jax.random.bits(k, x.shape, x.dtype))
+    elif "scale" in name or name.endswith(("ks", "vs")):
+      out.append(jnp.abs(_rand(k, x.shape, x.dtype, 0.49)) + jnp.asarray(0.01, x.dtype))
+    else:
+      out.append(_rand(k, x.shape, x.dtype, 1.0))
+  return jax.tree_util.tree_unflatten(treedef, out)
+
+
+def array_bytes(tree) -> int:
+  return int(sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree)))
+
+
+def storage_bytes(caches) -> int:
+  """Device bytes of the caches' arrays, less the model weights some caches keep beside
+  their storage (Palu's B_k/B_v, XQuant's SVD factors: `weights_nbytes()`)."""
+  return sum(array_bytes(c) - (c.weights_nbytes() if hasattr(c, "weights_nbytes") else 0)
+             for c in caches)
+
+
+def _median_time(fn, steps: int, warmup: int = 3) -> float:
+  for _ in range(warmup):
+    jax.block_until_ready(fn())
+  times = []
+  for _ in range(steps):
+    t0 = time.perf_counter()
+    jax.block_until_ready(fn())
+    times.append(time.perf_counter() - t0)
+  return statistics.median(times)
+
+
+def run_config(spec: ModelSpec, params, method: BenchMethod, context: int, batch: int, *,
+               steps: int = 20, seed: int = 0) -> dict:
+  """Times decode steps at `context` tokens for `batch` rows (module docstring)."""
+  key = jax.random.key(seed)
+  capacity = context + steps + 8
+  caches = init_caches(method.cache, method.spec, spec, params, batch=batch,
+                       capacity=capacity, dtype=jnp.bfloat16)
+  caches = fill_caches(caches, key, context)
+  nbytes = caches_nbytes(caches)
+  on_device = storage_bytes(caches)
+  in_use = memory.bytes_in_use()
+
+  step = jax.jit(lambda p, tok, pos, c: forward(p, tok, pos, c, spec), donate_argnums=3)
+  tok = jnp.zeros((batch, 1), jnp.int32)
+  pos0 = jnp.full((batch, 1), context, jnp.int32)
+  t0 = time.perf_counter()
+  compiled = step.lower(params, tok, pos0, caches).compile()
+  compile_s = time.perf_counter() - t0
+  mem = compiled.memory_analysis()
+  temp = None if mem is None else int(mem.temp_size_in_bytes)
+  state = {"caches": caches, "pos": context}
+
+  def one_step():
+    logits, state["caches"] = compiled(params, tok, jnp.full((batch, 1), state["pos"],
+                                                             jnp.int32), state["caches"])
+    state["pos"] = min(state["pos"] + 1, capacity - 1)
+    return logits
+
+  step_s = _median_time(one_step, steps)
+
+  # Attention alone: every layer's attend for one query token, on the same caches.
+  caches = state["caches"]
+  q = _rand(jax.random.fold_in(key, 1), (batch, 1, spec.n_heads, spec.head_dim))
+  qpos = jnp.full((batch, 1), context, jnp.int32)
+
+  @jax.jit
+  def attend_all(cs, q, layers):
+    return [c.attend(q, qpos, lp, spec=spec)[0] for c, lp in zip(cs, layers)]
+
+  attn_s = _median_time(lambda: attend_all(caches, q, params["layers"]), steps)
+  del caches, state
+  return dict(method=method.label, context=context, batch=batch, step_ms=1e3 * step_s,
+              tokens_per_s=batch / step_s, attention_ms=1e3 * attn_s,
+              rest_ms=1e3 * (step_s - attn_s), attention_share=attn_s / step_s,
+              cache_nbytes=nbytes, cache_device_bytes=on_device,
+              device_bytes_in_use=in_use, step_temp_bytes=temp,
+              peak_bytes_est=None if in_use is None or temp is None else in_use + temp,
+              compile_s=compile_s)
+
+
+def max_batch(rec: dict, weight_bytes: int, limit: Optional[int],
+              margin: int = 2 << 30) -> Optional[int]:
+  """Largest batch whose weights + caches + step temporaries fit in `limit` bytes
+  (per-sequence costs from the measured record; `margin` left for the allocator)."""
+  if limit is None or rec.get("step_temp_bytes") is None:
+    return None
+  per_seq = (rec["cache_device_bytes"] + rec["step_temp_bytes"]) / rec["batch"]
+  return max(0, int((limit - weight_bytes - margin) // per_seq))
+
+
+def bytes_per_token(spec: ModelSpec, params, method: BenchMethod, probe: int = 2048) -> float:
+  """Cache bytes per token and sequence, from a real batch-1 cache of `probe` slots."""
+  caches = init_caches(method.cache, method.spec, spec, params, batch=1, capacity=probe,
+                       dtype=jnp.bfloat16)
+  return array_bytes(caches) / probe
+
+
+def fits(per_token: float, context: int, batch: int, weight_bytes: int,
+         limit: Optional[int], margin: int = 4 << 30) -> bool:
+  """Whether the caches (allocated size, no temporaries) plausibly fit next to the
+  weights."""
+  return limit is None or weight_bytes + per_token * context * batch + margin <= limit
+
+
+def prefill(spec: ModelSpec, params, method: BenchMethod, length: int) -> dict:
+  """One `forward` over a `length`-token prompt (batch 1) into a fresh cache: the user's
+  prefill path (chunked attention); seconds and device bytes."""
+  caches = init_caches(method.cache, method.spec, spec, params, batch=1, capacity=length + 8,
+                       dtype=jnp.bfloat16)
+  tok = jnp.zeros((1, length), jnp.int32)
+  pos = jnp.arange(length, dtype=jnp.int32)[None]
+  run = jax.jit(lambda p, t, ps, c: forward(p, t, ps, c, spec, last_only=True),
+                donate_argnums=3)
+  t0 = time.perf_counter()
+  compiled = run.lower(params, tok, pos, caches).compile()
+  compile_s = time.perf_counter() - t0
+  mem = compiled.memory_analysis()
+  t0 = time.perf_counter()
+  logits, caches = compiled(params, tok, pos, caches)
+  jax.block_until_ready(logits)
+  return dict(method=method.label, prompt=length, prefill_s=time.perf_counter() - t0,
+              compile_s=compile_s, finite=bool(jnp.all(jnp.isfinite(logits))),
+              step_temp_bytes=None if mem is None else int(mem.temp_size_in_bytes),
+              device_bytes_in_use=memory.bytes_in_use())
+
+
+def run(model, *, methods: Sequence[str], contexts: Sequence[int],
+        batches: Sequence[int], steps: int = 20, n_layers: Optional[int] = None,
+        prefill_methods: Sequence[str] = (), prefill_length: int = 32768,
+        time_budget_s: float = 1e9, log: Callable[[str], None] = print) -> dict:
+  """The benchmark for one model (module docstring): a dict with the records.
+
+  Args:
+    model: a MODELS name, or a ModelSpec (tests).
+  Configurations run in the order given (methods outer, then contexts, then batches);
+  ones whose caches cannot fit are skipped, and once `time_budget_s` is spent the rest
+  are listed as not run.
+  """
+  if isinstance(model, ModelSpec):
+    spec, model = model, "custom"
+  elif model not in MODELS:
+    raise ValueError(f"model must be one of {sorted(MODELS)}, got {model!r}")
+  else:
+    spec = MODELS[model]
+  bad = [m for m in list(methods) + list(prefill_methods) if m not in METHODS]
+  if bad:
+    raise ValueError(f"unknown methods {bad}; known: {sorted(METHODS)}")
+  if n_layers:
+    spec = spec.replace(n_layers=n_layers)
+  t_start = time.perf_counter()
+  limit = memory.bytes_limit()
+  recs, skipped, prefills = [], [], []
+  for name in methods:
+    method = METHODS[name]
+    params = random_params(spec, jax.random.key(1), method)
+    weights = array_bytes(params)
+    per_token = bytes_per_token(spec, params, method)
+    for ctx in contexts:
+      for b in batches:
+        if time.perf_counter() - t_start > time_budget_s:
+          skipped.append(dict(method=method.label, context=ctx, batch=b, why="time budget"))
+          continue
+        if not fits(per_token, ctx, b, weights, limit):
+          skipped.append(dict(method=method.label, context=ctx, batch=b, why="memory"))
+          log(f"skip {method.label} ctx={ctx} B={b}: does not fit")
+          continue
+        try:
+          rec = run_config(spec, params, method, ctx, b, steps=steps)
+        except Exception as e:  # pylint: disable=broad-except  (OOM: record and go on)
+          skipped.append(dict(method=method.label, context=ctx, batch=b,
+                              why=f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"))
+          log(f"fail {method.label} ctx={ctx} B={b}: {skipped[-1]['why']}")
+          continue
+        rec["weight_bytes"] = weights
+        rec["max_batch"] = max_batch(rec, weights, limit)
+        recs.append(rec)
+        log(f"{method.label:>15} ctx={ctx:>6} B={b:>2}: {rec['tokens_per_s']:9.1f} tok/s, "
+            f"step {rec['step_ms']:7.2f} ms (attention {rec['attention_ms']:7.2f} ms), "
+            f"cache {rec['cache_nbytes'] / 2**30:6.2f} GiB, max batch {rec['max_batch']}, "
+            f"compile {rec['compile_s']:.0f} s")
+    if name in prefill_methods and time.perf_counter() - t_start < time_budget_s:
+      try:
+        prefills.append(prefill(spec, params, method, prefill_length))
+        log(f"prefill {method.label} {prefill_length} tokens: {prefills[-1]}")
+      except Exception as e:  # pylint: disable=broad-except
+        prefills.append(dict(method=method.label, prompt=prefill_length,
+                             error=f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"))
+        log(f"prefill {method.label} failed: {prefills[-1]['error']}")
+    del params
+  return dict(model=model, n_layers=spec.n_layers, memory_limit=limit, records=recs,
+              skipped=skipped, prefill=prefills, wall_s=time.perf_counter() - t_start)
+
+
+def speedups(result: dict) -> list[dict]:
+  """Each record with its tokens/s relative to dense at the same (context, batch)."""
+  dense = {(r["context"], r["batch"]): r["tokens_per_s"] for r in result["records"]
+           if r["method"] == "dense"}
+  out = []
+  for r in result["records"]:
+    d = dense.get((r["context"], r["batch"]))
+    out.append(dict(r, vs_dense=None if d is None else r["tokens_per_s"] / d))
+  return out
+
+
+def _ctx(n: int) -> str:
+  return f"{n // 1024}K" if n % 1024 == 0 else str(n)
+
+
+def table(result: dict) -> str:
+  """Markdown table of the records."""
+  lines = ["| method | context | batch | tokens/s | × dense | step ms | attention ms (share) | "
+           "cache GiB (= nbytes) | peak GiB | max batch |",
+           "|---|---|---|---|---|---|---|---|---|---|"]
+  gib = lambda x: "—" if x is None else f"{x / 2**30:.2f}"
+  for r in speedups(result):
+    same = "" if r["cache_nbytes"] == r["cache_device_bytes"] else " (≠)"
+    vs = "—" if r["vs_dense"] is None else f"{r['vs_dense']:.2f}×"
+    lines.append(
+        f"| {r['method']} | {_ctx(r['context'])} | {r['batch']} | {r['tokens_per_s']:.1f} | "
+        f"{vs} | {r['step_ms']:.2f} | "
+        f"{r['attention_ms']:.2f} ({100 * r['attention_share']:.0f}%) | "
+        f"{gib(r['cache_nbytes'])}{same} | {gib(r['peak_bytes_est'])} | {r['max_batch']} |")
+  return "\n".join(lines)

@@ -1,0 +1,352 @@
+"""Palu Mosaic GPU kernel (`mosaic_palu`): lowering on CPU, numerics on the GPU.
+
+CPU (CI): the kernel is traced and lowered for CUDA (Pallas -> Mosaic GPU, which
+checks layouts, wgmma operand shapes and swizzles) for GQA 4/8/16 and MHA shapes with
+every kept knob, `plan` rejects unsupported shapes and knobs with errors naming the field,
+and `mosaic_fit` / `resolve_implementation` route only fitting inputs to it. GPU (`-m gpu`):
+seeded random inputs with ragged lengths (1, full, non-multiples of the 64-token
+tile) against the float32 reference, bitwise determinism across two runs, every
+split partial finite, and a negative control.
+"""
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+jax = pytest.importorskip("jax")
+import jax.numpy as jnp  # noqa: E402
+
+from closeness import assert_close  # noqa: E402  (tests/kernels, on sys.path)
+from kvlowrank_kernels.dense import shapes as dshapes  # noqa: E402
+from kvlowrank_kernels.common import platform, triton_backend  # noqa: E402
+from kvlowrank_kernels.palu import (  # noqa: E402
+    palu_attention, mosaic_fit, quantize_latent, resolve_implementation)
+from kvlowrank_kernels.palu import mosaic_palu as ml  # noqa: E402
+from kvlowrank_kernels.palu import shapes as lshapes  # noqa: E402
+from kvlowrank_kernels.palu.reference import (  # noqa: E402
+    palu_attention_reference, rope_inv_freq)
+
+F32 = jnp.float32
+LS = lshapes.LatentShape
+
+# GQA 4 (Llama-3-like), MHA with Palu's 50% ranks, GQA 8 (the largest QPK with 8 score
+# columns), GQA 16 with one split worth of tiles per sequence; capacities that are not
+# multiples of the tile.
+SHAPES = (
+    LS(batch=3, capacity=296, n_heads=16, n_groups=2, kv_per_group=2, head_dim=128, rk=64,
+       rv=192),
+    LS(batch=2, capacity=200, n_heads=8, n_groups=2, kv_per_group=4, head_dim=128, rk=128,
+       rv=384),
+    LS(batch=2, capacity=136, n_heads=16, n_groups=1, kv_per_group=2, head_dim=128, rk=64,
+       rv=128),
+    LS(batch=2, capacity=104, n_heads=32, n_groups=1, kv_per_group=2, head_dim=128, rk=128,
+       rv=64),
+)
+
+
+def _zeros(shape: lshapes.LatentShape):
+  b, s = shape.batch, shape.capacity
+  return (jnp.zeros((b, shape.n_heads, shape.head_dim), jnp.bfloat16),
+          jnp.zeros((b, s, shape.n_groups, shape.rk), jnp.bfloat16),
+          jnp.zeros((b, s, shape.n_groups, shape.rv), jnp.bfloat16),
+          jnp.zeros((shape.n_groups, shape.rk, shape.kv_per_group * shape.head_dim),
+                    jnp.bfloat16),
+          jnp.full((b,), s, jnp.int32))
+
+
+_PLAN_KNOBS = ("heads_per_program", "stages", "v_stages", "num_splits", "target_programs")
+
+
+def _fits(shape, opts):
+  """False (after checking the error) where the options overflow shared memory."""
+  q, hk, hv, bk, _ = _zeros(shape)
+  try:
+    ml.plan(q.shape, hk.shape, hv.shape, bk.shape,
+            **{k: v for k, v in opts.items() if k in _PLAN_KNOBS})
+  except ValueError as e:
+    assert "shared memory" in str(e)
+    return False
+  return True
+
+
+# Every knob the kernel keeps; the value product ("shared" or "per-head") follows the shape
+# and heads_per_program (SHAPES[0] and heads_per_program=1 run "per-head").
+LOWER_OPTS = [dict(), dict(heads_per_program=1, stages=1), dict(heads_per_program=1, v_stages=2),
+              dict(stages=3, num_splits=1), dict(stages=1, v_stages=2),
+              dict(stages=1, v_stages=1, target_programs=528),
+              dict(return_partials=True, rope="tables")]
+
+
+def _with_rope(opts, shape):
+  """opts with rope="tables" replaced by the precomputed `rope_tables`."""
+  if opts.get("rope") != "tables":
+    return opts
+  return dict(opts, rope=ml.rope_tables(rope_inv_freq(shape.head_dim), shape.capacity))
+
+
+@pytest.mark.parametrize("idx", range(len(SHAPES)))
+@pytest.mark.parametrize("opts", LOWER_OPTS)
+def test_mosaic_lowers_for_cuda(idx, opts):
+  shape = SHAPES[idx]
+  q, hk, hv, bk, lens = _zeros(shape)
+  inv = rope_inv_freq(shape.head_dim)
+  if not _fits(shape, opts):
+    return
+  opts = _with_rope(opts, shape)
+  f = jax.jit(lambda *a: ml.palu_attention_mosaic(*a, inv, **opts))
+  text = f.trace(q, hk, hv, bk, lens).lower(lowering_platforms=("cuda",)).as_text()
+  assert "mosaic_gpu" in text
+
+
+@pytest.mark.parametrize("change, match", [
+    (dict(rk=48), "rk must be a multiple of 64"),
+    (dict(rv=96), "rv must be a multiple of 64"),
+    (dict(head_dim=64), "head dim must be 128"),
+    (dict(capacity=300), "multiple of 8"),
+    (dict(n_heads=128, n_groups=1, kv_per_group=2), "at most 16 query heads"),
+])
+def test_mosaic_plan_rejects(change, match):
+  import dataclasses  # pylint: disable=import-outside-toplevel
+  shape = dataclasses.replace(SHAPES[0], **change)
+  q, hk, hv, bk, _ = _zeros(shape)
+  with pytest.raises(ValueError, match=match):
+    ml.plan(q.shape, hk.shape, hv.shape, bk.shape)
+
+
+def test_mosaic_plan_rejects_bad_knobs():
+  q, hk, hv, bk, _ = _zeros(SHAPES[1])
+  for kw, match in ((dict(stages=0), "stages must be"), (dict(v_stages=0), "v_stages must be"),
+                    (dict(heads_per_program=0), "heads_per_program")):
+    with pytest.raises(ValueError, match=match):
+      ml.plan(q.shape, hk.shape, hv.shape, bk.shape, **kw)
+  # The schedule ablations and the profiler are gone: no such knobs.
+  for gone in ("skip", "rope_math", "layout", "values", "overlap"):
+    with pytest.raises(TypeError, match=gone):
+      ml.plan(q.shape, hk.shape, hv.shape, bk.shape, **{gone: None})
+  with pytest.raises(TypeError, match="profile_dir"):
+    ml.palu_attention_mosaic(q, hk, hv, bk, jnp.ones((2,), jnp.int32), rope_inv_freq(128),
+                             profile_dir="/tmp")
+
+
+def test_mosaic_plan_picks_the_deepest_rings_that_fit():
+  q, hk, hv, bk, _ = _zeros(SHAPES[1])  # Palu's 50% setting: rk 128, rv 384, 2 heads per CTA
+  p = ml.plan(q.shape, hk.shape, hv.shape, bk.shape)
+  assert (p["stages"], p["v_stages"], p["values"]) == (2, 2, "shared")
+  assert ml.plan(q.shape, hk.shape, hv.shape, bk.shape,
+                 heads_per_program=1)["values"] == "per-head"  # one head: nothing to share
+  p = ml.plan(q.shape, hk.shape, hv.shape, bk.shape, v_stages=1)
+  assert (p["stages"], p["v_stages"]) == (2, 1)
+  import dataclasses  # pylint: disable=import-outside-toplevel
+  q, hk, hv, bk, _ = _zeros(dataclasses.replace(SHAPES[1], rv=448))  # 2 x 56 KiB value tiles
+  p = ml.plan(q.shape, hk.shape, hv.shape, bk.shape)
+  assert (p["stages"], p["v_stages"]) == (1, 2)
+  with pytest.raises(ValueError, match="shared memory"):  # four B_k slices: nothing fits
+    ml.plan(q.shape, hk.shape, hv.shape, bk.shape, heads_per_program=4)
+
+
+def test_mosaic_plan_rejects_smem_overflow_and_heads():
+  shape = SHAPES[1]
+  q, hk, hv, bk, _ = _zeros(shape)
+  with pytest.raises(ValueError, match="shared memory"):
+    ml.plan(q.shape, hk.shape, hv.shape, bk.shape, heads_per_program=4, stages=2)
+  with pytest.raises(ValueError, match="heads_per_program"):
+    ml.plan(q.shape, hk.shape, hv.shape, bk.shape, heads_per_program=3)
+
+
+def test_mosaic_partial_layout_roundtrip():
+  """unpad_partials puts KV head k's column c at query head k * QPK + c (the reference's map)."""
+  shape = SHAPES[0]
+  q, hk, hv, bk, _ = _zeros(shape)
+  p = ml.plan(q.shape, hk.shape, hv.shape, bk.shape, num_splits=2)
+  kvh = shape.batch * shape.n_kv_heads
+  np_ = p["np"]
+  assert np_ == 8
+  o_t = jnp.arange(kvh * 2 * shape.rv * np_, dtype=F32).reshape(kvh, 2, shape.rv, np_)
+  lse_t = jnp.arange(kvh * 2 * np_, dtype=F32).reshape(kvh, 2, np_)
+  o, lse = ml.unpad_partials(o_t, lse_t, p)
+  qpk = shape.n_heads // shape.n_kv_heads
+  b, n, sp = 2, 13, 1
+  k, c = n // qpk, n % qpk
+  assert float(o[b, n, sp, 5]) == float(o_t[b * shape.n_kv_heads + k, sp, 5, c])
+  assert float(lse[b, n, sp]) == float(lse_t[b * shape.n_kv_heads + k, sp, c])
+  qt = ml.query_operand(jnp.ones(q.shape, F32), p, 1.0)
+  assert qt.shape == (kvh, 2, shape.head_dim // 2, np_)
+  assert float(qt[0, 0, 0, qpk - 1]) > 0 and float(qt[0, 0, 0, qpk]) == 0.0
+
+
+def test_mosaic_values_follow_the_shape():
+  """"shared" values exactly where the CTA has >= 2 KV heads and rv splits into 64-row
+  pieces per head: the plan picks it, no knob."""
+  assert [ml.shares_values(h, rv) for h, rv in ((2, 384), (2, 192), (1, 384), (4, 256),
+                                                (4, 384))] == [True, False, False, True, False]
+  for idx, want in ((0, "per-head"), (1, "shared"), (2, "shared"), (3, "per-head")):
+    q, hk, hv, bk, _ = _zeros(SHAPES[idx])
+    assert ml.plan(q.shape, hk.shape, hv.shape, bk.shape)["values"] == want, idx
+
+
+def test_mosaic_shared_partial_layout():
+  """values="shared" partials (a CTA's KV heads side by side in the columns) unpad to the same
+  [B, N, P, rv] as the per-head layout holding the same numbers."""
+  shape = SHAPES[1]
+  q, hk, hv, bk, _ = _zeros(shape)
+  ps = ml.plan(q.shape, hk.shape, hv.shape, bk.shape, num_splits=2)
+  assert ps["values"] == "shared"
+  p = dict(ps, values="per-head")
+  kvh, hpp, np_, rv = shape.batch * shape.n_kv_heads, ps["hpp"], ps["np"], shape.rv
+  o_t = jnp.arange(kvh * 2 * rv * np_, dtype=F32).reshape(kvh, 2, rv, np_)
+  lse_t = jnp.arange(kvh * 2 * np_, dtype=F32).reshape(kvh, 2, np_)
+  # CTA c, warpgroup w holds KV head c * hpp + w in columns [w NP, (w + 1) NP)
+  o_s = o_t.reshape(kvh // hpp, hpp, 2, rv, np_).transpose(0, 2, 3, 1, 4).reshape(
+      kvh // hpp, 2, rv, hpp * np_)
+  lse_s = lse_t.reshape(kvh // hpp, hpp, 2, np_).transpose(0, 2, 1, 3).reshape(
+      kvh // hpp, 2, hpp * np_)
+  want, want_lse = ml.unpad_partials(o_t, lse_t, p)
+  got, got_lse = ml.unpad_partials(o_s, lse_s, ps)
+  assert np.array_equal(np.asarray(got), np.asarray(want))
+  assert np.array_equal(np.asarray(got_lse), np.asarray(want_lse))
+  wrong, _ = ml.unpad_partials(o_s.reshape(o_t.shape), lse_s.reshape(lse_t.shape), p)
+  assert not np.array_equal(np.asarray(wrong), np.asarray(want))  # negative control
+
+
+def test_rope_tables_factor_the_rotation():
+  """The kernel scores q . R(t) k as (R(t0)^T q) . (R(t - t0) k) with t0 the tile start: the
+  tables must give the reference's rotation (float64 check at positions up to 4K)."""
+  h, cap = 128, 4096
+  inv = rope_inv_freq(h)
+  cos_i, sin_i, base = (np.asarray(x, np.float64) for x in ml.rope_tables(inv, cap))
+  assert cos_i.shape == (ml.T, h // 2) and base.shape == (cap // ml.T, 2, h // 2)
+  rng = np.random.default_rng(5)
+  q, k = rng.standard_normal((2, 40, h))
+  t = rng.integers(0, cap, 40)
+  ang = t[:, None].astype(np.float64) * np.asarray(inv, np.float64)[None, :]
+
+  def rot(x, c, s):
+    x1, x2 = x[..., :h // 2], x[..., h // 2:]
+    return np.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], -1)
+  want = np.sum(q * rot(k, np.cos(ang), np.sin(ang)), -1)
+  t0, i = t // ml.T, t % ml.T
+  q_t = rot(q, base[t0, 0], -base[t0, 1])          # R(t0)^T q
+  got = np.sum(q_t * rot(k, cos_i[i], sin_i[i]), -1)
+  # fp16 cos/sin of the in-tile offsets: <= 2**-12 each, so |err| <= 2**-11 sum |q||k|.
+  bound = 2.0 ** -11 * np.sum(np.abs(q) * (np.abs(k) + np.abs(np.roll(k, h // 2, -1))), -1)
+  assert np.all(np.abs(got - want) <= bound), np.abs(got - want).max()
+  wrong = np.sum(q * rot(k, cos_i[i], sin_i[i]), -1)  # negative control: no query rotation
+  assert np.abs(wrong - want).max() > 1.0
+
+
+def test_query_columns():
+  assert [ml.query_columns(q) for q in (1, 4, 8, 9, 16)] == [8, 8, 8, 16, 16]
+
+
+# ----------------------------------------------------------------------------- GPU
+
+def test_hopper_detection_is_false_off_a_gpu():
+  if jax.default_backend() == "gpu":
+    pytest.skip("CPU check")
+  assert not platform.hopper_available()
+
+
+def _fit_case(**change):
+  shape = dataclasses.replace(SHAPES[1], **change)
+  q, hk, hv, bk, lens = _zeros(shape)
+  return q, hk, hv, bk, lens, None
+
+
+@pytest.mark.parametrize("hopper", [True, False])
+def test_default_implementation_picks_mosaic_only_where_it_fits(monkeypatch, hopper):
+  """None -> "mosaic" on a Hopper GPU for inputs the kernel takes with its default knobs;
+  everything else keeps the previous default (triton on a GPU, reference elsewhere).
+  The hopper=False case is the negative control of the platform gate."""
+  monkeypatch.setattr(platform, "hopper_available", lambda: hopper)
+  fallback = resolve_implementation(None)
+  assert fallback != "mosaic"
+  args = _fit_case()
+  assert mosaic_fit(*args) is None
+  assert resolve_implementation(None, args=args) == ("mosaic" if hopper else fallback)
+  # Explicit choices and calls carrying kernel knobs are never rerouted.
+  assert resolve_implementation("xla", args=args) == "xla"
+  assert resolve_implementation(None, args=args, options={"block_s": 64}) == fallback
+  q, hk, hv, bk, lens, _ = args
+  misfits = {
+      "k_bias": (q, hk, hv, bk, lens, jnp.zeros((bk.shape[0], bk.shape[2]), F32)),
+      "PackedLatent": (q, hk, quantize_latent(hv, 4), bk, lens, None),
+      "float16": (q, hk.astype(jnp.float16), hv, bk, lens, None),
+      "head dim must be 128": _fit_case(head_dim=64),
+      "rv must be a multiple of 64": _fit_case(rv=96),
+  }
+  for why, bad in misfits.items():
+    assert why in mosaic_fit(*bad), why
+    assert resolve_implementation(None, args=bad) == fallback, why
+
+
+def _case(idx, seed):
+  shape = SHAPES[idx]
+  rng = np.random.default_rng(seed)
+  lens = dshapes.ragged_lengths(shape.batch, shape.capacity, rng)
+  return shape, lshapes.make_inputs(shape, jax.random.key(seed), lengths=lens)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("idx", range(len(SHAPES)))
+@pytest.mark.parametrize("opts", [dict(), dict(heads_per_program=1, stages=1),
+                                  dict(heads_per_program=1, v_stages=2),
+                                  dict(heads_per_program=1, num_splits=3),
+                                  dict(stages=1, v_stages=2, target_programs=528),
+                                  dict(stages=3, num_splits=1), dict(num_splits=3),
+                                  dict(stages=2, v_stages=2), dict(stages=1, v_stages=2),
+                                  dict(stages=1, v_stages=1), dict(rope="tables")])
+def test_mosaic_matches_reference(idx, opts):
+  """Every kept knob on every shape; "shared" values run on SHAPES[1] and [2] with two heads
+  per CTA, "per-head" on SHAPES[0] and [3] and with heads_per_program=1."""
+  if not triton_backend.gpu_available():
+    pytest.skip("needs a GPU")
+  shape, (q, hk, hv, b_k, _, lens) = _case(idx, 700 + idx)
+  if not _fits(shape, opts):
+    return
+  opts = _with_rope(opts, shape)
+  inv = rope_inv_freq(shape.head_dim)
+  ref, ref_lse = palu_attention_reference(q, hk, hv, b_k, lens, out_dtype=F32)
+  run = jax.jit(lambda *a: ml.palu_attention_mosaic(*a, inv, out_dtype=F32,
+                                                    return_partials=True, **opts))
+  out, lse, (o_p, lse_p) = run(q, hk, hv, b_k, lens)
+  assert np.isfinite(np.asarray(o_p)).all(), "non-finite partial outputs"
+  assert not np.isnan(np.asarray(lse_p)).any(), "NaN partial lse"
+  assert_close(out, ref, 2e-2, 2e-2, f"out {opts}")
+  assert_close(lse, ref_lse, 2e-2, 2e-3, f"lse {opts}")
+  again = run(q, hk, hv, b_k, lens)
+  assert np.array_equal(np.asarray(out), np.asarray(again[0])), "not bitwise deterministic"
+
+
+@pytest.mark.gpu
+def test_mosaic_negative_control():
+  if not triton_backend.gpu_available():
+    pytest.skip("needs a GPU")
+  shape, (q, hk, hv, b_k, _, lens) = _case(0, 799)
+  inv = rope_inv_freq(shape.head_dim)
+  ref, _ = palu_attention_reference(q, hk, hv, b_k, lens, out_dtype=F32)
+  long_row = int(np.argmax(np.asarray(lens)))
+  bad_hk = hk.at[long_row, 0].set(hk[long_row, 0] * 40.0)
+  out, _ = ml.palu_attention_mosaic(q, bad_hk, hv, b_k, lens, inv, out_dtype=F32)
+  with pytest.raises(AssertionError):
+    assert_close(out, ref, 2e-2, 2e-2, "corrupted latent")
+
+
+@pytest.mark.gpu
+def test_default_implementation_on_hopper():
+  """implementation=None runs the Mosaic kernel on a Hopper GPU (bitwise equal to asking
+  for it, close to the reference) and the Triton kernel for packed latents."""
+  if not platform.hopper_available():
+    pytest.skip("needs a Hopper GPU")
+  shape, (q, hk, hv, b_k, _, lens) = _case(1, 731)
+  assert resolve_implementation(None, args=(q, hk, hv, b_k, lens, None)) == "mosaic"
+  ref, _ = palu_attention_reference(q, hk, hv, b_k, lens, out_dtype=F32)
+  run = lambda impl, hv: jax.jit(lambda *a: palu_attention(  # noqa: E731
+      *a, out_dtype=F32, implementation=impl))(q, hk, hv, b_k, lens)[0]
+  out = run(None, hv)
+  assert np.array_equal(np.asarray(out), np.asarray(run("mosaic", hv)))
+  assert_close(out, ref, 2e-2, 2e-2, f"default on {shape}")
+  hv4 = quantize_latent(hv, 4)
+  assert resolve_implementation(None, args=(q, hk, hv4, b_k, lens, None)) != "mosaic"
+  if triton_backend.available():
+    assert np.array_equal(np.asarray(run(None, hv4)), np.asarray(run("triton", hv4)))

@@ -1,0 +1,53 @@
+"""The whole-model decode benchmark's library function on a tiny model (CPU): records with
+consistent bytes and times, the table, skips; the GPU numbers are in BENCHMARKS.md."""
+
+import jax.numpy as jnp
+import pytest
+
+from kvlowrank.bench import decode
+from kvlowrank.spec import ModelSpec
+
+TINY = ModelSpec(vocab_size=64, dim=64, n_layers=2, n_heads=4, n_kv_heads=4, head_dim=128,
+                 ffn_dim=64, max_seq_len=512)
+
+
+def test_records_bytes_and_table():
+  res = decode.run(TINY, methods=["dense", "kivi2", "palu50"], contexts=[1024], batches=[2],
+                   steps=2, log=lambda s: None)
+  recs = {r["method"]: r for r in res["records"]}
+  assert set(recs) == {"dense", "KIVI-2", "Palu-50%"}
+  for r in recs.values():
+    assert r["cache_nbytes"] == r["cache_device_bytes"]      # nbytes() = what is allocated
+    assert r["tokens_per_s"] == pytest.approx(2 / (r["step_ms"] / 1e3))
+    assert r["step_ms"] > 0 and r["attention_ms"] > 0
+  # KIVI-2 stores 2-bit codes: several times fewer bytes than the bf16 dense cache.
+  assert recs["KIVI-2"]["cache_nbytes"] < recs["dense"]["cache_nbytes"] / 2
+  rows = decode.speedups(res)
+  assert [r["vs_dense"] for r in rows if r["method"] == "dense"] == [1.0]
+  table = decode.table(res)
+  assert table.count("\n") == 4 and "KIVI-2" in table
+
+
+def test_skips_and_errors():
+  res = decode.run(TINY, methods=["dense"], contexts=[128], batches=[1], steps=1,
+                   time_budget_s=0.0, log=lambda s: None)
+  assert res["records"] == [] and res["skipped"][0]["why"] == "time budget"
+  assert not decode.fits(1e9, 32768, 8, 10 << 30, 80 << 30)       # 256 TB of cache
+  assert decode.fits(1e3, 32768, 8, 10 << 30, 80 << 30)
+  with pytest.raises(ValueError, match="unknown methods"):
+    decode.run(TINY, methods=["kivi9"], contexts=[128], batches=[1])
+  with pytest.raises(ValueError, match="model must be one of"):
+    decode.run("llama9", methods=["dense"], contexts=[128], batches=[1])
+
+
+def test_random_params_shapes_and_fill():
+  m = decode.METHODS["palu50"]
+  params = decode.random_params(TINY, decode.jax.random.key(0), m)
+  lp = params["layers"][0]
+  # 4 KV heads = one G-LRD group of 512 channels: key rank 128, value rank 384.
+  assert lp["palu_bk"].shape == (1, 128, 512) and lp["palu_bv"].shape == (1, 384, 512)
+  assert lp["wo"].shape == (4 * 384, 64) and lp["wq"].dtype == jnp.bfloat16
+  caches = decode.init_caches("kivi", decode.METHODS["kivi2"].spec, TINY, params, batch=1,
+                              capacity=256)
+  filled = decode.fill_caches(caches, decode.jax.random.key(1), 200)
+  assert int(filled[0].lens[0]) == 200

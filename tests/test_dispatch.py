@@ -1,0 +1,85 @@
+"""The decode-path choice of every cache (`cache.dispatch`), checked on the CPU for the GPU a
+user would have: `choose_implementation(..., platform=Platform(gpu=True, hopper=True))` names
+the kernel the attend call would run there, or "reference" with the reason."""
+
+import logging
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from kvlowrank.bench.decode import BenchMethod, random_params
+from kvlowrank.cache import dispatch
+from kvlowrank.cache.base import init_caches
+from kvlowrank.methods import DenseSpec, KiviSpec, PaluSpec
+from kvlowrank.spec import ModelSpec
+
+H100 = dispatch.Platform(gpu=True, hopper=True)
+A100 = dispatch.Platform(gpu=True, hopper=False)
+CPU = dispatch.Platform(gpu=False, hopper=False)
+SPEC = ModelSpec(vocab_size=64, dim=256, n_layers=1, n_heads=8, n_kv_heads=2, head_dim=128,
+                 ffn_dim=256, max_seq_len=1024)
+DECODE = (2, 1, 8, 128)
+
+
+def _cache(name, mspec, spec=SPEC, dtype=jnp.bfloat16):
+  params = random_params(spec, jax.random.key(0), BenchMethod(name, name, mspec))
+  return init_caches(name, mspec, spec, params, batch=2, capacity=256, dtype=dtype)[0]
+
+
+@pytest.mark.parametrize("name,mspec,platform,want,why", [
+    ("dense", DenseSpec(), H100, "cudnn", None),
+    ("dense", DenseSpec(implementation="triton"), H100, "triton", None),
+    ("dense", DenseSpec(), CPU, "reference", "needs a GPU"),
+    ("kivi", KiviSpec(bits=2, layout="warp"), H100, "mosaic", None),
+    ("kivi", KiviSpec(bits=2, layout="warp"), A100, "reference", "warp layout"),
+    ("kivi", KiviSpec(bits=2, layout="planar"), H100, "triton", None),
+    ("kivi", KiviSpec(bits=4), H100, "triton", None),
+    ("kivi", KiviSpec(bits=3), H100, "reference", "bits"),
+    ("palu", PaluSpec(), H100, "mosaic", None),
+    ("palu", PaluSpec(), A100, "triton", None),
+    ("palu", PaluSpec(bits=4), H100, "triton", None),
+    ("palu", PaluSpec(implementation="reference"), H100, "reference", None),
+])
+def test_decode_choice(name, mspec, platform, want, why):
+  c = _cache(name, mspec)
+  impl, reason = c.choose_implementation(DECODE, platform=platform)
+  assert impl == want, reason
+  if why is None:
+    assert reason is None
+  else:
+    assert why in reason
+  # Prefill (T > 1) always runs the reference: the kernels are decode kernels.
+  impl, reason = c.choose_implementation((2, 16, 8, 128), platform=platform)
+  assert impl == "reference" and (reason is None or "prefill" in reason)
+
+
+def test_fallback_reasons_name_the_cause():
+  assert "float32" in _cache("dense", DenseSpec(), dtype=jnp.float32).choose_implementation(
+      DECODE, platform=H100)[1]
+  window = _cache("dense", DenseSpec(), spec=SPEC.replace(sliding_window=64))
+  assert "sliding" in window.choose_implementation(DECODE, platform=H100)[1]
+  rope = _cache("palu", PaluSpec(), spec=SPEC.replace(rope_layout="interleaved"))
+  impl, reason = rope.choose_implementation(DECODE, platform=H100)
+  assert impl == "reference" and "interleaved RoPE" in reason
+
+
+def test_bad_implementation_is_one_error_naming_the_field():
+  with pytest.raises(ValueError, match="KiviSpec.implementation"):
+    KiviSpec(implementation="cuda")
+  with pytest.raises(ValueError, match="DenseSpec.implementation"):
+    DenseSpec(implementation="mosaic")
+  with pytest.raises(ValueError, match="PaluSpec.implementation"):
+    PaluSpec(implementation="xla")
+
+
+def test_reference_path_logs_its_reason_once(caplog):
+  c = _cache("kivi", KiviSpec(bits=2))
+  q = jnp.zeros(DECODE, jnp.bfloat16)
+  pos = jnp.full((2, 1), 3, jnp.int32)
+  dispatch._LOGGED.clear()  # pylint: disable=protected-access
+  with caplog.at_level(logging.INFO, logger="kvlowrank.dispatch"):
+    for _ in range(3):
+      jax.jit(lambda c, q: c.attend(q, pos, {}, spec=SPEC))(c, q)
+  msgs = [r.getMessage() for r in caplog.records if r.name == "kvlowrank.dispatch"]
+  assert len(msgs) == 1 and "kivi attention runs reference" in msgs[0] and "GPU" in msgs[0]
