@@ -17,8 +17,10 @@ Model: a 2-layer Llama of head dim 128 (the kernels' head dim), GQA 8/2, random 
    Negative control: the reference over the cache with its first half of tokens dropped is
    outside the bound.
 3. Generation: greedy 64 tokens from a 96-token prompt with the kernels and with
-   implementation="reference": the tokens are identical. Negative control: one changed
-   prompt token changes the generated tokens (the comparison can fail).
+   implementation="reference": the logits along the reference's tokens agree within a
+   stated bf16 bound, and the tokens are identical up to a near tie
+   (`test_greedy_generation_kernels_match_reference`). Negative control: one changed
+   prompt token moves the logits outside the bound.
 """
 
 import dataclasses
@@ -120,8 +122,40 @@ def test_decode_dispatch_and_attention_within_bound(gpu, name):
   assert float(np.abs(other - want).max()) > bound, (name, bound)
 
 
+def _teacher_forced(params, cache_name, mspec, prompts, tokens):
+  """Next-token logits [B, NEW, V] along `tokens` [B, NEW]: the prompt's last position (a
+  prefill), then each token fed alone (decode steps), as greedy generation makes them."""
+  caches = init_caches(cache_name, mspec, SPEC, params, batch=len(prompts),
+                       capacity=PROMPT + NEW + 8, dtype=jnp.bfloat16)
+  step = jax.jit(lambda t, p, c: forward(params, t, p, c, SPEC))
+  tok = jnp.asarray(prompts, jnp.int32)
+  logits, caches = step(tok, jnp.broadcast_to(jnp.arange(PROMPT, dtype=jnp.int32), tok.shape),
+                        caches)
+  out = [logits[:, -1]]
+  tokens = jnp.asarray(tokens, jnp.int32)
+  for i in range(NEW - 1):
+    logits, caches = step(tokens[:, i:i + 1], jnp.full((len(prompts), 1), PROMPT + i,
+                                                        jnp.int32), caches)
+    out.append(logits[:, 0])
+  return np.asarray(jnp.stack(out, axis=1), np.float64)
+
+
 @pytest.mark.parametrize("name", list(METHODS))
-def test_greedy_generation_kernels_equal_reference(gpu, name):
+def test_greedy_generation_kernels_match_reference(gpu, name):
+  """Greedy generation with the kernels vs implementation="reference".
+
+  Bound: along the reference's greedy trajectory (teacher-forced), the kernels' logits
+  differ from the reference's by at most tau = L * 4 * 2^-8 * max|logits| (L layers): each
+  layer's attention output carries a kernel error of a few bf16 units of roundoff of the
+  values it averages (test_decode_dispatch_and_attention_within_bound derives it), and the
+  residual stream, renormalised by RMSNorm, carries a relative error to the logits without
+  gain beyond its own scale. The generated tokens are identical up to the first step where
+  the reference's margin between its token and the kernels' token is within 2x the
+  measured logit difference (a near tie the kernels' bf16 rounding may flip); after that
+  the two continuations are different texts and are not compared.
+  Negative control: the reference logits along the same tokens after one changed prompt
+  token differ by more than tau.
+  """
   cache_name, mspec, _, params = _setup(name)
   ref_spec = dataclasses.replace(mspec, implementation="reference")
   gen = lambda ms, prompts: generate(params, SPEC, prompts, max_new_tokens=NEW,
@@ -129,9 +163,21 @@ def test_greedy_generation_kernels_equal_reference(gpu, name):
                                      cache_dtype=jnp.bfloat16, eos_ids=()).tokens
   prompts = _prompt()
   kern, ref = gen(mspec, prompts), gen(ref_spec, prompts)
-  assert kern == ref, name
-  assert all(len(t) == NEW for t in kern)
-  # Negative control: one changed prompt token changes the continuation.
+  assert all(len(t) == NEW for t in kern + ref)
+  lr = _teacher_forced(params, cache_name, ref_spec, prompts, ref)
+  lk = _teacher_forced(params, cache_name, mspec, prompts, ref)
+  diff = float(np.abs(lk - lr).max())
+  tau = SPEC.n_layers * 4 * U * float(np.abs(lr).max())
+  assert diff <= tau, (name, diff, tau)
+  for row in range(len(prompts)):
+    k_row, r_row = np.asarray(kern[row]), np.asarray(ref[row])
+    differ = np.nonzero(k_row != r_row)[0]
+    if differ.size:
+      t = int(differ[0])
+      margin = lr[row, t, r_row[t]] - lr[row, t, k_row[t]]
+      assert margin <= 2 * diff, (name, row, t, margin, diff)
+  # Negative control: one changed prompt token moves the logits by more than tau.
   other = [list(p) for p in prompts]
   other[0][PROMPT // 2] = (other[0][PROMPT // 2] + 1) % SPEC.vocab_size
-  assert gen(mspec, other)[0] != kern[0], name
+  lo = _teacher_forced(params, cache_name, ref_spec, other, ref)
+  assert float(np.abs(lo - lr).max()) > tau, name

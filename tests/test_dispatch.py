@@ -1,6 +1,7 @@
 """The decode-path choice of every cache (`cache.dispatch`), checked on the CPU for the GPU a
 user would have: `choose_implementation(..., platform=Platform(gpu=True, hopper=True))` names
-the kernel the attend call would run there, or "reference" with the reason."""
+the kernel the attend call would run there, or "reference", with the reason faster paths were
+passed over."""
 
 import logging
 
@@ -33,12 +34,12 @@ def _cache(name, mspec, spec=SPEC, dtype=jnp.bfloat16):
     ("dense", DenseSpec(), CPU, "reference", "needs a GPU"),
     ("kivi", KiviSpec(bits=2, layout="warp"), H100, "mosaic", None),
     ("kivi", KiviSpec(bits=2, layout="warp"), A100, "reference", "warp layout"),
-    ("kivi", KiviSpec(bits=2, layout="planar"), H100, "triton", None),
-    ("kivi", KiviSpec(bits=4), H100, "triton", None),
+    ("kivi", KiviSpec(bits=2, layout="planar"), H100, "triton", "planar layout"),
+    ("kivi", KiviSpec(bits=4), H100, "triton", "planar layout"),
     ("kivi", KiviSpec(bits=3), H100, "reference", "bits"),
     ("palu", PaluSpec(), H100, "mosaic", None),
-    ("palu", PaluSpec(), A100, "triton", None),
-    ("palu", PaluSpec(bits=4), H100, "triton", None),
+    ("palu", PaluSpec(), A100, "triton", "needs a Hopper GPU"),
+    ("palu", PaluSpec(bits=4), H100, "triton", "PackedLatent"),
     ("palu", PaluSpec(implementation="reference"), H100, "reference", None),
 ])
 def test_decode_choice(name, mspec, platform, want, why):

@@ -101,7 +101,7 @@ def test_segment_runs_and_errors(setup):
     forward_segments(params, tokens, pos, None, SPEC, ((0, T),))
   # Heterogeneous stacks are detected (a layer with another cache capacity).
   caches = _caches(params, "dense", DenseSpec())
-  other = init_caches("dense", DenseSpec(), SPEC, params, batch=B, capacity=8,
+  other = init_caches("dense", DenseSpec(), SPEC, params, batch=B, capacity=100,
                       dtype=jnp.bfloat16)
   assert homogeneous(params["layers"], caches)
   assert not homogeneous(params["layers"], caches[:1] + other[1:])

@@ -229,8 +229,9 @@ def test_nbytes_exact():
   cparams, layout = palu.compress(params, spec, pspec, calib)
   g = layout.n_groups
   rk, rv = layout.ranks_k[0], layout.ranks_v[0]
-  b, s = 2, 16
-  fp = init_caches("palu", pspec, spec, cparams, batch=b, capacity=s, dtype=jnp.bfloat16)[0]
+  b, s = 2, 64                 # the cache allocates whole 64-slot tiles (CAPACITY_MULTIPLE)
+  fp = init_caches("palu", pspec, spec, cparams, batch=b, capacity=s - 5,
+                   dtype=jnp.bfloat16)[0]
   assert fp.nbytes() == b * s * g * (rk + rv) * 2 + 4 * b
   assert fp.bytes_per_token() == g * (rk + rv) * 2
   q = init_caches("palu", pspec.replace(bits=3, window=4), spec, cparams, batch=b,

@@ -154,10 +154,11 @@ def run_config(spec: ModelSpec, params, method: BenchMethod, context: int, batch
                steps: int = 20, seed: int = 0) -> dict:
   """Times decode steps at `context` tokens for `batch` rows (module docstring)."""
   key = jax.random.key(seed)
-  capacity = context + steps + 8
+  capacity = -(-(context + steps + 8) // 256) * 256
   caches = init_caches(method.cache, method.spec, spec, params, batch=batch,
                        capacity=capacity, dtype=jnp.bfloat16)
   caches = fill_caches(caches, key, context)
+  impl, reason = caches[0].choose_implementation((batch, 1, spec.n_heads, spec.head_dim))
   nbytes = caches_nbytes(caches)
   on_device = storage_bytes(caches)
   in_use = memory.bytes_in_use()
@@ -191,7 +192,8 @@ def run_config(spec: ModelSpec, params, method: BenchMethod, context: int, batch
 
   attn_s = _median_time(lambda: attend_all(caches, q, params["layers"]), steps)
   del caches, state
-  return dict(method=method.label, context=context, batch=batch, step_ms=1e3 * step_s,
+  return dict(method=method.label, context=context, batch=batch, implementation=impl,
+              dispatch_reason=reason, step_ms=1e3 * step_s,
               tokens_per_s=batch / step_s, attention_ms=1e3 * attn_s,
               rest_ms=1e3 * (step_s - attn_s), attention_share=attn_s / step_s,
               cache_nbytes=nbytes, cache_device_bytes=on_device,
@@ -296,7 +298,9 @@ def run(model, *, methods: Sequence[str], contexts: Sequence[int],
         rec["weight_bytes"] = weights
         rec["max_batch"] = max_batch(rec, weights, limit)
         recs.append(rec)
-        log(f"{method.label:>15} ctx={ctx:>6} B={b:>2}: {rec['tokens_per_s']:9.1f} tok/s, "
+        log(f"{method.label:>15} ctx={ctx:>6} B={b:>2} [{rec['implementation']}"
+            f"{'; ' + rec['dispatch_reason'] if rec['dispatch_reason'] else ''}]: "
+            f"{rec['tokens_per_s']:9.1f} tok/s, "
             f"step {rec['step_ms']:7.2f} ms (attention {rec['attention_ms']:7.2f} ms), "
             f"cache {rec['cache_nbytes'] / 2**30:6.2f} GiB, max batch {rec['max_batch']}, "
             f"compile {rec['compile_s']:.0f} s")

@@ -101,6 +101,13 @@ class KVCache(abc.ABC):
     implementation: None (the cache's own choice) | "reference" | one of the method's
     kernels (`kvlowrank.cache.dispatch`)."""
 
+  def choose_implementation(self, q_shape, implementation: Optional[str] = None,
+                            platform=None) -> tuple[str, Optional[str]]:
+    """(what `attend` runs for queries of shape [B, T, N, H], the reason when it is not the
+    fastest kernel); caches with decode kernels override this (`cache.dispatch`)."""
+    del q_shape, implementation, platform
+    return "reference", "no decode kernel for this cache"
+
   @abc.abstractmethod
   def materialize(self):
     """Dense reconstruction (k [B,S,K,H] post-RoPE, v [B,S,K,H], valid [B,S]). Test oracle."""

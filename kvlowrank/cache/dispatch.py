@@ -55,7 +55,8 @@ def choose(op: str, requested: Optional[str], candidates: Sequence[Candidate], *
     decode: whether this call is one token per row (T = 1); kernels are decode kernels.
     platform: the machine (default: detected).
   Returns:
-    (implementation name, reason or None).
+    (implementation name, reason or None): the reason says why the reference runs, or why
+    faster kernels were passed over for the one that runs.
   Raises:
     ValueError: `requested` is not None, "reference" or a candidate name.
   """
@@ -82,17 +83,19 @@ def choose(op: str, requested: Optional[str], candidates: Sequence[Candidate], *
       continue
     why = fit()
     if why is None:
-      return name, None
+      return name, "; ".join(reasons) or None
     reasons.append(f"{name}: {why}")
   return REFERENCE, "; ".join(reasons)
 
 
 def log_once(op: str, impl: str, reason: Optional[str]) -> None:
-  """Logs, once per (op, reason), that `op` runs the jnp reference and why."""
-  if reason is None or (op, reason) in _LOGGED:
+  """Logs, once per (op, impl, reason), which implementation `op` runs instead of a faster
+  one, and why: a warning when a GPU is there but the reference runs for another reason
+  than prefill, else at INFO."""
+  if reason is None or (op, impl, reason) in _LOGGED:
     return
-  _LOGGED.add((op, reason))
-  quiet = reason.startswith("prefill") or all(
+  _LOGGED.add((op, impl, reason))
+  quiet = impl != REFERENCE or reason.startswith("prefill") or all(
       r.endswith(("needs a GPU", "needs a Hopper GPU")) for r in reason.split("; "))
   (log.info if quiet else log.warning)("%s attention runs %s: %s", op, impl, reason)
 

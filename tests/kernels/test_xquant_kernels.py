@@ -244,6 +244,9 @@ def test_triton_fused_decode_matches_reference(shared, bits, tuning):
   """The fused decode kernel vs the fp32 reference (bf16 weights and operands: ~3e-3 relative
   error expected, bound 2e-2), ragged lengths 640 / 1 / 333, every partial written (NaN
   poison); negative control: 20 keys instead of 333 for row 2."""
+  if (not shared and bits == 3 and tuning.get("block_m") == 128):
+    pytest.skip("3-bit latent rows with block_m=128 need 258 KB of shared memory (the H200 "
+                "has 227 KB per block); the default tuning takes them")
   tb = triton_backend
   rng = np.random.default_rng(bits)
   b, s, n, kh, h, c = 3, 640, 8, 8 if shared else 2, 64, 512 if shared else 128

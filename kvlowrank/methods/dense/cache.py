@@ -23,6 +23,8 @@ from kvlowrank.spec import ModelSpec
 from kvlowrank_kernels import dense as dense_kernels
 
 IMPLEMENTATIONS = ("cudnn", "triton")   # the kernels, fastest first (besides "reference")
+# Slots are allocated in whole 64-token tiles, the decode kernels' key blocks.
+CAPACITY_MULTIPLE = 64
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,6 +57,7 @@ class DenseCache(base.KVCache):
   @classmethod
   def init(cls, spec: ModelSpec, *, batch: int, capacity: int, dtype=jnp.bfloat16,
            implementation: Optional[str] = None):
+    capacity = -(-capacity // CAPACITY_MULTIPLE) * CAPACITY_MULTIPLE
     shape = (batch, capacity, spec.n_kv_heads, spec.head_dim)
     return cls(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype),
                lens=jnp.zeros((batch,), jnp.int32), sliding_window=spec.sliding_window,

@@ -49,6 +49,9 @@ from kvlowrank_kernels import palu as palu_kernels
 from kvlowrank_kernels.palu.packed import PackedLatent, dequantize_latent, quantize_latent
 from kvlowrank_kernels.quant import packing
 
+# Slots are allocated in whole 64-token tiles: the decode kernels read the latents in tiles
+# (the Mosaic kernel needs a capacity that is a multiple of 8 for its TMA copies).
+CAPACITY_MULTIPLE = 64
 # One (scale, zero) pair per token per group latent, stored like KIVI's (fp16).
 SCALE_DTYPE = "float16"
 
@@ -88,6 +91,7 @@ class LatentCache(base.KVCache):
     """Empty cache for one compressed layer `lp` (needs palu_bk / palu_bv)."""
     if bits is not None:
       packing.check_bits(bits, "PaluSpec.bits")
+    capacity = -(-capacity // CAPACITY_MULTIPLE) * CAPACITY_MULTIPLE
     g, rk, _ = lp["palu_bk"].shape
     rv = lp["palu_bv"].shape[1]
 

@@ -185,6 +185,11 @@ def fused_decode_choice(implementation: Optional[str], spec: ModelSpec, stores, 
   return "triton", None
 
 
+@dataclasses.dataclass(frozen=True)
+class _HeadDim:
+  head_dim: int
+
+
 def fused_decode_backend(implementation: Optional[str], spec: ModelSpec, stores,
                          sliding_window, n_query: int) -> Optional[str]:
   """`fused_decode_choice` without the reason."""
@@ -300,6 +305,15 @@ class XCache(base.KVCache):
       k_pre = remat(self.stores[0], rk, impl)
       v = remat(self.stores[1], rv, impl)
     return kv_from_rows(k_pre, v, lp, spec, dtype)
+
+  def choose_implementation(self, q_shape, implementation=None, platform=None):
+    """(implementation of the fused decode op or "reference" = materialise K/V, reason) for
+    queries [B, T, N, H] (`fused_decode_choice`; the platform is detected, not injected)."""
+    del platform
+    impl = self.implementation if implementation is None else implementation
+    fused, reason = fused_decode_choice(impl, _HeadDim(q_shape[-1]), self.stores,
+                                        self.sliding_window, q_shape[1])
+    return ("reference" if fused is None else fused), reason
 
   def attend(self, q, q_positions, lp, *, spec: ModelSpec, implementation=None):
     impl = self.implementation if implementation is None else implementation
