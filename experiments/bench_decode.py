@@ -19,8 +19,9 @@ from kvlowrank.bench.env import environment
 
 _MODEL = flags.DEFINE_enum("model", "llama3-8b", sorted(decode.MODELS), "Model shape.")
 _METHODS = flags.DEFINE_list("methods", list(decode.METHODS), "Methods (decode.METHODS).")
-_CONTEXTS = flags.DEFINE_list("contexts", ["8192", "32768"], "Context lengths.")
-_BATCHES = flags.DEFINE_list("batches", ["1", "8", "32"], "Batch sizes.")
+_CONFIGS = flags.DEFINE_list(
+    "configs", ["32768x8", "8192x8", "32768x1", "8192x1", "8192x32", "32768x32"],
+    "CONTEXTxBATCH pairs in priority order (each runs every method before the next).")
 _STEPS = flags.DEFINE_integer("steps", 20, "Timed decode steps per configuration.")
 _LAYERS = flags.DEFINE_integer("layers", 0, "Layers (0: the model's).")
 _PREFILL = flags.DEFINE_list("prefill_methods", [], "Methods whose long prefill is timed.")
@@ -58,9 +59,12 @@ def plot(result, path):
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-  result = decode.run(_MODEL.value, methods=_METHODS.value,
-                      contexts=[int(c) for c in _CONTEXTS.value],
-                      batches=[int(b) for b in _BATCHES.value], steps=_STEPS.value,
+  try:
+    configs = [tuple(int(x) for x in c.lower().split("x")) for c in _CONFIGS.value]
+  except ValueError:
+    raise app.UsageError(f"--configs: expected CONTEXTxBATCH pairs, got {_CONFIGS.value}")
+  result = decode.run(_MODEL.value, methods=_METHODS.value, configs=configs,
+                      steps=_STEPS.value,
                       n_layers=_LAYERS.value or None, prefill_methods=_PREFILL.value,
                       prefill_length=_PREFILL_LEN.value, time_budget_s=_BUDGET.value,
                       log=lambda s: print(s, flush=True))

@@ -12,8 +12,8 @@ TINY = ModelSpec(vocab_size=64, dim=64, n_layers=2, n_heads=4, n_kv_heads=4, hea
 
 
 def test_records_bytes_and_table():
-  res = decode.run(TINY, methods=["dense", "kivi2", "palu50"], contexts=[1024], batches=[2],
-                   steps=2, log=lambda s: None)
+  res = decode.run(TINY, methods=["dense", "kivi2", "palu50"], configs=[(1024, 2)], steps=2,
+                   log=lambda s: None)
   recs = {r["method"]: r for r in res["records"]}
   assert set(recs) == {"dense", "KIVI-2", "Palu-50%"}
   for r in recs.values():
@@ -29,15 +29,15 @@ def test_records_bytes_and_table():
 
 
 def test_skips_and_errors():
-  res = decode.run(TINY, methods=["dense"], contexts=[128], batches=[1], steps=1,
-                   time_budget_s=0.0, log=lambda s: None)
+  res = decode.run(TINY, methods=["dense"], configs=[(128, 1)], steps=1, time_budget_s=0.0,
+                   log=lambda s: None)
   assert res["records"] == [] and res["skipped"][0]["why"] == "time budget"
   assert not decode.fits(1e9, 32768, 8, 10 << 30, 80 << 30)       # 256 TB of cache
   assert decode.fits(1e3, 32768, 8, 10 << 30, 80 << 30)
   with pytest.raises(ValueError, match="unknown methods"):
-    decode.run(TINY, methods=["kivi9"], contexts=[128], batches=[1])
+    decode.run(TINY, methods=["kivi9"], configs=[(128, 1)])
   with pytest.raises(ValueError, match="model must be one of"):
-    decode.run("llama9", methods=["dense"], contexts=[128], batches=[1])
+    decode.run("llama9", methods=["dense"], configs=[(128, 1)])
 
 
 def test_random_params_shapes_and_fill():

@@ -4,9 +4,9 @@ One run, on the GPU it runs on, for one model shape (Llama-2-7B or Llama-3-8B, a
 random bf16 weights of the real shapes) and each (method, context, batch):
   * decode tokens/s: batch / the median of >= `steps` decode steps (`forward` with T = 1,
     the call `generate`'s loop makes, caches donated), after warm-up;
-  * the step split into attention and the rest: every layer's `cache.attend` for one
-    query token, timed alone in one executable (the same calls the step makes), and
-    the step minus that;
+  * the step split into attention and the rest: one layer's `cache.attend` for one query
+    token, timed alone (the call the step makes in every layer) times the layers, and the
+    step minus that;
   * cache bytes on the device (the caches' arrays, less model weights a cache keeps beside
     its storage) and `caches_nbytes()`, which must agree;
   * device bytes in use after set-up (weights + caches) plus the step's XLA temporaries
@@ -181,16 +181,14 @@ def run_config(spec: ModelSpec, params, method: BenchMethod, context: int, batch
 
   step_s = _median_time(one_step, steps)
 
-  # Attention alone: every layer's attend for one query token, on the same caches.
+  # Attention alone: layer 0's attend for one query token on its cache (the call the step
+  # makes in every layer; the layers' caches and shapes are alike), times the layers.
   caches = state["caches"]
   q = _rand(jax.random.fold_in(key, 1), (batch, 1, spec.n_heads, spec.head_dim))
   qpos = jnp.full((batch, 1), context, jnp.int32)
-
-  @jax.jit
-  def attend_all(cs, q, layers):
-    return [c.attend(q, qpos, lp, spec=spec)[0] for c, lp in zip(cs, layers)]
-
-  attn_s = _median_time(lambda: attend_all(caches, q, params["layers"]), steps)
+  attend = jax.jit(lambda c, q, lp: c.attend(q, qpos, lp, spec=spec)[0])
+  attn_s = spec.n_layers * _median_time(lambda: attend(caches[0], q, params["layers"][0]),
+                                        steps)
   del caches, state
   return dict(method=method.label, context=context, batch=batch, implementation=impl,
               dispatch_reason=reason, step_ms=1e3 * step_s,
@@ -248,17 +246,19 @@ def prefill(spec: ModelSpec, params, method: BenchMethod, length: int) -> dict:
               device_bytes_in_use=memory.bytes_in_use())
 
 
-def run(model, *, methods: Sequence[str], contexts: Sequence[int],
-        batches: Sequence[int], steps: int = 20, n_layers: Optional[int] = None,
+def run(model, *, methods: Sequence[str], configs: Sequence[tuple[int, int]],
+        steps: int = 20, n_layers: Optional[int] = None,
         prefill_methods: Sequence[str] = (), prefill_length: int = 32768,
         time_budget_s: float = 1e9, log: Callable[[str], None] = print) -> dict:
   """The benchmark for one model (module docstring): a dict with the records.
 
   Args:
     model: a MODELS name, or a ModelSpec (tests).
-  Configurations run in the order given (methods outer, then contexts, then batches);
-  ones whose caches cannot fit are skipped, and once `time_budget_s` is spent the rest
-  are listed as not run.
+    methods: METHODS names.
+    configs: (context, batch) pairs, in priority order: each runs every method before the
+      next starts, so a time budget cuts the least important configurations.
+  The prefills run first. Configurations whose caches cannot fit are skipped, and once
+  `time_budget_s` is spent the rest are listed as not run.
   """
   if isinstance(model, ModelSpec):
     spec, model = model, "custom"
@@ -274,45 +274,54 @@ def run(model, *, methods: Sequence[str], contexts: Sequence[int],
   t_start = time.perf_counter()
   limit = memory.bytes_limit()
   recs, skipped, prefills = [], [], []
-  for name in methods:
+  loaded = {}
+
+  def params_for(name):
+    if name not in loaded:
+      loaded.clear()
+      params = random_params(spec, jax.random.key(1), METHODS[name])
+      loaded[name] = (params, array_bytes(params), bytes_per_token(spec, params, METHODS[name]))
+    return loaded[name]
+
+  over = lambda: time.perf_counter() - t_start > time_budget_s
+  for name in prefill_methods:     # first: the long prompt through the user's prefill path
     method = METHODS[name]
-    params = random_params(spec, jax.random.key(1), method)
-    weights = array_bytes(params)
-    per_token = bytes_per_token(spec, params, method)
-    for ctx in contexts:
-      for b in batches:
-        if time.perf_counter() - t_start > time_budget_s:
-          skipped.append(dict(method=method.label, context=ctx, batch=b, why="time budget"))
-          continue
-        if not fits(per_token, ctx, b, weights, limit):
-          skipped.append(dict(method=method.label, context=ctx, batch=b, why="memory"))
-          log(f"skip {method.label} ctx={ctx} B={b}: does not fit")
-          continue
-        try:
-          rec = run_config(spec, params, method, ctx, b, steps=steps)
-        except Exception as e:  # pylint: disable=broad-except  (OOM: record and go on)
-          skipped.append(dict(method=method.label, context=ctx, batch=b,
-                              why=f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"))
-          log(f"fail {method.label} ctx={ctx} B={b}: {skipped[-1]['why']}")
-          continue
-        rec["weight_bytes"] = weights
-        rec["max_batch"] = max_batch(rec, weights, limit)
-        recs.append(rec)
-        log(f"{method.label:>15} ctx={ctx:>6} B={b:>2} [{rec['implementation']}"
-            f"{'; ' + rec['dispatch_reason'] if rec['dispatch_reason'] else ''}]: "
-            f"{rec['tokens_per_s']:9.1f} tok/s, "
-            f"step {rec['step_ms']:7.2f} ms (attention {rec['attention_ms']:7.2f} ms), "
-            f"cache {rec['cache_nbytes'] / 2**30:6.2f} GiB, max batch {rec['max_batch']}, "
-            f"compile {rec['compile_s']:.0f} s")
-    if name in prefill_methods and time.perf_counter() - t_start < time_budget_s:
+    if over():
+      prefills.append(dict(method=method.label, prompt=prefill_length, error="time budget"))
+      continue
+    try:
+      prefills.append(prefill(spec, params_for(name)[0], method, prefill_length))
+      log(f"prefill {method.label} {prefill_length} tokens: {prefills[-1]}")
+    except Exception as e:  # pylint: disable=broad-except  (OOM: record and go on)
+      prefills.append(dict(method=method.label, prompt=prefill_length,
+                           error=f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"))
+      log(f"prefill {method.label} failed: {prefills[-1]['error']}")
+  for ctx, b in configs:           # then the decode configurations, in priority order
+    for name in methods:
+      method = METHODS[name]
+      if over():
+        skipped.append(dict(method=method.label, context=ctx, batch=b, why="time budget"))
+        continue
+      params, weights, per_token = params_for(name)
+      if not fits(per_token, ctx, b, weights, limit):
+        skipped.append(dict(method=method.label, context=ctx, batch=b, why="memory"))
+        log(f"skip {method.label} ctx={ctx} B={b}: does not fit")
+        continue
       try:
-        prefills.append(prefill(spec, params, method, prefill_length))
-        log(f"prefill {method.label} {prefill_length} tokens: {prefills[-1]}")
-      except Exception as e:  # pylint: disable=broad-except
-        prefills.append(dict(method=method.label, prompt=prefill_length,
-                             error=f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"))
-        log(f"prefill {method.label} failed: {prefills[-1]['error']}")
-    del params
+        rec = run_config(spec, params, method, ctx, b, steps=steps)
+      except Exception as e:  # pylint: disable=broad-except  (OOM: record and go on)
+        skipped.append(dict(method=method.label, context=ctx, batch=b,
+                            why=f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"))
+        log(f"fail {method.label} ctx={ctx} B={b}: {skipped[-1]['why']}")
+        continue
+      rec["weight_bytes"] = weights
+      rec["max_batch"] = max_batch(rec, weights, limit)
+      recs.append(rec)
+      log(f"{method.label:>15} ctx={ctx:>6} B={b:>2} [{rec['implementation']}"
+          f"{'; ' + rec['dispatch_reason'] if rec['dispatch_reason'] else ''}]: "
+          f"{rec['tokens_per_s']:9.1f} tok/s, step {rec['step_ms']:7.2f} ms (attention "
+          f"{rec['attention_ms']:7.2f} ms), cache {rec['cache_nbytes'] / 2**30:6.2f} GiB, "
+          f"max batch {rec['max_batch']}, compile {rec['compile_s']:.0f} s")
   return dict(model=model, n_layers=spec.n_layers, memory_limit=limit, records=recs,
               skipped=skipped, prefill=prefills, wall_s=time.perf_counter() - t_start)
 
