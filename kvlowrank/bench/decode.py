@@ -5,8 +5,8 @@ random bf16 weights of the real shapes) and each (method, context, batch):
   * decode tokens/s: batch / the median of >= `steps` decode steps (`forward` with T = 1,
     the call `generate`'s loop makes, caches donated), after warm-up;
   * the step split into attention and the rest: one layer's `cache.attend` for one query
-    token, timed alone (the call the step makes in every layer) times the layers, and the
-    step minus that;
+    token, timed alone (`timing.time_op`: chained calls in one executable, so no host
+    dispatch is counted) times the layers, and the step minus that;
   * cache bytes on the device (the caches' arrays, less model weights a cache keeps beside
     its storage) and `caches_nbytes()`, which must agree;
   * device bytes in use after set-up (weights + caches) plus the step's XLA temporaries
@@ -39,6 +39,7 @@ import numpy as np
 
 from kvlowrank.bench import memory
 from kvlowrank.bench.inputs import rand
+from kvlowrank.bench.timing import time_op
 from kvlowrank.cache.base import caches_nbytes, init_caches
 from kvlowrank.methods import DenseSpec, KiviSpec, PaluSpec, XQuantSpec
 from kvlowrank.methods.palu.spec import default_group_size
@@ -187,8 +188,7 @@ def run_config(spec: ModelSpec, params, method: BenchMethod, context: int, batch
   q = _rand(jax.random.fold_in(key, 1), (batch, 1, spec.n_heads, spec.head_dim))
   qpos = jnp.full((batch, 1), context, jnp.int32)
   attend = jax.jit(lambda c, q, lp: c.attend(q, qpos, lp, spec=spec)[0])
-  attn_s = spec.n_layers * _median_time(lambda: attend(caches[0], q, params["layers"][0]),
-                                        steps)
+  attn_s = spec.n_layers * time_op(attend, (caches[0], q, params["layers"][0])).seconds
   del caches, state
   return dict(method=method.label, context=context, batch=batch, implementation=impl,
               dispatch_reason=reason, step_ms=1e3 * step_s,

@@ -78,6 +78,10 @@ from kvlowrank_kernels.quant.quantizer import (canonical_scale_dtype, dequantize
                                                quantize_codes)
 
 IMPLEMENTATIONS = ("mosaic", "triton")   # the kernels, fastest first (besides "reference")
+# Jitted so that the layers' identical kernel calls are lowered (and the Mosaic kernel
+# compiled) once per model, not once per layer.
+_kernel_attention = jax.jit(kivi_kernels.kivi_attention,
+                            static_argnames=("scale", "out_dtype", "implementation"))
 LAYOUTS = ("auto",) + kstore.LAYOUTS
 
 
@@ -246,14 +250,19 @@ class KiviCache(base.KVCache):
     # Keys: per-channel groups of G tokens over window positions [nqk0, nqk0 + lw); only
     # the groups inside the newly flushed blocks [nqk0, nqk1) are written.
     kw_idx = (nqk0 - l0 + f)[:, None] + jnp.arange(lw)[None, :]
-    kc, ks, kz = quantize_codes(_rows(ek, kw_idx), bits=self.k_bits, axis=1, group_size=g,
-                                scale_dtype=sd)
-    tok = nqk0[:, None] + jnp.arange(lw)[None, :]
-    grp = nqk0[:, None] // g + jnp.arange(lw // g)[None, :]
-    tok_ok, grp_ok = tok < nqk1[:, None], (grp + 1) * g <= nqk1[:, None]
-    store = kstore.write_keys(self.store, grp, grp_ok, kc, ks, kz)
-    k_seen = dequantize_codes(kc, ks, kz, axis=1, group_size=g, dtype=dt)
-    ek = _scatter_rows(ek, kw_idx, tok_ok, k_seen)
+
+    def flush(store, ek):
+      kc, ks, kz = quantize_codes(_rows(ek, kw_idx), bits=self.k_bits, axis=1, group_size=g,
+                                  scale_dtype=sd)
+      tok = nqk0[:, None] + jnp.arange(lw)[None, :]
+      grp = nqk0[:, None] // g + jnp.arange(lw // g)[None, :]
+      tok_ok, grp_ok = tok < nqk1[:, None], (grp + 1) * g <= nqk1[:, None]
+      store = kstore.write_keys(store, grp, grp_ok, kc, ks, kz)
+      k_seen = dequantize_codes(kc, ks, kz, axis=1, group_size=g, dtype=dt)
+      return store, _scatter_rows(ek, kw_idx, tok_ok, k_seen)
+
+    # A key block is flushed once every F tokens: the other decode steps skip the work.
+    store, ek = jax.lax.cond(jnp.any(nqk1 > nqk0), flush, lambda st, e: (st, e), self.store, ek)
     # Values: per-token groups of G channels; positions [l0 - r, l0 - r + t) may leave
     # the window in this step; those in [nqv0, nqv1) are written.
     v_idx = (f - r) + jnp.arange(t)[None, :]
@@ -329,7 +338,7 @@ class KiviCache(base.KVCache):
     if impl != dispatch.REFERENCE:
       kw = dict(keys=self.store) if impl == "mosaic" else dict(keys=self.store.keys,
                                                              values=self.store.values)
-      out, lse = kivi_kernels.kivi_attention(
+      out, lse = _kernel_attention(
           q[:, 0], **kw, k_win=self.k_res, v_win=self.v_res, q_len=m, w_len=w_len,
           out_dtype=q.dtype, implementation=impl)
       live = q_positions >= 0                                         # [B, 1]

@@ -49,6 +49,11 @@ from kvlowrank_kernels import palu as palu_kernels
 from kvlowrank_kernels.palu.packed import PackedLatent, dequantize_latent, quantize_latent
 from kvlowrank_kernels.quant import packing
 
+# Jitted so that the layers' identical kernel calls are lowered (and the Mosaic kernel
+# compiled) once per model, not once per layer.
+_kernel_attention = jax.jit(palu_kernels.palu_attention,
+                            static_argnames=("rope_theta", "scale", "out_dtype",
+                                             "implementation"))
 # Slots are allocated in whole 64-token tiles: the decode kernels read the latents in tiles
 # (the Mosaic kernel needs a capacity that is a multiple of 8 for its TMA copies).
 CAPACITY_MULTIPLE = 64
@@ -183,9 +188,10 @@ class LatentCache(base.KVCache):
     n_kernel = self.lens
     if self.window:   # the ring's latents are exact: the kernel takes the older tokens
       n_kernel = jnp.maximum(self.lens - self.window, 0)
-    out, lse = palu_kernels.palu_attention(
-        q[:, 0], self.hk, self.hv, self.bk, n_kernel, inv_freq=inv_frequencies(spec),
-        k_bias=self._kernel_bias(), out_dtype=jnp.float32, implementation=impl)
+    out, lse = _kernel_attention(
+        q[:, 0], self.hk, self.hv, self.bk, n_kernel,
+        inv_freq=jnp.asarray(inv_frequencies(spec), jnp.float32), k_bias=self._kernel_bias(),
+        out_dtype=jnp.float32, implementation=impl)
     parts = [(out[:, None], lse[:, None])]
     if self.window:
       parts.append(self._attend_ring(q, q_positions, spec))
