@@ -5,8 +5,8 @@ random bf16 weights of the real shapes) and each (method, context, batch):
   * decode tokens/s: batch / the median of >= `steps` decode steps (`forward` with T = 1,
     the call `generate`'s loop makes, caches donated), after warm-up;
   * the step split into attention and the rest: one layer's `cache.attend` for one query
-    token, timed alone (`timing.time_op`: chained calls in one executable, so no host
-    dispatch is counted) times the layers, and the step minus that;
+    token, timed alone (chained calls in one executable, so no host dispatch is counted)
+    times the layers, and the step minus that;
   * cache bytes on the device (the caches' arrays, less model weights a cache keeps beside
     its storage) and `caches_nbytes()`, which must agree;
   * device bytes in use after set-up (weights + caches) plus the step's XLA temporaries
@@ -28,6 +28,7 @@ for MHA, "latent" for GQA). Palu's factors are random matrices of the compressed
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import statistics
 import time
@@ -39,7 +40,6 @@ import numpy as np
 
 from kvlowrank.bench import memory
 from kvlowrank.bench.inputs import rand
-from kvlowrank.bench.timing import time_op
 from kvlowrank.cache.base import caches_nbytes, init_caches
 from kvlowrank.methods import DenseSpec, KiviSpec, PaluSpec, XQuantSpec
 from kvlowrank.methods.palu.spec import default_group_size
@@ -151,6 +151,24 @@ def _median_time(fn, steps: int, warmup: int = 3) -> float:
   return statistics.median(times)
 
 
+def _attend_seconds(cache, q, qpos, lp, spec: ModelSpec, chain_s: float = 20e-3) -> float:
+  """Seconds per `cache.attend` call: n calls in one executable (a loop whose query depends
+  on the previous output, so XLA can neither merge nor hoist them), n sized so one
+  execution runs >= chain_s; median of 20 executions, divided by n."""
+
+  @functools.partial(jax.jit, static_argnums=0)
+  def chain(n, cache, q, lp):
+    def body(_, carry):
+      q, acc = carry
+      out = cache.attend(q + (acc * 0).astype(q.dtype), qpos, lp, spec=spec)[0]
+      return q, acc + out.reshape(-1)[0].astype(jnp.float32)
+    return jax.lax.fori_loop(0, n, body, (q, jnp.zeros((), jnp.float32)))[1]
+
+  one = _median_time(lambda: chain(1, cache, q, lp), 5)
+  n = int(min(256, max(1, math.ceil(chain_s / one))))
+  return _median_time(lambda: chain(n, cache, q, lp), 20) / n
+
+
 def run_config(spec: ModelSpec, params, method: BenchMethod, context: int, batch: int, *,
                steps: int = 20, seed: int = 0) -> dict:
   """Times decode steps at `context` tokens for `batch` rows (module docstring)."""
@@ -187,8 +205,7 @@ def run_config(spec: ModelSpec, params, method: BenchMethod, context: int, batch
   caches = state["caches"]
   q = _rand(jax.random.fold_in(key, 1), (batch, 1, spec.n_heads, spec.head_dim))
   qpos = jnp.full((batch, 1), context, jnp.int32)
-  attend = jax.jit(lambda c, q, lp: c.attend(q, qpos, lp, spec=spec)[0])
-  attn_s = spec.n_layers * time_op(attend, (caches[0], q, params["layers"][0])).seconds
+  attn_s = spec.n_layers * _attend_seconds(caches[0], q, qpos, params["layers"][0], spec)
   del caches, state
   return dict(method=method.label, context=context, batch=batch, implementation=impl,
               dispatch_reason=reason, step_ms=1e3 * step_s,
