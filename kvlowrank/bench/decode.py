@@ -235,7 +235,7 @@ def bytes_per_token(spec: ModelSpec, params, method: BenchMethod, probe: int = 2
 
 
 def fits(per_token: float, context: int, batch: int, weight_bytes: int,
-         limit: Optional[int], margin: int = 4 << 30) -> bool:
+         limit: Optional[int], margin: int = 8 << 30) -> bool:
   """Whether the caches (allocated size, no temporaries) plausibly fit next to the
   weights."""
   return limit is None or weight_bytes + per_token * context * batch + margin <= limit
