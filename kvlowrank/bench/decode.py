@@ -112,20 +112,26 @@ def random_params(spec: ModelSpec, key, method: BenchMethod):
 
 def fill_caches(caches, key, length: int):
   """Random contents: codes random bits, floats in [-1, 1) (scales in [0.01, 0.5)),
-  every int32 leaf (the lengths) = `length`."""
+  every int32 leaf (the lengths) = `length`. Each zero buffer is freed as soon as its
+  random replacement exists, so filling needs one leaf of extra memory, not a second cache."""
   leaves, treedef = jax.tree_util.tree_flatten_with_path(caches)
+  del caches
   keys = jax.random.split(key, len(leaves))
   out = []
   for (path, x), k in zip(leaves, keys):
     name = jax.tree_util.keystr(path).lower()
     if x.dtype == jnp.int32:
-      out.append(jnp.full(x.shape, length, jnp.int32))
+      new = jnp.full(x.shape, length, jnp.int32)
     elif jnp.issubdtype(x.dtype, jnp.unsignedinteger):
-      out.append(jax.random.bits(k, x.shape, x.dtype))
+      new = jax.random.bits(k, x.shape, x.dtype)
     elif "scale" in name or name.endswith(("ks", "vs")):
-      out.append(jnp.abs(_rand(k, x.shape, x.dtype, 0.49)) + jnp.asarray(0.01, x.dtype))
+      new = jnp.abs(_rand(k, x.shape, x.dtype, 0.49)) + jnp.asarray(0.01, x.dtype)
     else:
-      out.append(_rand(k, x.shape, x.dtype, 1.0))
+      new = _rand(k, x.shape, x.dtype, 1.0)
+    jax.block_until_ready(new)
+    x.delete()
+    out.append(new)
+  leaves.clear()
   return jax.tree_util.tree_unflatten(treedef, out)
 
 
