@@ -66,7 +66,9 @@ def chained(op, n):
   Each call's smallest floating input gets `0 * (a scalar of the previous call's output)`
   added (XLA does not fold a float product with zero: it would change NaN/inf results), so
   XLA can neither hoist nor merge the calls: they run in sequence on the device with no
-  host dispatch between them, plus one tiny elementwise kernel each.
+  host dispatch between them, plus one tiny elementwise kernel each. The op must use that
+  smallest input (e.g. the query): if it does not, the calls are identical and XLA merges
+  them (a cache's `attend` taking unused weights: `bench.decode` chains those itself).
 
   Raises:
     ValueError if n < 1 or op has no floating input.
