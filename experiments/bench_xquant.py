@@ -1,8 +1,9 @@
 """XQuant rematerialisation vs bf16 KV decode attention, one transformer layer, on GPU.
 
 One device call: checks the kernels against the jnp reference on small shapes,
-measures the device's bf16 matmul rate and copy bandwidth, then times per
-(model, batch, context), cheapest first, until --budget_s:
+measures the device's ceilings (`kvlowrank.bench.measure_ceilings`: bf16 matmul rate,
+copy and read-only bandwidth), then times per (model, batch, context), cheapest first,
+until --budget_s:
 
   kv        bf16 K/V cache decode attention (XLA; reads 2·S·kv_dim bf16 per row)
   fused     GEMM-shaped Triton rematerialise-and-attend kernel (`triton_remat`)
@@ -23,6 +24,9 @@ Usage (device machine):
 The default shapes cover Llama-2-7B B=1 S=1K..16K, B=8 S=16K/32K, B=32 S=4K..32K and
 Llama-3.1-8B B=1 S=1K..16K, B=32 S=32K; --budget_s (wall seconds since start) skips the
 most expensive remaining shapes once spent.
+Inputs are seeded random fills (`kvlowrank.bench.rand`, `rand_u8`); the JSON is headed by
+`kvlowrank.bench.environment()` (device, versions, date) and the command line.
+Every column is timed by `timed` (a jitted loop; its docstring says why not `time_op`).
 Prints a table; writes every number as JSON (results: BENCHMARKS.md).
 """
 
@@ -31,7 +35,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import platform
+import math
 import sys
 import time
 
@@ -39,9 +43,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from kvlowrank.bench import environment, measure_ceilings, rand, rand_u8
 from kvlowrank.model.rope import rope_cos_sin
-from kvlowrank_kernels.quant import packed_words
 from kvlowrank.spec import ModelSpec
+from kvlowrank_kernels.quant import packed_words
 from kvlowrank_kernels.xquant import reference as ref
 from kvlowrank_kernels.xquant import triton_backend as tb
 from kvlowrank_kernels.xquant import xla as xq
@@ -66,7 +71,18 @@ FUSED_DEFAULT = dict(block_m=64, block_k=64, num_warps=8, num_stages=3)
 
 def timed(fn, args, perturb_idx, target_s=0.1):
   """Seconds per call: fn run `iters` times inside one jitted fori_loop; argument
-  `perturb_idx` gets + 0·carry so no call is hoisted; median of 3 timings."""
+  `perturb_idx` gets + 0·carry so no call is hoisted; median of 3 timings.
+
+  Not `kvlowrank.bench.time_op`: its `chained` unrolls the calls in one executable, and
+  the XLA baselines' rematerialisation (dequant, X̂·W, RoPE) does not depend on the query,
+  so XLA's CSE computes it once per chain and `xla` / `xla_vlate` would time attention
+  alone; `chained` also reads one output element, which lets XLA slice pure-XLA ops
+  (`kv`, `w`) down. Here the call stands once in a loop body and the whole output is
+  summed. Loop-invariant code motion could still hoist the query-independent part out of
+  the loop (XLA's CPU pipeline does; a GPU run shows it as an `xla` FLOP rate that grows
+  with the loop length). Every column is timed this way, so the table's ratios compare
+  like with like.
+  """
   def loop(n, *a):
     def body(_, c):
       a2 = list(a)
@@ -91,13 +107,20 @@ def timed(fn, args, perturb_idx, target_s=0.1):
   return float(np.median(ts))
 
 
+def _uniform(key, shape, std, dtype=jnp.bfloat16):
+  """Uniform values of standard deviation `std` (`rand`: [-1, 1) has std 1/sqrt(3))."""
+  return rand(key, tuple(shape), jnp.dtype(dtype)) * (std * math.sqrt(3))
+
+
 def packed(key, b, s, c, bits, axis, group=128):
-  """Random packed rows: uniform random code words (every bit pattern is a valid code
-  set) and fp16 scales/zeros, built without a [B,S,C] fp32 intermediate (GPU memory)."""
+  """Random packed rows: random code words (`rand_u8` bytes read as uint32: every bit
+  pattern is a valid code set) and fp16 scales in [0.01, 0.1) with zero = -scale·(2^bits-1)/2,
+  built without a [B,S,C] fp32 intermediate (GPU memory)."""
   k1, k2 = jax.random.split(key)
-  words = jax.random.bits(k1, (b, s, packed_words(c, bits)), jnp.uint32)
+  words = jax.lax.bitcast_convert_type(rand_u8(k1, (b, s, packed_words(c, bits), 4)),
+                                       jnp.uint32)
   sshape = (b, s, c // group) if axis == "token" else (b, s // group, c)
-  sc = jax.random.uniform(k2, sshape, jnp.float32, 0.01, 0.1)
+  sc = 0.055 + 0.045 * rand(k2, sshape, jnp.dtype(jnp.float32))
   zr = -sc * (2**bits - 1) / 2
   return ref.PackedRows(codes=words, scale=sc.astype(jnp.float16), zero=zr.astype(jnp.float16),
                         bits=bits, axis=axis, group=group)
@@ -114,11 +137,11 @@ def setup(model, b, s, bits, key, lens=None):
   else:
     k_rows, c = packed(ks[0], b, s, kd, bits, "channel"), kd
     v_rows = packed(ks[3], b, s, kd, bits, "token")
-  wk = (jax.random.normal(ks[1], (c, kd)) / np.sqrt(c)).astype(bf)
-  wv = (jax.random.normal(ks[2], (c, kd)) / np.sqrt(c)).astype(bf)
+  wk = _uniform(ks[1], (c, kd), c ** -0.5)
+  wv = _uniform(ks[2], (c, kd), c ** -0.5)
   bias = jnp.zeros((kd,), bf)
   cos, sin = rope_cos_sin(jnp.arange(s), spec)
-  q = jax.random.normal(ks[4], (b, spec.n_heads, h), jnp.float32).astype(bf)
+  q = _uniform(ks[4], (b, spec.n_heads, h), 1.0)
   lens = jnp.full((b,), s, jnp.int32) if lens is None else jnp.asarray(lens, jnp.int32)
   return dict(spec=spec, args=(q, k_rows, v_rows, wk, wv, bias, bias, cos, sin, lens),
               kh=spec.n_kv_heads)
@@ -160,20 +183,12 @@ def check_kernels(key, fused_cfg, bits_list=(2, 3)):
   return errs
 
 
-def ceilings(key):
-  """Measured bf16 matmul TFLOP/s (8192³) and device copy bandwidth (bytes read+written)."""
-  a = jax.random.normal(key, (8192, 8192), jnp.float32).astype(jnp.bfloat16)
-  t = timed(lambda x: x @ a, (a,), 0)
-  x = jax.random.normal(key, (256 * 1024 * 1024,), jnp.float32).astype(jnp.bfloat16)  # 512 MB
-  scale = jax.jit(lambda y: y * 1.0001)   # timed per call: the full output is written
-  scale(x).block_until_ready()
-  tcs = []
-  for _ in range(10):
-    t0 = time.perf_counter()
-    scale(x).block_until_ready()
-    tcs.append(time.perf_counter() - t0)
-  return {"bf16_tflops": 2 * 8192**3 / t / 1e12, "copy_tb_s": 2 * x.nbytes / float(np.median(tcs))
-          / 1e12}
+def ceilings():
+  """The device's ceilings (`measure_ceilings`) under this script's JSON keys: bf16 8192³
+  matmul TFLOP/s, copy bandwidth (bytes read + written) and read-only bandwidth, TB/s."""
+  c = measure_ceilings()
+  return {"bf16_tflops": c.matmul_flops / 1e12, "copy_tb_s": c.copy_Bps / 1e12,
+          "read_tb_s": c.read_Bps / 1e12}
 
 
 _WEIGHTS = {}
@@ -183,9 +198,9 @@ def weights_time(model, b, key):
   """One layer's bf16 weight GEMV at batch b (memoised per model and batch)."""
   if (model, b) not in _WEIGHTS:
     spec, _, n_w = MODELS[model]
-    w = (0.02 * jax.random.normal(key, (spec.dim, n_w // spec.dim), jnp.float32)
-         ).astype(jnp.bfloat16)
-    x = jax.random.normal(key, (b, spec.dim), jnp.float32).astype(jnp.bfloat16)
+    kw, kx = jax.random.split(key)
+    w = _uniform(kw, (spec.dim, n_w // spec.dim), 0.02)
+    x = _uniform(kx, (b, spec.dim), 1.0)
     _WEIGHTS[(model, b)] = timed(lambda x: x @ w, (x,), 0)
   return _WEIGHTS[(model, b)]
 
@@ -202,8 +217,8 @@ def measure(model, b, s, bits, key, fused_cfg, skip_xla=False):
   args = d["args"]
   row = {"model": model, "batch": b, "context": s, "bits": bits,
          "remat_flop": remat_flop(d, b, s), "kv_bytes": 2 * b * s * spec.kv_dim * 2}
-  k = jax.random.normal(key, (b, s, kh, h), jnp.bfloat16)
-  v = jax.random.normal(jax.random.split(key)[0], (b, s, kh, h), jnp.bfloat16)
+  kk, kv = jax.random.split(jax.random.fold_in(key, 1))
+  k, v = rand(kk, (b, s, kh, h)), rand(kv, (b, s, kh, h))
   row["kv_s"] = timed(kv_attention, (args[0], k, v, args[-1]), 0)
   del k, v
   run = lambda impl, **kw: (lambda q: impl(q, *args[1:], n_kv_heads=kh, **kw))
@@ -257,6 +272,21 @@ def quick(args, key):
   return out
 
 
+def parse_shapes(text, models):
+  """--shapes "model:batch:context,..." ("" for SHAPES) -> [(model, batch, context)] whose
+  model is in `models`; a malformed entry exits with a one-line message naming it."""
+  if not text:
+    return [x for x in SHAPES if x[0] in models]
+  shapes = []
+  for item in text.split(","):
+    parts = item.split(":")
+    if len(parts) != 3 or parts[0] not in MODELS or not all(p.isdigit() for p in parts[1:]):
+      raise SystemExit(f"--shapes: bad entry {item!r}; expected model:batch:context with "
+                       f"model in {','.join(MODELS)}")
+    shapes.append((parts[0], int(parts[1]), int(parts[2])))
+  return [x for x in shapes if x[0] in models]
+
+
 def main(argv=None):
   ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   ap.add_argument("--out", default="bench_xquant.json")
@@ -277,13 +307,16 @@ def main(argv=None):
   ap.add_argument("--q_stages", default="3,4")
   ap.add_argument("--skip_checks", action="store_true")
   args = ap.parse_args(argv)
+  models = args.models.split(",")
+  unknown = [m for m in models if m not in MODELS]
+  if unknown:
+    raise SystemExit(f"--models: unknown {unknown}; known: {','.join(MODELS)}")
+  shapes = parse_shapes(args.shapes, models)
   if not tb.available():
     raise SystemExit("bench_xquant needs a CUDA GPU with jax-triton (none found)")
   t_start = time.time()
   key = jax.random.key(0)
-  res = {"device": str(jax.devices()[0].device_kind), "jax": jax.__version__,
-         "python": platform.python_version(), "date": time.strftime("%Y-%m-%d"),
-         "argv": sys.argv[1:]}
+  res = dict(environment(), argv=sys.argv[1:])
   if args.quick:
     res["quick"] = quick(args, key)
     with open(args.out, "w") as f:
@@ -295,14 +328,12 @@ def main(argv=None):
   if not args.skip_checks:
     res["checks"] = check_kernels(key, fused_cfg)
     print("kernel checks (rel. error vs jnp reference):", json.dumps(res["checks"]), flush=True)
-  res["ceilings"] = ceilings(key)
+  res["ceilings"] = ceilings()
   print("ceilings:", json.dumps(res["ceilings"]), flush=True)
-  shapes = SHAPES if not args.shapes else [
-      (m, int(b), int(s)) for m, b, s in (x.split(":") for x in args.shapes.split(","))]
   # Cheapest first (remat FLOPs), so the budget cuts the most expensive shapes.
   cost = lambda x: x[1] * x[2] * (MODELS[x[0]][0].dim if MODELS[x[0]][1] == "x"
                                   else MODELS[x[0]][0].kv_dim)
-  shapes = sorted((x for x in shapes if x[0] in args.models.split(",")), key=cost)
+  shapes = sorted(shapes, key=cost)
   res["rows"] = []
   for model, b, s in shapes:   # cheapest first: the budget cuts the largest shapes
     if time.time() - t_start > args.budget_s:

@@ -60,8 +60,7 @@ def triton_fit(q, hk, hv, b_k, lengths, k_bias=None) -> str | None:
   into power-of-two pieces, packed latents of 2, 3 or 4 bits whose rows hold no padding
   (rank a multiple of `quant.packing.row_block(bits)`), ...
   """
-  from .triton_palu_launch import (  # pylint: disable=import-outside-toplevel
-      DEFAULT_BLOCK_S, latent_bits, plan)
+  from .triton_plan import DEFAULT_BLOCK_S, latent_bits, plan  # pylint: disable=C0415
   try:
     check_shapes(q, hk, hv, b_k, lengths, k_bias)
     plan(q.shape, hk.shape, hv.shape, b_k.shape, kbits=latent_bits(hk), vbits=latent_bits(hv),

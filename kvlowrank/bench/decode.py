@@ -36,7 +36,6 @@ from typing import Callable, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from kvlowrank.bench import memory
 from kvlowrank.bench.inputs import rand
@@ -44,7 +43,7 @@ from kvlowrank.cache.base import caches_nbytes, init_caches
 from kvlowrank.methods import DenseSpec, KiviSpec, PaluSpec, XQuantSpec
 from kvlowrank.methods.palu.spec import default_group_size
 from kvlowrank.model.params import layer_shapes
-from kvlowrank.model.transformer import forward, qkv_projections, rms_norm
+from kvlowrank.model.transformer import forward
 from kvlowrank.spec import ModelSpec, RopeScaling
 
 # max_seq_len is raised to the longest benchmarked context: random weights, no trained range.
@@ -212,7 +211,6 @@ def run_config(spec: ModelSpec, params, method: BenchMethod, context: int, batch
   q = _rand(jax.random.fold_in(key, 1), (batch, 1, spec.n_heads, spec.head_dim))
   qpos = jnp.full((batch, 1), context, jnp.int32)
   attn_s = spec.n_layers * _attend_seconds(caches[0], q, qpos, params["layers"][0], spec)
-  del caches, state
   return dict(method=method.label, context=context, batch=batch, implementation=impl,
               dispatch_reason=reason, step_ms=1e3 * step_s,
               tokens_per_s=batch / step_s, attention_ms=1e3 * attn_s,

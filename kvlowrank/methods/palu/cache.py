@@ -202,7 +202,6 @@ class LatentCache(base.KVCache):
 
   def _attend_ring(self, q, q_positions, spec: ModelSpec):
     """Reference attention over the ring's exact latents (positions >= length − window)."""
-    b = self.lens.shape[0]
     w = self.window
     start = (self.lens - w)[:, None]
     pos = start + jnp.mod(jnp.arange(w)[None, :] - start, w)          # ring slot i's position
