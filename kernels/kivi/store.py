@@ -7,7 +7,7 @@ kernel reads, so a decode step passes them to the kernel as they are:
     capacity a multiple of 128 (`mosaic_layout`);
   * "planar" (`PlanarStore`: `planar.KiviKeys` + `planar.KiviValues`): the Triton kernel's
     head-major planar rows (any bits the packing module takes; the kernel reads 2 and 4).
-`layout_for` picks "warp" wherever it applies. Both take the same writes:
+`warp_fit` says where the warp layout applies. Both take the same writes:
   * `write_keys`: whole key groups (G tokens quantized per channel), as KIVI flushes them;
   * `write_values`: single tokens (quantized per token), as they leave the exact window.
 Codes are given unpacked (integers); the store packs them through `quant.packing`. In the
@@ -54,11 +54,6 @@ def warp_fit(*, k_bits: int, v_bits: int, group: int, head_dim: int, scale_dtype
   if jnp.dtype(scale_dtype) not in (jnp.float16, jnp.bfloat16):
     return f"{jnp.dtype(scale_dtype).name} scales (the warp layout takes float16/bfloat16)"
   return None
-
-
-def layout_for(**config) -> str:
-  """"warp" where `warp_fit(**config)` holds, else "planar"."""
-  return "warp" if warp_fit(**config) is None else "planar"
 
 
 def capacity_multiple(layout: str, group: int) -> int:

@@ -30,7 +30,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-import statistics
 import time
 from typing import Callable, Optional, Sequence
 
@@ -39,6 +38,7 @@ import jax.numpy as jnp
 
 from kvlowrank.bench import memory
 from kvlowrank.bench.inputs import rand
+from kvlowrank.bench.timing import time_fn
 from kvlowrank.cache.base import caches_nbytes, init_caches
 from kvlowrank.methods import DenseSpec, KiviSpec, PaluSpec, XQuantSpec
 from kvlowrank.methods.palu.spec import default_group_size
@@ -145,15 +145,10 @@ def storage_bytes(caches) -> int:
              for c in caches)
 
 
-def _median_time(fn, steps: int, warmup: int = 3) -> float:
-  for _ in range(warmup):
-    jax.block_until_ready(fn())
-  times = []
-  for _ in range(steps):
-    t0 = time.perf_counter()
-    jax.block_until_ready(fn())
-    times.append(time.perf_counter() - t0)
-  return statistics.median(times)
+def _median_time(fn, steps: int) -> float:
+  """Median seconds of one call of fn() over `steps` calls, after warm-up (`time_fn`, one
+  call per sample: a decode step is milliseconds, far above a dispatch)."""
+  return time_fn(fn, samples=steps, max_calls=1).seconds
 
 
 def _attend_seconds(cache, q, qpos, lp, spec: ModelSpec, chain_s: float = 20e-3) -> float:

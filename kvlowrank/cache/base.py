@@ -38,6 +38,7 @@ from typing import Any, Callable, ClassVar, Optional
 import jax
 import jax.numpy as jnp
 
+from kvlowrank.cache import dispatch
 from kvlowrank.spec import ModelSpec
 
 
@@ -66,6 +67,14 @@ def scatter_slots(buf, new, positions):
     out = u16(buf).at[bidx, slots].set(u16(new), mode="drop")
     return jax.lax.bitcast_convert_type(out, buf.dtype)
   return buf.at[bidx, slots].set(new, mode="drop")
+
+
+def mask_padding_queries(out, lse, q_positions, dtype):
+  """A kernel's (out [B, T, N, Hv], lse [B, T, N]) with padding queries (position < 0) set
+  to 0 and -inf, as the reference gives them, and out cast to `dtype`."""
+  live = q_positions >= 0
+  return (jnp.where(live[..., None, None], out, 0).astype(dtype),
+          jnp.where(live[..., None], lse, -jnp.inf))
 
 
 def new_lengths(lengths, positions):
@@ -101,12 +110,31 @@ class KVCache(abc.ABC):
     implementation: None (the cache's own choice) | "reference" | one of the method's
     kernels (`kvlowrank.cache.dispatch`)."""
 
+  def kernel_candidates(self, q_shape) -> list:
+    """This cache's decode kernels for queries [B, N, H], fastest first, as
+    `dispatch.Candidate`s (name, needs, fit); none by default."""
+    del q_shape
+    return []
+
   def choose_implementation(self, q_shape, implementation: Optional[str] = None,
                             platform=None) -> tuple[str, Optional[str]]:
     """(what `attend` runs for queries of shape [B, T, N, H], the reason when it is not the
-    fastest kernel); caches with decode kernels override this (`cache.dispatch`)."""
-    del q_shape, implementation, platform
-    return "reference", "no decode kernel for this cache"
+    fastest kernel): `dispatch.choose` over `kernel_candidates`, with the cache's own
+    `implementation` unless one is given; no kernel takes a sliding window."""
+    req = getattr(self, "implementation", None) if implementation is None else implementation
+    b, t, n, h = q_shape
+    cands = self.kernel_candidates((b, n, h))
+    if not cands:
+      return dispatch.REFERENCE, None if req == dispatch.REFERENCE else "no decode kernel"
+    if getattr(self, "sliding_window", None) is not None:
+      cands = [(name, needs, lambda: "sliding-window attention") for name, needs, _ in cands]
+    return dispatch.choose(self.name, req, cands, decode=t == 1, platform=platform)
+
+  def decode_implementation(self, q_shape, implementation: Optional[str] = None) -> str:
+    """`choose_implementation` for this machine, logging once why a kernel does not run."""
+    impl, reason = self.choose_implementation(q_shape, implementation)
+    dispatch.log_once(self.name, impl, reason)
+    return impl
 
   @abc.abstractmethod
   def materialize(self):

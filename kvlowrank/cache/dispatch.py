@@ -98,11 +98,3 @@ def log_once(op: str, impl: str, reason: Optional[str]) -> None:
   quiet = impl != REFERENCE or reason.startswith("prefill") or all(
       r.endswith(("needs a GPU", "needs a Hopper GPU")) for r in reason.split("; "))
   (log.info if quiet else log.warning)("%s attention runs %s: %s", op, impl, reason)
-
-
-def resolve(op: str, requested: Optional[str], candidates: Sequence[Candidate], *,
-            decode: bool, platform: Optional[Platform] = None) -> str:
-  """`choose`, then `log_once`; returns the implementation name."""
-  impl, reason = choose(op, requested, candidates, decode=decode, platform=platform)
-  log_once(op, impl, reason)
-  return impl

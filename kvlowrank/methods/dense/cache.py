@@ -82,31 +82,19 @@ class DenseCache(base.KVCache):
     k_pos = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
     return k_pos, k_pos < self.lens[:, None]
 
-  def choose_implementation(self, q_shape, implementation=None, platform=None):
-    """(implementation, reason) for an attend call with queries [B, T, N, H]."""
-    req = self.implementation if implementation is None else implementation
-    b, t, n, h = q_shape
-
-    def fit(name):
-      def go():
-        if self.sliding_window is not None:
-          return "sliding-window attention"
-        q = jax.ShapeDtypeStruct((b, n, h), self.k.dtype)
-        return dense_kernels.kernel_fit(q, self.k, self.v, self.lens, name)
-      return go
-
-    cands = [(name, "gpu", fit(name)) for name in IMPLEMENTATIONS]
-    return dispatch.choose("dense", req, cands, decode=t == 1, platform=platform)
+  def kernel_candidates(self, q_shape):
+    """cuDNN, then Triton, where they take a query [B, N, H] over this cache."""
+    q = jax.ShapeDtypeStruct(q_shape, self.k.dtype)
+    return [(name, "gpu", lambda name=name: dense_kernels.kernel_fit(q, self.k, self.v,
+                                                                     self.lens, name))
+            for name in IMPLEMENTATIONS]
 
   def attend(self, q, q_positions, lp, *, spec: ModelSpec, implementation=None):
-    impl, reason = self.choose_implementation(q.shape, implementation)
-    dispatch.log_once("dense", impl, reason)
+    impl = self.decode_implementation(q.shape, implementation)
     if impl != dispatch.REFERENCE:
       out, lse = dense_kernels.decode_attention(q[:, 0], self.k, self.v, self.lens,
                                                 out_dtype=q.dtype, implementation=impl)
-      live = q_positions >= 0
-      return (jnp.where(live[..., None, None], out[:, None], 0).astype(q.dtype),
-              jnp.where(live[..., None], lse[:, None], -jnp.inf))
+      return base.mask_padding_queries(out[:, None], lse[:, None], q_positions, q.dtype)
     k_pos, valid = self.slot_positions()
     return dot_product_attention(q, self.k, self.v, q_positions, k_pos, valid,
                                  sliding_window=self.sliding_window, out_dtype=q.dtype)

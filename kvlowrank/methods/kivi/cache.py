@@ -315,8 +315,6 @@ class KiviCache(base.KVCache):
 
     def fit(check):
       def go():
-        if self.sliding_window is not None:
-          return "sliding-window attention"
         if k_win.dtype not in (jnp.bfloat16, jnp.float16):
           return f"{jnp.dtype(k_win.dtype).name} cache (the kernels take bf16/fp16)"
         return check()
@@ -324,16 +322,8 @@ class KiviCache(base.KVCache):
 
     return [("mosaic", "hopper", fit(mosaic_fit)), ("triton", "gpu", fit(triton_fit))]
 
-  def choose_implementation(self, q_shape, implementation=None, platform=None):
-    """(implementation, reason) for an attend call with queries [B, T, N, H]."""
-    req = self.implementation if implementation is None else implementation
-    b, t, n, h = q_shape
-    return dispatch.choose("kivi", req, self.kernel_candidates((b, n, h)), decode=t == 1,
-                           platform=platform)
-
   def attend(self, q, q_positions, lp, *, spec: ModelSpec, implementation=None):
-    impl, reason = self.choose_implementation(q.shape, implementation)
-    dispatch.log_once("kivi", impl, reason)
+    impl = self.decode_implementation(q.shape, implementation)
     m, w_len = self.segments()
     if impl != dispatch.REFERENCE:
       kw = dict(keys=self.store) if impl == "mosaic" else dict(keys=self.store.keys,
@@ -341,9 +331,7 @@ class KiviCache(base.KVCache):
       out, lse = _kernel_attention(
           q[:, 0], **kw, k_win=self.k_res, v_win=self.v_res, q_len=m, w_len=w_len,
           out_dtype=q.dtype, implementation=impl)
-      live = q_positions >= 0                                         # [B, 1]
-      return (jnp.where(live[..., None, None], out[:, None], 0).astype(q.dtype),
-              jnp.where(live[..., None], lse[:, None], -jnp.inf))
+      return base.mask_padding_queries(out[:, None], lse[:, None], q_positions, q.dtype)
     k_hat, v_hat = self.dequantized()
     b, s = k_hat.shape[:2]
     s_pos = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
@@ -384,8 +372,9 @@ class KiviCache(base.KVCache):
     """Asymptotic bytes per cached token (this layer): packed codes + amortised scales
     and zero points of K (2H per G tokens) and V (2H/G per token); the O(R) exact
     window and the per-row lengths are excluded."""
-    return float(self.nbytes_breakdown()["codes"] + 2 * self.nbytes_breakdown()["scales"]) \
-        / (self.k_res.shape[0] * self.capacity)
+    parts = self.nbytes_breakdown()
+    return (parts["codes"] + parts["scales"] + parts["zeros"]) / (self.k_res.shape[0]
+                                                                  * self.capacity)
 
 
 @base.register_cache("kivi")

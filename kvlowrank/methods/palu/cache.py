@@ -163,20 +163,15 @@ class LatentCache(base.KVCache):
       def go():
         if self.spec.rope_layout != "half":
           return f"{self.spec.rope_layout} RoPE (the kernels rotate half-layout keys)"
-        if self.spec.sliding_window is not None:
-          return "sliding-window attention"
         return check(*args())
       return go
 
     return [("mosaic", "hopper", fit(palu_kernels.mosaic_fit)),
             ("triton", "gpu", fit(palu_kernels.triton_fit))]
 
-  def choose_implementation(self, q_shape, implementation=None, platform=None):
-    """(implementation, reason) for an attend call with queries [B, T, N, H]."""
-    req = self.implementation if implementation is None else implementation
-    b, t, n, h = q_shape
-    return dispatch.choose("palu", req, self.kernel_candidates((b, n, h)), decode=t == 1,
-                           platform=platform)
+  @property
+  def sliding_window(self):
+    return self.spec.sliding_window
 
   def _kernel_bias(self):
     if self.k_bias is None:
@@ -196,9 +191,7 @@ class LatentCache(base.KVCache):
     if self.window:
       parts.append(self._attend_ring(q, q_positions, spec))
     out, lse = combine(parts, out_dtype=q.dtype)
-    live = q_positions >= 0
-    return (jnp.where(live[..., None, None], out, 0).astype(q.dtype),
-            jnp.where(live[..., None], lse, -jnp.inf))
+    return base.mask_padding_queries(out, lse, q_positions, q.dtype)
 
   def _attend_ring(self, q, q_positions, spec: ModelSpec):
     """Reference attention over the ring's exact latents (positions >= length − window)."""
@@ -213,8 +206,7 @@ class LatentCache(base.KVCache):
                                  out_dtype=jnp.float32)
 
   def attend(self, q, q_positions, lp, *, spec: ModelSpec, implementation=None):
-    impl, reason = self.choose_implementation(q.shape, implementation)
-    dispatch.log_once("palu", impl, reason)
+    impl = self.decode_implementation(q.shape, implementation)
     if impl != dispatch.REFERENCE:
       return self._attend_kernel(q, q_positions, spec, impl)
     k_pos, valid = self.slot_positions()
