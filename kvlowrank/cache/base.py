@@ -27,16 +27,27 @@ reconstruction is folded into W_o (Palu).
 
 Cross-layer caches (XQuant-CL) override `step`, which threads a `carry` from
 layer i to layer i+1 within one forward call; per-layer caches ignore it.
+
+Capacity: a call may not hand a cache more tokens than it has slots, nor a position
+>= its capacity (such a token used to be dropped like padding: wrong logits, no error).
+`check_capacity` raises for what is known when the call is traced: the token axis T
+(static shape; padding columns count) and the positions when they are concrete (eager
+calls). Every subclass's `update` runs it (`KVCache.__init_subclass__`), and
+`kvlowrank.model.forward` runs it once per call. Positions traced under `jit` are not
+known then: `forward` turns the logits of a row with a position beyond the capacity
+into NaN (`poison_rows`), so the error shows up instead of a plausible wrong answer.
 """
 
 from __future__ import annotations
 
 import abc
 import dataclasses
+import functools
 from typing import Any, Callable, ClassVar, Optional
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from kvlowrank.cache import dispatch
 from kvlowrank.spec import ModelSpec
@@ -83,10 +94,64 @@ def new_lengths(lengths, positions):
                      ).astype(jnp.int32)
 
 
+def concrete(x) -> Optional[np.ndarray]:
+  """x as a numpy array when its value is known now (not a tracer), else None."""
+  if isinstance(x, jax.core.Tracer):
+    return None
+  try:
+    return np.asarray(x)
+  except (TypeError, jax.errors.ConcretizationTypeError):
+    return None
+
+
+def check_capacity(capacity: int, positions, what: str = "cache capacity",
+                   hint: str = "allocate capacity >= the context length") -> None:
+  """Raises when tokens cannot fit a cache of `capacity` slots (module docstring).
+
+  Args:
+    capacity: the cache's slots (positions [0, capacity)).
+    positions: [B, T] int positions of the new tokens (< 0: padding).
+    what, hint: how the message names the limit, and what to do.
+  Raises:
+    ValueError: T > capacity (static), or a concrete position >= capacity.
+  """
+  t = positions.shape[-1]
+  if t > capacity:
+    raise ValueError(f"{t} tokens in one call exceed the {what}={capacity}: {hint}")
+  pos = concrete(positions)
+  if pos is not None and pos.size and int(pos.max()) >= capacity:
+    raise ValueError(f"position {int(pos.max())} is beyond the {what}={capacity} "
+                     f"(positions [0, {capacity})): {hint}")
+
+
+def poison_rows(logits, positions, limit: int):
+  """logits [B, T', V] with every row that has a position >= limit set to NaN (the
+  traced-position counterpart of `check_capacity`)."""
+  over = jnp.any(positions >= limit, axis=-1)
+  return jnp.where(over[:, None, None], jnp.nan, logits)
+
+
+def _checked_update(update):
+  @functools.wraps(update)
+  def wrapper(self, inputs, lp, *args, **kwargs):
+    check_capacity(self.capacity, inputs.positions, f"{type(self).__name__} capacity")
+    return update(self, inputs, lp, *args, **kwargs)
+  wrapper._capacity_checked = True  # pylint: disable=protected-access
+  return wrapper
+
+
 class KVCache(abc.ABC):
   """Protocol every per-layer cache implements (see module docstring)."""
 
   name: ClassVar[str] = "abstract"
+
+  def __init_subclass__(cls, **kwargs):
+    """Wraps a subclass's own `update` with `check_capacity` (module docstring)."""
+    super().__init_subclass__(**kwargs)
+    upd = cls.__dict__.get("update")
+    if upd is not None and not getattr(upd, "__isabstractmethod__", False) and not getattr(
+        upd, "_capacity_checked", False):
+      cls.update = _checked_update(upd)
 
   @property
   @abc.abstractmethod

@@ -45,9 +45,9 @@ from kvlowrank.spec import ModelSpec
 MODES = ("prefill", "decode")
 
 
-@functools.partial(jax.jit, static_argnames=("spec", "segments"))
+@functools.partial(jax.jit, static_argnames=("spec", "segments", "allow_beyond_max_seq_len"))
 def _window_nll(params, caches, tokens, targets, *, spec: ModelSpec,
-                segments: tuple[tuple[int, int], ...]):
+                segments: tuple[tuple[int, int], ...], allow_beyond_max_seq_len=False):
   """Feeds tokens [B, n] (n = end of the last segment) segment by segment through the
   caches; returns nll [B, n] fp32.
 
@@ -59,7 +59,8 @@ def _window_nll(params, caches, tokens, targets, *, spec: ModelSpec,
   """
   b, n = tokens.shape
   positions = jnp.broadcast_to(jnp.arange(n, dtype=jnp.int32), (b, n))
-  logits, _ = forward_segments(params, tokens, positions, caches, spec, segments)
+  logits, _ = forward_segments(params, tokens, positions, caches, spec, segments,
+                               allow_beyond_max_seq_len=allow_beyond_max_seq_len)
   picked = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
   return jax.nn.logsumexp(logits, axis=-1) - picked
 
@@ -93,7 +94,8 @@ def schedule(seq_len: int, mode: str, prompt_len: int = 0, prefill_chunk: int = 
 
 def window_nll(params, tokens, *, spec: ModelSpec, method: str, method_spec,
                cache_dtype=jnp.bfloat16, mode: str = "prefill", prompt_len: int = 0,
-               prefill_chunk: int = 0, progress=None) -> np.ndarray:
+               prefill_chunk: int = 0, progress=None,
+               allow_beyond_max_seq_len: bool = False) -> np.ndarray:
   """Per-position NLL of a batch of windows through a fresh cache.
 
   Args:
@@ -104,6 +106,8 @@ def window_nll(params, tokens, *, spec: ModelSpec, method: str, method_spec,
     cache_dtype: storage dtype handed to the cache factory.
     mode, prompt_len, prefill_chunk: see `schedule`.
     progress: optional tqdm-like object; `update(n)` is called with tokens consumed.
+    allow_beyond_max_seq_len: score windows longer than spec.max_seq_len (the model's
+      trained context); by default an error.
   Returns:
     float32 [B, T-1]: entry i is -log p(tokens[:, i+1] | tokens[:, :i+1]).
   """
@@ -115,7 +119,7 @@ def window_nll(params, tokens, *, spec: ModelSpec, method: str, method_spec,
   n = segments[-1][1]
   targets = jnp.concatenate([tokens[:, 1:], jnp.zeros((b, 1), jnp.int32)], axis=1)
   nll = _window_nll(params, caches, tokens[:, :n], targets[:, :n], spec=spec,
-                    segments=segments)
+                    segments=segments, allow_beyond_max_seq_len=allow_beyond_max_seq_len)
   nll = np.asarray(nll, np.float32)
   if progress is not None:
     progress.update(n)
@@ -142,7 +146,8 @@ class PerplexityResult:
 def perplexity(params, windows, *, spec: ModelSpec, method: str, method_spec,
                cache_dtype=jnp.bfloat16, mode: str = "prefill", batch_size: int = 1,
                prompt_len: int = 0, prefill_chunk: int = 0, progress: bool = False,
-               desc: Optional[str] = None) -> PerplexityResult:
+               desc: Optional[str] = None, allow_beyond_max_seq_len: bool = False
+               ) -> PerplexityResult:
   """Perplexity over windows [W, T], scored in batches of `batch_size` windows.
 
   A short last batch is padded with copies of its last window (results dropped) so
@@ -155,8 +160,12 @@ def perplexity(params, windows, *, spec: ModelSpec, method: str, method_spec,
     batch_size: windows per forward call.
     progress: show a tqdm bar (tokens consumed).
     desc: bar label.
+    allow_beyond_max_seq_len: windows longer than spec.max_seq_len are an error unless
+      this is set (positions past the trained context give plausible, wrong PPLs).
   Returns:
     PerplexityResult.
+  Raises:
+    ValueError: bad windows / batch size, or windows beyond spec.max_seq_len.
   """
   windows = np.asarray(windows, np.int32)
   if windows.ndim != 2 or windows.shape[1] < 2:
@@ -164,6 +173,10 @@ def perplexity(params, windows, *, spec: ModelSpec, method: str, method_spec,
   if batch_size <= 0:
     raise ValueError(f"eval.batch_size must be positive, got {batch_size}")
   w, t = windows.shape
+  if t > spec.max_seq_len and not allow_beyond_max_seq_len:
+    raise ValueError(f"eval.seq_len={t} exceeds the model's max_seq_len={spec.max_seq_len} "
+                     "(set eval.allow_beyond_max_seq_len=True to evaluate past the trained "
+                     "context anyway)")
   bar = None
   if progress:
     from tqdm.auto import tqdm  # pylint: disable=g-import-not-at-top
@@ -180,7 +193,8 @@ def perplexity(params, windows, *, spec: ModelSpec, method: str, method_spec,
       batch = np.concatenate([batch, np.repeat(batch[-1:], batch_size - n, axis=0)])
     nll = window_nll(params, batch, spec=spec, method=method, method_spec=method_spec,
                      cache_dtype=cache_dtype, mode=mode, prompt_len=prompt_len,
-                     prefill_chunk=prefill_chunk, progress=bar)
+                     prefill_chunk=prefill_chunk, progress=bar,
+                     allow_beyond_max_seq_len=allow_beyond_max_seq_len)
     per_window_nll.extend(nll[:n].astype(np.float64).sum(axis=1))
   if bar is not None:
     bar.close()

@@ -54,17 +54,18 @@ def _is_eos(tokens, eos_ids):
 
 
 # No buffer donation: a cache method may keep arrays that alias params (factors).
-@functools.partial(jax.jit, static_argnames=("spec", "sampler"))
+@functools.partial(jax.jit, static_argnames=("spec", "sampler", "allow"))
 def _prefill(params, tokens, positions, last_idx, caches, rng, *, spec: ModelSpec,
-             sampler: Sampler):
+             sampler: Sampler, allow: bool = False):
   """Prompt pass: fills the caches, samples each row's first new token [B]."""
-  logits, caches = forward(params, tokens, positions, caches, spec, logits_at=last_idx)
+  logits, caches = forward(params, tokens, positions, caches, spec, logits_at=last_idx,
+                           allow_beyond_max_seq_len=allow)
   return sampler.next_tokens(logits[:, 0], rng), caches
 
 
-@functools.partial(jax.jit, static_argnames=("spec", "sampler", "max_new_tokens"))
+@functools.partial(jax.jit, static_argnames=("spec", "sampler", "max_new_tokens", "allow"))
 def _decode(params, first, next_pos, eos_ids, caches, rng, *, spec: ModelSpec,
-            sampler: Sampler, max_new_tokens: int):
+            sampler: Sampler, max_new_tokens: int, allow: bool = False):
   """Decode loop. first [B] (sampled by the prefill), next_pos [B] = prompt lengths,
   eos_ids [E] int32 padded with -1.
 
@@ -84,7 +85,8 @@ def _decode(params, first, next_pos, eos_ids, caches, rng, *, spec: ModelSpec,
     i, out, tok, pos, done, n_gen, caches, rng = state
     rng, sub = jax.random.split(rng)
     step_pos = jnp.where(done, -1, pos)  # finished rows: padding, cache untouched
-    logits, caches = forward(params, tok[:, None], step_pos[:, None], caches, spec)
+    logits, caches = forward(params, tok[:, None], step_pos[:, None], caches, spec,
+                             allow_beyond_max_seq_len=allow)
     new = sampler.next_tokens(logits[:, 0], sub)
     live = ~done
     out = out.at[:, i].set(jnp.where(live, new, PAD_TOKEN))
@@ -121,7 +123,8 @@ def generate(params, spec: ModelSpec, prompts: Sequence[Sequence[int]], *,
              rng: Optional[jax.Array] = None, cache_method: str = "dense",
              cache_spec=DenseSpec(), cache_dtype=None,
              eos_ids: Optional[Sequence[int]] = None,
-             capacity: Optional[int] = None) -> GenerationResult:
+             capacity: Optional[int] = None,
+             allow_beyond_max_seq_len: bool = False) -> GenerationResult:
   """Generates continuations of a batch of prompts with a registered KV cache.
 
   Args:
@@ -136,12 +139,15 @@ def generate(params, spec: ModelSpec, prompts: Sequence[Sequence[int]], *,
     cache_dtype: cache storage dtype; default: the dtype of params["embed"].
     eos_ids: ids that stop a row; default spec.eos_ids; () never stops early.
     capacity: cache slots (positions [0, capacity)); default max prompt length +
-      max_new_tokens.
+      max_new_tokens. At least the padded prompt width is allocated (the prefill call
+      hands the cache that many columns, padding included).
+    allow_beyond_max_seq_len: let prompt + max_new_tokens run past spec.max_seq_len
+      (the model's trained context); by default an error.
   Returns:
     GenerationResult.
   Raises:
-    ValueError: bad prompts, max_new_tokens < 1, or a prompt that with max_new_tokens
-      does not fit in `capacity`.
+    ValueError: bad prompts, max_new_tokens < 1, a prompt that with max_new_tokens
+      does not fit in `capacity`, or that runs past spec.max_seq_len unless allowed.
   """
   rows = _check_prompts(prompts, spec)
   if int(max_new_tokens) < 1:
@@ -157,6 +163,10 @@ def generate(params, spec: ModelSpec, prompts: Sequence[Sequence[int]], *,
   if lens[longest] + max_new_tokens > capacity:
     raise ValueError(f"prompt {longest} ({lens[longest]} tokens) + max_new_tokens="
                      f"{max_new_tokens} exceeds the cache capacity={capacity}")
+  if lens[longest] + max_new_tokens - 1 > spec.max_seq_len and not allow_beyond_max_seq_len:
+    raise ValueError(f"prompt {longest} ({lens[longest]} tokens) + max_new_tokens="
+                     f"{max_new_tokens} runs past the model's max_seq_len="
+                     f"{spec.max_seq_len} (allow_beyond_max_seq_len=True to run anyway)")
   eos_ids = tuple(int(e) for e in (spec.eos_ids if eos_ids is None else eos_ids))
   rng = jax.random.key(0) if rng is None else rng
   cache_dtype = params["embed"].dtype if cache_dtype is None else cache_dtype
@@ -168,17 +178,18 @@ def generate(params, spec: ModelSpec, prompts: Sequence[Sequence[int]], *,
   for i, r in enumerate(rows):
     tokens[i, :len(r)] = r
     positions[i, :len(r)] = np.arange(len(r))
-  caches = init_caches(cache_method, cache_spec, spec, params, batch=b, capacity=capacity,
-                       dtype=cache_dtype)
+  caches = init_caches(cache_method, cache_spec, spec, params, batch=b,
+                       capacity=max(capacity, width), dtype=cache_dtype)
   rng_prefill, rng_decode = jax.random.split(rng)
   first, caches = _prefill(params, jnp.asarray(tokens), jnp.asarray(positions),
                            jnp.asarray(lens - 1), caches, rng_prefill, spec=spec,
-                           sampler=sampler)
+                           sampler=sampler, allow=bool(allow_beyond_max_seq_len))
   eos = np.full(max(1, -(-len(eos_ids) // EOS_BUCKET)) * EOS_BUCKET, -1, np.int32)
   eos[:len(eos_ids)] = eos_ids
   out, n_gen, hit_eos, steps = _decode(params, first, jnp.asarray(lens), jnp.asarray(eos),
                                        caches, rng_decode, spec=spec, sampler=sampler,
-                                       max_new_tokens=max_new_tokens)
+                                       max_new_tokens=max_new_tokens,
+                                       allow=bool(allow_beyond_max_seq_len))
   out, n_gen, hit_eos, steps = jax.device_get((out, n_gen, hit_eos, steps))
   toks, reasons = [], []
   for i in range(b):

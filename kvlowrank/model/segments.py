@@ -39,8 +39,8 @@ from typing import Sequence
 import jax
 import jax.numpy as jnp
 
-from kvlowrank.cache.base import KVCache
-from kvlowrank.model.transformer import decoder_layer, forward, lm_head
+from kvlowrank.cache.base import KVCache, concrete, poison_rows
+from kvlowrank.model.transformer import check_context, decoder_layer, forward, lm_head
 from kvlowrank.spec import ModelSpec
 
 
@@ -112,17 +112,17 @@ def _segmentwise_step(runs):
   return step
 
 
-def _token_major(params, tokens, positions, caches, spec, runs):
+def _token_major(params, tokens, positions, caches, spec, runs, allow):
   """Segment by segment, each through the whole `forward` (cross-layer caches)."""
   outs = []
   for start, length, count in runs:
     if count == 1:
       e = start + length
       logits, caches = forward(params, tokens[:, start:e], positions[:, start:e], caches,
-                               spec)
+                               spec, allow_beyond_max_seq_len=allow)
     else:
       def body(c, xs):
-        logits, c = forward(params, xs[0], xs[1], c, spec)
+        logits, c = forward(params, xs[0], xs[1], c, spec, allow_beyond_max_seq_len=allow)
         return c, logits
 
       split = lambda a, s=start, n=length, c=count: _split(a, s, n, c)
@@ -155,8 +155,8 @@ def homogeneous(layers: Sequence[dict], caches: Sequence[KVCache]) -> bool:
 
 
 def forward_segments(params, tokens, positions, caches: tuple, spec: ModelSpec,
-                     segments: Sequence[tuple[int, int]], *, scan_layers: bool = True
-                     ) -> tuple[jax.Array, tuple]:
+                     segments: Sequence[tuple[int, int]], *, scan_layers: bool = True,
+                     allow_beyond_max_seq_len: bool = False) -> tuple[jax.Array, tuple]:
   """The call-by-call cached forward over `segments` (module docstring).
 
   Args:
@@ -169,14 +169,21 @@ def forward_segments(params, tokens, positions, caches: tuple, spec: ModelSpec,
       successive forward calls.
     scan_layers: layer-major schedule: scan over layers when
       `homogeneous(params["layers"], caches)`.
+    allow_beyond_max_seq_len: as `forward`'s (positions past spec.max_seq_len).
   Returns:
-    (logits [B, T, V] fp32, caches after the last segment).
+    (logits [B, T, V] fp32, caches after the last segment); as `forward`, rows with a
+    traced position beyond the capacity (or max_seq_len) get NaN logits.
+  Raises:
+    ValueError: as `forward` (`check_context`), or segments that do not tile [0, T).
   """
   if caches is None:
     raise ValueError("forward_segments needs caches (segments only exist through a cache)")
+  limit = check_context(positions, caches, spec,
+                        allow_beyond_max_seq_len=allow_beyond_max_seq_len)
   runs = segment_runs(segments, tokens.shape[1])
   if not per_layer(caches):
-    return _token_major(params, tokens, positions, caches, spec, runs)
+    return _token_major(params, tokens, positions, caches, spec, runs,
+                        allow_beyond_max_seq_len)
   step = _segmentwise_step(runs)
   layers = params["layers"]
   x = params["embed"][tokens]
@@ -198,4 +205,7 @@ def forward_segments(params, tokens, positions, caches: tuple, spec: ModelSpec,
       x, _, cache, _ = decoder_layer(lp, x, positions, cache, None, spec, step=step)
       new_caches.append(cache)
     new_caches = tuple(new_caches)
-  return lm_head(params, x, spec), new_caches
+  logits = lm_head(params, x, spec)
+  if limit is not None and concrete(positions) is None:
+    logits = poison_rows(logits, positions, limit)
+  return logits, new_caches

@@ -7,6 +7,7 @@ from typing import Any, Optional
 import jax
 import jax.numpy as jnp
 
+from kvlowrank.cache import base as cache_base
 from kvlowrank.cache.base import AttnInputs
 from kvlowrank.model.attention import dot_product_attention
 from kvlowrank.model.rope import apply_rope
@@ -87,9 +88,36 @@ def lm_head(params, x, spec: ModelSpec):
   return (x @ head).astype(jnp.float32)
 
 
+def check_context(positions, caches: Optional[tuple], spec: ModelSpec, *,
+                  allow_beyond_max_seq_len: bool = False) -> Optional[int]:
+  """Refuses tokens that cannot be right: beyond the caches' capacity, or beyond the
+  model's trained context `spec.max_seq_len` unless `allow_beyond_max_seq_len`.
+
+  Raises what is known while tracing (the token axis T, positions when concrete; see
+  kvlowrank.cache.base `check_capacity`) and returns the position limit the traced
+  positions must stay under (None: nothing left to check), for `poison_rows`.
+
+  Raises:
+    ValueError naming the limit.
+  """
+  limit = None
+  if caches is not None:
+    cap = min(int(c.capacity) for c in caches)
+    cache_base.check_capacity(cap, positions)
+    limit = cap
+  if not allow_beyond_max_seq_len:
+    cache_base.check_capacity(
+        spec.max_seq_len, positions, what="model's max_seq_len",
+        hint="the model was trained on shorter contexts (allow_beyond_max_seq_len=True "
+        "runs past them anyway)")
+    limit = spec.max_seq_len if limit is None else min(limit, spec.max_seq_len)
+  return limit
+
+
 def forward(params, tokens, positions, caches: Optional[tuple], spec: ModelSpec, *,
             capture_inputs: bool = False, last_only: bool = False,
-            logits_at: Optional[jax.Array] = None):
+            logits_at: Optional[jax.Array] = None,
+            allow_beyond_max_seq_len: bool = False):
   """Runs the decoder on T new tokens.
 
   Args:
@@ -105,9 +133,19 @@ def forward(params, tokens, positions, caches: Optional[tuple], spec: ModelSpec,
     logits_at: optional [B] int index into T; return logits for that one position of
       each row only ([B, 1, V]): the last real token of right-padded ragged prompts,
       without materialising [B, T, V] logits.
+    allow_beyond_max_seq_len: let positions reach past spec.max_seq_len (the model's
+      trained context); by default that is an error, like tokens beyond the caches'
+      capacity (`check_context`).
   Returns:
     (logits [B, T, V] fp32, caches) or (logits, caches, captured) when capture_inputs.
+    Under `jit` positions are traced and only T is checked: a row with a position
+    beyond the caches' capacity (or max_seq_len) gets NaN logits instead of an error.
+  Raises:
+    ValueError: more tokens than the caches' capacity (T, or concrete positions), or
+      beyond max_seq_len unless allowed.
   """
+  limit = check_context(positions, caches, spec,
+                        allow_beyond_max_seq_len=allow_beyond_max_seq_len)
   x = params["embed"][tokens]
   new_caches = []
   captured = []
@@ -123,6 +161,8 @@ def forward(params, tokens, positions, caches: Optional[tuple], spec: ModelSpec,
   elif last_only:
     x = x[:, -1:]
   logits = lm_head(params, x, spec)
+  if limit is not None and cache_base.concrete(positions) is None:
+    logits = cache_base.poison_rows(logits, positions, limit)
   out_caches = None if caches is None else tuple(new_caches)
   if capture_inputs:
     return logits, out_caches, jnp.stack(captured)
