@@ -4,6 +4,8 @@ r"""Evaluates one config: `kvlowrank.experiment.evaluate.run(config, workdir)`.
 
 Appends one JSON record (perplexity per mode, KV bytes/token, ...) to
 <workdir>/results.jsonl and prints it; calibrations are cached in <workdir>/calib/.
+A point already in the workdir is skipped (--overwrite evaluates and replaces it). A bad
+config or file ends in one line naming it and exit status 1 (--debug: the traceback).
 """
 
 import os
@@ -24,12 +26,14 @@ import jax
 from ml_collections import config_flags
 
 import kvlowrank
-from kvlowrank import config_lib
+from kvlowrank.experiment import cli
 from kvlowrank.experiment import evaluate
 
 _CONFIG = config_flags.DEFINE_config_file(
     "config", None, "Path to a configs/*.py file (with an optional :arg).", lock_config=True)
 _WORKDIR = flags.DEFINE_string("workdir", None, "Output folder (results.jsonl, calib/).")
+_OVERWRITE = flags.DEFINE_bool("overwrite", False, "Evaluate a point the workdir already "
+                               "holds again and replace its record (default: skip it).")
 flags.mark_flags_as_required(["config", "workdir"])
 
 
@@ -38,7 +42,11 @@ def main(argv):
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
   logging.info("python %s, jax %s, kvlowrank %s, devices %s", platform.python_version(),
                jax.__version__, kvlowrank.__version__, jax.devices())
-  record = evaluate.run(_CONFIG.value, _WORKDIR.value)
+  record = evaluate.run(_CONFIG.value, _WORKDIR.value, overwrite=_OVERWRITE.value)
+  if record.get("skipped"):
+    print(f"point {record['key']} is already in {_WORKDIR.value}/results.jsonl: skipped "
+          "(--overwrite evaluates it again)")
+    return
   summary = {k: record[k] for k in ("key", "method", "bits", "kv_bytes_per_token",
                                     "compression_vs_bf16", "tokens", "windows")}
   summary.update({k: v for k, v in record.items() if k.startswith("ppl_")})
@@ -47,5 +55,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  jax.config.config_with_absl()
-  app.run(main, flags_parser=config_lib.flags_parser)
+  cli.run(main)

@@ -19,7 +19,7 @@ import jaxlib
 from ml_collections import config_flags
 
 import kvlowrank
-from kvlowrank import config_lib
+from kvlowrank.experiment import cli
 import kvlowrank.generate
 
 _CONFIG = config_flags.DEFINE_config_file(
@@ -37,11 +37,10 @@ def main(argv):
                jax.__version__, jaxlib.__version__, kvlowrank.__version__)
   logging.info("devices: %s", jax.devices())
   workdir = _WORKDIR.value
-  if workdir:
-    os.makedirs(workdir, exist_ok=True)
+  result = kvlowrank.generate.run(config, workdir)
+  if workdir:  # after the run: nothing is written before the model and prompt load
     with open(os.path.join(workdir, "config.json"), "w") as f:
       f.write(config.to_json(indent=1))
-  result = kvlowrank.generate.run(config, workdir)
   logging.info("result: %s", json.dumps(result))
   print(f"{result['prompt']!r} ->\n{result['completion']}")
   print(f"[{len(result['completion_ids'])} tokens, stop: {result['stop_reason']}, "
@@ -49,5 +48,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  jax.config.config_with_absl()
-  app.run(main, flags_parser=config_lib.flags_parser)
+  cli.run(main)

@@ -10,6 +10,7 @@ tokens, windows) and the PNG Pareto plot(s) of PPL vs KV bytes/token.
 from absl import app
 from absl import flags
 
+from kvlowrank.experiment import cli
 from kvlowrank.experiment import report
 
 _WORKDIR = flags.DEFINE_string("workdir", None, "Folder holding results.jsonl.")
@@ -29,4 +30,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  cli.run(main, uses_jax=False)

@@ -13,6 +13,7 @@ Two helpers, used by every launcher:
 from __future__ import annotations
 
 import dataclasses
+import re
 import types
 import typing
 from collections.abc import Mapping
@@ -159,22 +160,56 @@ def to_dataclass(section, cls, *, where: Optional[str] = None):
   return cls(**kwargs)
 
 
+def _first_message(e: BaseException) -> str:
+  """The innermost message of `e` (ml_collections wraps a KeyError in an AttributeError)."""
+  while e.args and isinstance(e.args[0], BaseException):
+    e = e.args[0]
+  return str(e.args[0]) if e.args else str(e)
+
+
+def unknown_key_message(e: BaseException, argv: list[str]) -> str:
+  """One line naming the unknown key of a locked-config override and the flag that set it
+  (ml_collections' own message is a KeyError repr with a newline and quotes)."""
+  msg = _first_message(e)
+  found = re.search(r"""['"]([^'"]+)['"]""", msg)
+  key = found.group(1) if found else msg.split("\n")[0].strip()
+  hint = re.search(r'Did you mean "([^"]+)"', msg)
+  overrides = [a.split("=")[0] for a in argv[1:] if a.startswith("--") and "." in a.split("=")[0]]
+  named = [o for o in overrides if o.rsplit(".", 1)[-1] == key] or overrides
+  return (f"unknown config key {key!r} in {', '.join(named)}"
+          + (f" (did you mean {hint.group(1)!r}?)" if hint else "")
+          + ": the config is locked, only keys defined by the config file can be set")
+
+
 def flags_parser(argv: list[str]) -> list[str]:
-  """absl `app.run(main, flags_parser=...)` parser with a one-line error for overrides of
-  keys that a locked config does not define (`--config.bogus=1`).
+  """absl `app.run(main, flags_parser=...)` parser with one-line errors (exit 1): a bad
+  flag or config file, and overrides of keys that a locked config does not define
+  (`--config.bogus=1`).
 
   ml_collections reports those as a bare AttributeError deep in a traceback; this turns
-  it into `SystemExit` naming the unknown key and the overrides given.
+  it into `SystemExit` naming the unknown key and the override that set it.
   """
   from absl import flags  # only launchers need absl
   try:
     return flags.FLAGS(argv)
   except flags.Error as e:
-    raise SystemExit(f"FATAL Flags parsing error: {e}\nPass --helpshort or --helpfull to "
-                     "see help on flags.") from None
+    if "--debug" in argv:
+      raise
+    raise SystemExit(f"error: {flag_error_message(e)}") from None
   except (AttributeError, KeyError) as e:
-    overrides = [a.split("=")[0] for a in argv[1:]
-                 if a.startswith("--") and "." in a.split("=")[0]]
-    raise SystemExit(f"FATAL unknown config key {str(e).strip(chr(34))} in the overrides "
-                     f"{', '.join(overrides)}: the config is locked, only keys defined by "
-                     "the config file can be set") from None
+    if "--debug" in argv:
+      raise
+    raise SystemExit(f"error: {unknown_key_message(e, argv)}") from None
+
+
+def flag_error_message(e: BaseException) -> str:
+  """One line for an absl flag error. A config file that raised while it was loaded
+  (e.g. `parse_arg` on an unknown `:arg`) comes wrapped with its whole traceback in the
+  message: keep the flag and the exception's own message."""
+  msg = str(e)
+  if "Traceback (most recent call last)" in msg:
+    lines = [ln.strip() for ln in msg.splitlines() if ln.strip()]
+    last = re.sub(r"^[\w.]+(Error|Exception): ", "", lines[-1])
+    flag = re.match(r"^(flag \S+): ", msg)
+    return f"{flag.group(1) if flag else 'flags'}: {last}"
+  return " ".join(msg.split()) + " (--helpshort lists the flags)"

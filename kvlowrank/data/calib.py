@@ -40,19 +40,23 @@ class CalibSpec:
                        "evaluation text")
 
 
-def sample_windows(ids: np.ndarray, *, n_samples: int, seq_len: int, seed: int) -> np.ndarray:
+def sample_windows(ids: np.ndarray, *, n_samples: int, seq_len: int, seed: int,
+                   source: str = "") -> np.ndarray:
   """`n_samples` windows at seeded uniform random offsets (GPTQ's sampler, numpy RNG).
 
   Args:
     ids: int32 [N] token ids of the calibration split.
     n_samples, seq_len: how many windows, and how long.
     seed: np.random.default_rng seed; equal seeds give equal samples.
+    source: where the text came from (named in the error when it is too short).
   Returns:
     int32 [n_samples, seq_len].
   """
   n = len(ids)
   if n < seq_len:
-    raise ValueError(f"calibration text has {n} tokens, fewer than calib.seq_len={seq_len}")
+    where = f" ({source.removeprefix('file:')})" if source else ""
+    raise ValueError(f"calibration text{where} has {n} tokens, fewer than calib.seq_len="
+                     f"{seq_len}")
   starts = np.random.default_rng(seed).integers(0, n - seq_len + 1, size=n_samples)
   return np.stack([ids[s:s + seq_len] for s in starts]).astype(np.int32)
 
@@ -67,7 +71,7 @@ def calibration_tokens(tokenizer, spec: CalibSpec) -> tuple[np.ndarray, str]:
     (int32 [n_samples, seq_len], description of the source text).
   """
   txt, where = text_lib.load_text(spec.dataset, spec.split, source=spec.source, path=spec.path,
-                                  path_format=spec.path_format)
+                                  path_format=spec.path_format, field="calib")
   ids = text_lib.tokenize(tokenizer, txt, add_bos=False, max_chars=spec.max_chars)
   return sample_windows(ids, n_samples=spec.n_samples, seq_len=spec.seq_len,
-                        seed=spec.seed), where
+                        seed=spec.seed, source=where), where

@@ -90,7 +90,7 @@ def file_rows(path: Path, convention: str) -> list[str]:
   raise ValueError(f"unknown row convention {convention!r} (wikitext|ptb)")
 
 
-def _hf_rows(corpus: Corpus) -> list[str]:
+def _hf_rows(corpus: Corpus, field: str = "data") -> list[str]:
   import datasets  # pylint: disable=g-import-not-at-top
   try:
     ds = datasets.load_dataset(corpus.hf_name, corpus.hf_config, split=corpus.hf_split,
@@ -99,25 +99,28 @@ def _hf_rows(corpus: Corpus) -> list[str]:
     raise FileNotFoundError(
         f"could not load {corpus.hf_name}/{corpus.hf_config} split {corpus.hf_split} "
         f"@ {corpus.hf_revision} from the HF hub ({type(e).__name__}: {e}); give a local "
-        "file with data.path or provide the shared data folder") from e
+        f"file with {field}.path or provide the shared data folder") from e
   return list(ds[corpus.field])
 
 
-def read_local(path: Path, fmt: str, convention: str, joiner: str) -> str:
-  """The joined text of a local file in format "rows" or "joined"."""
+def read_local(path: Path, fmt: str, convention: str, joiner: str, field: str = "data"
+               ) -> str:
+  """The joined text of a local file in format "rows" or "joined"; `field` names the
+  config section in errors ("data" or "calib")."""
   if fmt == "joined":
     if joiner != "\n\n":
-      raise ValueError(f"{path} is already joined with '\\n\\n'; data.joiner="
+      raise ValueError(f"{path} is already joined with '\\n\\n'; {field}.joiner="
                        f"{joiner!r} needs a file in path_format='rows'")
     with open(path, encoding="utf-8") as f:  # universal newlines: CRLF -> LF
       return f.read()
   if fmt == "rows":
     return joiner.join(file_rows(path, convention))
-  raise ValueError(f"data.path_format must be rows|joined, got {fmt!r}")
+  raise ValueError(f"{field}.path_format must be rows|joined, got {fmt!r}")
 
 
 def load_text(dataset: str, split: str, *, source: str = "auto", path: str = "",
-              path_format: str = "rows", joiner: str = "\n\n") -> tuple[str, str]:
+              path_format: str = "rows", joiner: str = "\n\n", field: str = "data"
+              ) -> tuple[str, str]:
   """The concatenated text of one split.
 
   Args:
@@ -128,22 +131,23 @@ def load_text(dataset: str, split: str, *, source: str = "auto", path: str = "",
     path_format: "rows" (one HF row per line, read with the dataset's row convention)
       or "joined" (the file is the joined text).
     joiner: string between rows ("\n\n" in GPTQ/Palu).
+    field: the config section these settings come from ("data" or "calib"), named in
+      errors.
   Returns:
     (text, description of where it came from).
   Raises:
-    ValueError: unknown dataset/split/source/format. FileNotFoundError: no source.
+    ValueError: unknown dataset/split/source/format, an empty file.
+    FileNotFoundError: no source.
   """
   if (dataset, split) not in CORPORA:
-    raise ValueError(f"unknown data.dataset/split {dataset!r}/{split!r}; known: "
+    raise ValueError(f"unknown {field}.dataset/split {dataset!r}/{split!r}; known: "
                      f"{', '.join('/'.join(k) for k in sorted(CORPORA))}")
   if source not in SOURCES:
-    raise ValueError(f"data.source must be one of {SOURCES}, got {source!r}")
+    raise ValueError(f"{field}.source must be one of {SOURCES}, got {source!r}")
   corpus = CORPORA[(dataset, split)]
   if path:
-    p = Path(path).expanduser()
-    if not p.is_file():
-      raise FileNotFoundError(f"data.path: no such file {p}")
-    return read_local(p, path_format, corpus.rows, joiner), f"file:{p.resolve()}"
+    p = check_path(path, field)
+    return read_local(p, path_format, corpus.rows, joiner, field), f"file:{p.resolve()}"
   if source in ("auto", "local"):
     root = resources.shared_dir()
     local = None if root is None else root.joinpath(*corpus.local)
@@ -153,10 +157,24 @@ def load_text(dataset: str, split: str, *, source: str = "auto", path: str = "",
     if source == "local":
       raise FileNotFoundError(
           f"data.source=local: {'/'.join(corpus.local)} not found under the shared folder "
-          f"({root}); set KVLOWRANK_SHARED or data.path")
-  rows = _hf_rows(corpus)
+          f"({root}); set KVLOWRANK_SHARED or {field}.path")
+  rows = _hf_rows(corpus, field)
   return joiner.join(rows), (f"hf:{corpus.hf_name}/{corpus.hf_config}/{corpus.hf_split}"
                              f"@{corpus.hf_revision}")
+
+
+def check_path(path: str, field: str = "data") -> Path:
+  """An explicit text file of a config (`<field>.path`): it must exist and not be empty.
+
+  Raises:
+    FileNotFoundError / ValueError naming `<field>.path` and the file.
+  """
+  p = Path(path).expanduser()
+  if not p.is_file():
+    raise FileNotFoundError(f"{field}.path: no such file {p}")
+  if p.stat().st_size == 0:
+    raise ValueError(f"{field}.path: {p} is empty")
+  return p
 
 
 def tokenize(tokenizer, text: str, *, add_bos: bool = True, max_chars: int = 0) -> np.ndarray:
@@ -179,13 +197,15 @@ def tokenize(tokenizer, text: str, *, add_bos: bool = True, max_chars: int = 0) 
   return np.asarray(tokenizer.encode(text, add_bos=add_bos), np.int32)
 
 
-def windows(ids: np.ndarray, seq_len: int, max_windows: int = 0) -> np.ndarray:
+def windows(ids: np.ndarray, seq_len: int, max_windows: int = 0, source: str = ""
+            ) -> np.ndarray:
   """Non-overlapping windows [W, seq_len] from the start of `ids` (tail dropped).
 
   Args:
     ids: int32 [N].
     seq_len: window length (>= 2: each window scores seq_len - 1 next-token predictions).
     max_windows: > 0 keeps only the first max_windows windows (a subset for quick runs).
+    source: where the text came from (named in the error when it is too short).
   Returns:
     int32 [W, seq_len].
   """
@@ -195,8 +215,10 @@ def windows(ids: np.ndarray, seq_len: int, max_windows: int = 0) -> np.ndarray:
     raise ValueError(f"eval.max_windows must be >= 0, got {max_windows}")
   n = len(ids) // seq_len
   if n == 0:
-    raise ValueError(f"the text has {len(ids)} tokens, fewer than one window of "
-                     f"eval.seq_len={seq_len} (raise data.max_chars or lower seq_len)")
+    where = f"the text of {source.removeprefix('file:')}" if source else "the text"
+    hint = "raise data.max_chars or lower eval.seq_len" if len(ids) else "an empty text"
+    raise ValueError(f"{where} has {len(ids)} tokens, fewer than one window of "
+                     f"eval.seq_len={seq_len} ({hint})")
   if max_windows:
     n = min(n, max_windows)
   return np.asarray(ids[:n * seq_len], np.int32).reshape(n, seq_len)

@@ -31,6 +31,9 @@ from ml_collections import ConfigDict
 from kvlowrank.resources import shared_path
 
 PRESENTATION_KEYS = ("progress", "write_report")
+# Keys added after results were recorded: at these values they are left out of the hashes,
+# so the points of existing workdirs keep their keys (and are not rerun).
+HASH_NEUTRAL_DEFAULTS = {("eval", "allow_beyond_max_seq_len"): False}
 
 
 def base_config() -> ConfigDict:
@@ -48,8 +51,11 @@ def base_config() -> ConfigDict:
                            path_format="rows", add_bos=True, max_chars=0, joiner="\n\n"))
   # seq_len: window length; max_windows: 0 = all windows of the split; modes: prefill
   # and/or decode; prompt_len / prefill_chunk: decode mode's chunked prefill.
+  # allow_beyond_max_seq_len: evaluate windows longer than the model's max_seq_len
+  # (otherwise an error).
   c.eval = ConfigDict(dict(seq_len=2048, max_windows=0, modes=("prefill", "decode"),
-                           batch_size=1, prompt_len=0, prefill_chunk=0))
+                           batch_size=1, prompt_len=0, prefill_chunk=0,
+                           allow_beyond_max_seq_len=False))
   # Calibration samples for methods that calibrate (WikiText-2 validation: no train split
   # in ../shared; disjoint from the test split).
   c.calib = ConfigDict(dict(dataset="wikitext2", split="validation", source="auto", path="",
@@ -83,7 +89,11 @@ def apply_smoke(c: ConfigDict) -> ConfigDict:
 def _canonical(config) -> dict:
   d = config.to_dict() if isinstance(config, (ConfigDict, ml_collections.FrozenConfigDict)) \
       else copy.deepcopy(dict(config))
-  return json.loads(json.dumps(d, sort_keys=True, default=list))
+  d = json.loads(json.dumps(d, sort_keys=True, default=list))
+  for (section, key), default in HASH_NEUTRAL_DEFAULTS.items():
+    if isinstance(d.get(section), dict) and d[section].get(key, default) == default:
+      d[section].pop(key, None)
+  return d
 
 
 def config_hash(config) -> str:

@@ -1,13 +1,19 @@
 """One evaluation: config -> perplexity in each mode -> one JSONL record in the workdir.
 
 Pipeline of `run(config, workdir)`:
+  0. a point already in workdir/results.jsonl (same config hash) is skipped, unless
+     `overwrite`;
   1. validate the whole config (kvlowrank.experiment.spec) before loading anything;
-  2. load the model (memoised per process) and cut the evaluation text into windows;
+  2. load the model (memoised per process), run the checks that need it (the method's
+     feasibility, context lengths vs max_seq_len), cut the evaluation text into windows
+     and, when a calibration must run, sample its text: every input is read and checked
+     before anything is written to the workdir;
   3. if the method calibrates: restore its calibrated parameters from
      workdir/calib/<calibration hash> (orbax, kvlowrank.ckpt), or calibrate on seeded
      samples of the calibration split and save them there;
   4. score every window in each mode of `eval.modes` (kvlowrank.eval.perplexity);
-  5. append the record to workdir/results.jsonl (atomically) and return it.
+  5. append the record to workdir/results.jsonl (atomically, replacing an earlier record
+     of the point) and return it.
 """
 
 from __future__ import annotations
@@ -49,18 +55,36 @@ def eval_windows(model_path: str, model_dtype: str, data: DataSpec, seq_len: int
                                   path=data.path, path_format=data.path_format,
                                   joiner=data.joiner)
   ids = text_lib.tokenize(tok, txt, add_bos=data.add_bos, max_chars=data.max_chars)
-  w = text_lib.windows(ids, seq_len, max_windows)
+  w = text_lib.windows(ids, seq_len, max_windows, source=where)
   w.setflags(write=False)
   return w, where, len(ids)
 
 
-def calibrated_params(config, exp: Experiment, model, workdir) -> tuple[object, Optional[dict]]:
+@functools.lru_cache(maxsize=4)
+def calib_windows(model_path: str, model_dtype: str, calib: calib_lib.CalibSpec
+                  ) -> tuple[np.ndarray, str]:
+  """(calibration windows int32 [n_samples, seq_len] (read-only), text source)."""
+  tokens, where = calib_lib.calibration_tokens(
+      models.load(model_path, model_dtype).require_tokenizer(), calib)
+  tokens.setflags(write=False)
+  return tokens, where
+
+
+def calibration_path(config, workdir) -> Path:
+  """Where the calibration of `config` is checkpointed in `workdir`."""
+  return Path(workdir) / "calib" / config_lib.calibration_hash(config)
+
+
+def calibrated_params(config, exp: Experiment, model, workdir, *, tokens=None
+                      ) -> tuple[object, Optional[dict]]:
   """The parameters to evaluate: the model's, or the method's calibrated ones.
 
   A calibration is keyed by `calibration_hash(config)` (model, method section, calib
   section): an orbax checkpoint in workdir/calib/<hash> is restored when present,
   otherwise the method calibrates and the result is saved there.
 
+  Args:
+    tokens: optional (calibration windows, source) already sampled (`calib_windows`).
   Returns:
     (params, info dict or None when the method does not calibrate).
   """
@@ -68,7 +92,7 @@ def calibrated_params(config, exp: Experiment, model, workdir) -> tuple[object, 
   if method.calibrate is None:
     return model.params, None
   h = config_lib.calibration_hash(config)
-  path = Path(workdir) / "calib" / h
+  path = calibration_path(config, workdir)
   start = time.perf_counter()
   if ckpt.exists(path):
     arrays, meta = ckpt.restore(path)
@@ -77,7 +101,7 @@ def calibrated_params(config, exp: Experiment, model, workdir) -> tuple[object, 
     log.info("restored calibration %s from %s", h, path)
     return params, {"hash": h, "path": str(path), "restored": True,
                     "seconds": time.perf_counter() - start, "source": meta.get("source")}
-  tokens, where = calib_lib.calibration_tokens(model.require_tokenizer(), exp.calib)
+  tokens, where = tokens or calib_windows(exp.model.path, exp.model.dtype, exp.calib)
   params = method.calibrate(model.params, model.spec, exp.method_spec, tokens,
                             workdir=str(workdir))
   meta = {"method": exp.method, "method_spec": _jsonable(exp.method_spec),
@@ -95,27 +119,43 @@ def _jsonable(spec) -> dict:
   return dataclasses.asdict(spec) if dataclasses.is_dataclass(spec) else {}
 
 
-def run(config, workdir, *, results_name: str = records.RESULTS) -> dict:
+def run(config, workdir, *, results_name: str = records.RESULTS,
+        overwrite: bool = False) -> dict:
   """Evaluates one config and appends its record to workdir/results_name.
 
   Args:
     config: evaluation ConfigDict (kvlowrank.experiment.config layout).
-    workdir: output folder (created).
+    workdir: output folder (created once every input has been read and checked).
     results_name: JSONL file name inside workdir.
+    overwrite: evaluate and replace a point that workdir/results_name already holds
+      (default: return its record, marked "skipped": True, without running).
   Returns:
     the record (also written): key, config, method, bits, KV bytes/token, compression
     vs bf16, per-mode perplexity results, ppl_<mode>, tokens, windows, timings.
+  Raises:
+    ValueError / FileNotFoundError naming the bad field or file, before any calibration
+    or evaluation work and before anything is written.
   """
   start = time.perf_counter()
+  key = config_lib.config_hash(config)
+  workdir = Path(workdir)
+  if not overwrite:
+    old = records.find(workdir / results_name, key)
+    if old is not None:
+      log.info("point %s is already in %s: skipped (overwrite=True replaces it)", key,
+               workdir / results_name)
+      return dict(old, skipped=True)
   exp0 = from_config(config)  # fail fast on config errors, before loading the model
   model = models.load(exp0.model.path, exp0.model.dtype)
-  exp = from_config(config, model.spec)  # + method checks that need the model
-  workdir = Path(workdir)
-  workdir.mkdir(parents=True, exist_ok=True)
+  exp = from_config(config, model.spec)  # + checks that need the model
   method = get_method(exp.method)
-  params, calib_info = calibrated_params(config, exp, model, workdir)
   windows, text_source, n_text_tokens = eval_windows(
       exp.model.path, exp.model.dtype, exp.data, exp.eval.seq_len, exp.eval.max_windows)
+  tokens = None
+  if method.calibrate is not None and not ckpt.exists(calibration_path(config, workdir)):
+    tokens = calib_windows(exp.model.path, exp.model.dtype, exp.calib)
+  workdir.mkdir(parents=True, exist_ok=True)
+  params, calib_info = calibrated_params(config, exp, model, workdir, tokens=tokens)
   cache_dtype = exp.jnp_cache_dtype
   bits = method.bits_label(exp.method_spec, cache_dtype)
   results = {}
@@ -124,7 +164,8 @@ def run(config, workdir, *, results_name: str = records.RESULTS) -> dict:
                      method_spec=exp.method_spec, cache_dtype=cache_dtype, mode=mode,
                      batch_size=exp.eval.batch_size, prompt_len=exp.eval.prompt_len,
                      prefill_chunk=exp.eval.prefill_chunk, progress=bool(config.progress),
-                     desc=f"{exp.method}-{bits} {mode}")
+                     desc=f"{exp.method}-{bits} {mode}",
+                     allow_beyond_max_seq_len=exp.eval.allow_beyond_max_seq_len)
     log.info("%s %s: ppl %.4f over %d tokens (%.1f s)", exp.method, mode, res.ppl,
              res.n_tokens, res.seconds)
     results[mode] = res.asdict()
@@ -156,5 +197,5 @@ def run(config, workdir, *, results_name: str = records.RESULTS) -> dict:
       "versions": {"jax": jax.__version__, "kvlowrank": kvlowrank.__version__,
                    "backend": jax.default_backend()},
   }
-  records.append(workdir / results_name, record)
+  records.append(workdir / results_name, record, replace=True)
   return record

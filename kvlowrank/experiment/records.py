@@ -3,7 +3,11 @@
 `append` rewrites the file through a temporary file in the same folder and `os.replace`,
 so a reader (or a sweep restarted after a kill at any instant) sees either the file
 before or after the append, never a torn line: a finished point is never lost and an
-unfinished one never looks finished.
+unfinished one never looks finished. The file keeps its mode, or gets the usual one for
+a new file (0666 less the umask; the temporary file alone would be 0600).
+
+A record with `"status": "failed"` is a point that could not run (its `error` says why):
+reports list it, and a rerun tries it again (`done_keys` skips only finished points).
 """
 
 from __future__ import annotations
@@ -39,16 +43,36 @@ def read(path) -> list[dict]:
   return out
 
 
-def append(path, record: dict) -> None:
-  """Appends one record atomically (write temp file + fsync + os.replace)."""
+def _umask() -> int:
+  mask = os.umask(0)
+  os.umask(mask)
+  return mask
+
+
+def append(path, record: dict, *, replace: bool = False) -> None:
+  """Appends one record atomically (write temp file + fsync + os.replace).
+
+  Args:
+    path: the JSONL file (created with mode 0666 & ~umask; an existing file keeps its
+      mode).
+    record: a JSON-serialisable dict.
+    replace: first drop the records whose `key` equals record["key"] (a rerun that
+      overwrites a point, or a failed point that now ran).
+  """
   path = Path(path)
   path.parent.mkdir(parents=True, exist_ok=True)
   line = json.dumps(record, sort_keys=True, allow_nan=True) + "\n"
   old = path.read_bytes() if path.exists() else b""
+  mode = path.stat().st_mode & 0o7777 if path.exists() else 0o666 & ~_umask()
+  if replace and old:
+    keep = [ln for ln in old.decode("utf-8").splitlines(keepends=True)
+            if not ln.strip() or json.loads(ln).get("key") != record.get("key")]
+    old = "".join(keep).encode("utf-8")
   if old and not old.endswith(b"\n"):
     old += b"\n"
   fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
   try:
+    os.fchmod(fd, mode)
     with os.fdopen(fd, "wb") as f:
       f.write(old + line.encode("utf-8"))
       f.flush()
@@ -60,6 +84,20 @@ def append(path, record: dict) -> None:
     raise
 
 
+def failed(record: dict) -> bool:
+  """True for the record of a point that could not run."""
+  return record.get("status") == "failed"
+
+
 def done_keys(path) -> set[str]:
-  """The `key` fields of the records in `path`."""
-  return {r["key"] for r in read(path) if "key" in r}
+  """The `key` fields of the finished (not failed) records in `path`."""
+  return {r["key"] for r in read(path) if "key" in r and not failed(r)}
+
+
+def find(path, key: str):
+  """The latest finished record of `key` in `path`, or None."""
+  found = None
+  for r in read(path):
+    if r.get("key") == key and not failed(r):
+      found = r
+  return found

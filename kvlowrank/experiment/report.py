@@ -3,7 +3,9 @@
 Records are grouped by setting (model, dataset/split, seq_len, number of windows); each
 setting gets a table and a plot. Within a setting the latest record of each config key
 wins. The bf16 dense row is the baseline: compression ratios are bf16 bytes / method
-bytes, and the plot marks it with a star and a dotted line at its PPL.
+bytes, and the plot marks it with a star and a dotted line at its PPL. Points that
+could not run (failed records, kvlowrank.experiment.records) are listed after the
+tables with their reason, unless a later record of the same key finished.
 """
 
 from __future__ import annotations
@@ -33,7 +35,8 @@ def group(recs: list[dict]) -> dict[tuple, list[dict]]:
   """{setting: records (latest per key), baseline first then by decreasing bytes}."""
   latest: dict[str, dict] = {}
   for r in recs:
-    latest[r["key"]] = r  # file order = time order
+    if not records.failed(r):
+      latest[r["key"]] = r  # file order = time order
   groups: dict[tuple, list[dict]] = {}
   for r in latest.values():
     groups.setdefault(_setting(r), []).append(r)
@@ -63,6 +66,28 @@ def markdown(groups: dict[tuple, list[dict]]) -> str:
           str(r["tokens"]), str(r["windows"])]) + " |")
     out.append("")
   return "\n".join(out)
+
+
+def failures(recs: list[dict]) -> list[dict]:
+  """The latest failed record of each key that has no finished record."""
+  finished = {r["key"] for r in recs if not records.failed(r)}
+  out: dict[str, dict] = {}
+  for r in recs:
+    if records.failed(r) and r["key"] not in finished:
+      out[r["key"]] = r
+  return list(out.values())
+
+
+def failures_markdown(failed: list[dict]) -> str:
+  """A markdown list of the failed points and their reasons ("" when none)."""
+  if not failed:
+    return ""
+  lines = [f"### Failed points ({len(failed)})\n"]
+  for r in failed:
+    point = ", ".join(f"{k}={v}" for k, v in sorted(r.get("point", {}).items()))
+    reason = str(r.get("error", "")).replace("|", "\\|").replace("\n", " ")
+    lines.append(f"- `{point or r.get('method', '?')}`: {reason}")
+  return "\n".join(lines) + "\n"
 
 
 def pareto(points: list[tuple[float, float]]) -> list[tuple[float, float]]:
@@ -142,7 +167,7 @@ def write(workdir, *, results_name: str = records.RESULTS, out_dir=None) -> dict
     plot(rows, out_dir / name, title)
     plots.append(str(out_dir / name))
   md = out_dir / "report.md"
-  body = markdown(groups)
+  body = markdown(groups) + failures_markdown(failures(recs))
   body += "\n" + "\n".join(f"![Pareto plot]({Path(p).name})" for p in plots) + "\n"
   md.write_text("# KV-cache compression: perplexity vs KV bytes per token\n\n" + body)
   return {"markdown": str(md), "plots": plots}

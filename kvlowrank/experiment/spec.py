@@ -10,7 +10,7 @@ import jax.numpy as jnp
 
 from kvlowrank import config_lib
 from kvlowrank.data.calib import CalibSpec
-from kvlowrank.data.text import CORPORA, SOURCES
+from kvlowrank.data.text import CORPORA, SOURCES, check_path
 from kvlowrank.eval.perplexity import MODES
 from kvlowrank.methods import get_method, methods
 
@@ -58,6 +58,7 @@ class EvalSpec:
   batch_size: int = 1
   prompt_len: int = 0
   prefill_chunk: int = 0
+  allow_beyond_max_seq_len: bool = False
 
   def __post_init__(self):
     if self.seq_len < 2:
@@ -96,12 +97,13 @@ def from_config(config, model_spec=None) -> Experiment:
 
   Args:
     config: the ConfigDict.
-    model_spec: optional ModelSpec; when given, method checks that need the model run
-      too (e.g. KIVI group size vs head dim).
+    model_spec: optional ModelSpec; when given, the checks that need the model run too
+      (`check_model_fit`: the method's, e.g. KIVI group size vs head dim or Palu's rank
+      budget, and the context lengths vs max_seq_len).
   Returns:
     Experiment.
   Raises:
-    ValueError naming the first bad or unknown field.
+    ValueError / FileNotFoundError naming the first bad or unknown field or file.
   """
   known = set(_TOP_LEVEL) | set(methods())
   unknown = sorted(set(config.keys()) - known)
@@ -112,7 +114,7 @@ def from_config(config, model_spec=None) -> Experiment:
   if config.cache_dtype not in _DTYPES:
     raise ValueError(f"config.cache_dtype must be one of {_DTYPES}, got {config.cache_dtype!r}")
   section = config.get(config.method)
-  return Experiment(
+  exp = Experiment(
       model=config_lib.to_dataclass(config.model, ModelSource, where="config.model"),
       method=config.method,
       method_spec=method.build_spec(section, model_spec),
@@ -120,3 +122,32 @@ def from_config(config, model_spec=None) -> Experiment:
       data=config_lib.to_dataclass(config.data, DataSpec, where="config.data"),
       eval=config_lib.to_dataclass(config.eval, EvalSpec, where="config.eval"),
       calib=config_lib.to_dataclass(config.calib, CalibSpec, where="config.calib"))
+  # Explicit files are checked before any model loads (a missing or empty file is
+  # named, not found after minutes of calibration).
+  if exp.data.path:
+    check_path(exp.data.path, "config.data")
+  if exp.calib.path and method.calibrate is not None:
+    check_path(exp.calib.path, "config.calib")
+  if model_spec is not None:
+    check_model_fit(exp, model_spec)
+  return exp
+
+
+def check_model_fit(exp: Experiment, model_spec) -> None:
+  """The context lengths of `exp` against the model's trained context: eval.seq_len (and
+  calib.seq_len for methods that calibrate) may not exceed model_spec.max_seq_len unless
+  eval.allow_beyond_max_seq_len (positions past it give plausible, wrong perplexities).
+
+  Raises:
+    ValueError naming the field.
+  """
+  if exp.eval.allow_beyond_max_seq_len:
+    return
+  lengths = [("eval.seq_len", exp.eval.seq_len)]
+  if get_method(exp.method).calibrate is not None:
+    lengths.append(("calib.seq_len", exp.calib.seq_len))
+  for name, n in lengths:
+    if n > model_spec.max_seq_len:
+      raise ValueError(f"config.{name}={n} exceeds the model's max_seq_len="
+                       f"{model_spec.max_seq_len} (set config.eval.allow_beyond_max_seq_len"
+                       "=True to run past the trained context anyway)")

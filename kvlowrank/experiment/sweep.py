@@ -9,10 +9,19 @@ point is applied to the command-line config (kvlowrank.experiment.config
 Resumability: a point's key is the hash of its resolved config; its record is appended
 atomically to workdir/results.jsonl when it finishes. A rerun skips every point whose
 key is already there, so an interrupted sweep loses no finished point and repeats none.
+
+Infeasible points: before any point runs, every point is checked against its model
+(`check`: the method's feasibility, e.g. Palu's rank budget or a KIVI group size, the
+context lengths, the data and calibration files). A point that fails a check, or whose
+evaluation raises a ValueError / OSError (e.g. a text too short for one window), is
+recorded as a failed result (`"status": "failed"` and the one-line `error`) and the
+sweep goes on; the report lists it. `fail_fast=True` stops at the first such point
+instead, before any work when the check finds it. A rerun tries failed points again.
 """
 
 from __future__ import annotations
 
+import datetime
 import importlib.util
 import inspect
 import logging
@@ -20,7 +29,7 @@ from pathlib import Path
 from typing import Any, Optional, Sequence
 
 from kvlowrank.experiment import config as config_lib
-from kvlowrank.experiment import evaluate, records, report
+from kvlowrank.experiment import evaluate, models, records, report
 from kvlowrank.experiment.spec import from_config
 
 log = logging.getLogger(__name__)
@@ -53,20 +62,38 @@ def load_points(config_path: str) -> list[dict[str, Any]]:
 
 
 def resolve(config, points: Sequence[dict]) -> list[tuple[dict, Any, str]]:
-  """(point, resolved config, key) for every point; validates all before any runs."""
+  """(point, resolved config, key) for every point.
+
+  Raises:
+    ValueError for a point that names a key the config does not have or a value of the
+    wrong type (a mistake in the sweep file, not an infeasible point: see `check`).
+  """
   out = []
   for i, point in enumerate(points):
     try:
       cfg = config_lib.apply_overrides(config, point)
-      from_config(cfg)
     except ValueError as e:
       raise ValueError(f"sweep point {i} {point!r}: {e}") from e
     out.append((point, cfg, config_lib.config_hash(cfg)))
   return out
 
 
-def run(config, workdir, points: Sequence[dict], *, results_name: str = records.RESULTS
-        ) -> dict[str, Any]:
+def check(cfg) -> None:
+  """Every check of one resolved point that needs no evaluation work: its config, its
+  model's (loaded, memoised) fit, its files. Raises ValueError / FileNotFoundError."""
+  exp = from_config(cfg)
+  from_config(cfg, models.load(exp.model.path, exp.model.dtype).spec)
+
+
+def failed_record(point: dict, cfg, key: str, error: BaseException) -> dict:
+  """The record of a point that could not run (kvlowrank.experiment.records.failed)."""
+  return {"key": key, "status": "failed", "point": point, "config": cfg.to_dict(),
+          "method": cfg.method, "error": f"{type(error).__name__}: {error}",
+          "time": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
+
+
+def run(config, workdir, points: Sequence[dict], *, results_name: str = records.RESULTS,
+        fail_fast: bool = False) -> dict[str, Any]:
   """Runs the unfinished points of a sweep, then (if config.write_report) the report.
 
   Args:
@@ -74,40 +101,66 @@ def run(config, workdir, points: Sequence[dict], *, results_name: str = records.
     workdir: output folder; results in workdir/results_name.
     points: list of dotted-key override dicts.
     results_name: JSONL file name.
+    fail_fast: raise at the first infeasible or failing point (module docstring)
+      instead of recording it as failed and going on.
   Returns:
-    {"ran": n, "skipped": n, "results": path, and the report's paths when written}.
+    {"ran": n, "skipped": n, "failed": [(point, error), ...], "results": path, and the
+    report's paths when written}.
   """
   workdir = Path(workdir)
-  workdir.mkdir(parents=True, exist_ok=True)
   results = workdir / results_name
   resolved = resolve(config, points)
   done = records.done_keys(results)
+  errors: dict[str, BaseException] = {}
+  for i, (point, cfg, key) in enumerate(resolved):  # before any point runs
+    if key in done:
+      continue
+    try:
+      check(cfg)
+    except (ValueError, FileNotFoundError) as e:
+      if fail_fast:
+        raise type(e)(f"sweep point {i} {point!r}: {e}") from e
+      errors[key] = e
   ran = skipped = 0
+  failed: list[tuple[dict, str]] = []
   bar = None
   if config.progress:
     from tqdm.auto import tqdm  # pylint: disable=g-import-not-at-top
     bar = tqdm(total=len(resolved), desc="sweep", unit="point")
-  for point, cfg, key in resolved:
+  for i, (point, cfg, key) in enumerate(resolved):
     if key in done:
       skipped += 1
       log.info("skip finished point %s %s", key, point)
     else:
-      log.info("run point %s %s", key, point)
-      evaluate.run(cfg, workdir, results_name=results_name)
-      done.add(key)
-      ran += 1
+      error = errors.get(key)
+      if error is None:
+        log.info("run point %s %s", key, point)
+        try:
+          evaluate.run(cfg, workdir, results_name=results_name)
+        except (ValueError, OSError) as e:
+          if fail_fast:
+            raise type(e)(f"sweep point {i} {point!r}: {e}") from e
+          error = e
+      if error is None:
+        done.add(key)
+        ran += 1
+      else:
+        log.warning("sweep point %d %s failed: %s", i, point, error)
+        records.append(results, failed_record(point, cfg, key, error), replace=True)
+        failed.append((point, f"{type(error).__name__}: {error}"))
     if bar is not None:
       bar.update(1)
   if bar is not None:
     bar.close()
-  summary: dict[str, Any] = {"ran": ran, "skipped": skipped, "results": str(results)}
-  if config.write_report:
+  summary: dict[str, Any] = {"ran": ran, "skipped": skipped, "failed": failed,
+                             "results": str(results)}
+  if config.write_report and results.exists():
     summary.update(report.write(workdir, results_name=results_name))
   return summary
 
 
-def run_file(config_path: str, config, workdir, *, limit: Optional[int] = None
-             ) -> dict[str, Any]:
+def run_file(config_path: str, config, workdir, *, limit: Optional[int] = None,
+             fail_fast: bool = False) -> dict[str, Any]:
   """`run` with the points of `config_path`'s get_sweep (the launcher's entry point).
 
   Args:
@@ -115,6 +168,7 @@ def run_file(config_path: str, config, workdir, *, limit: Optional[int] = None
     config: the parsed config.
     workdir: output folder.
     limit: evaluate only the first `limit` points (None = all).
+    fail_fast: stop at the first infeasible point (see `run`).
   """
   points = load_points(config_path)
-  return run(config, workdir, points[:limit] if limit else points)
+  return run(config, workdir, points[:limit] if limit else points, fail_fast=fail_fast)

@@ -29,14 +29,44 @@ from kvlowrank.methods import palu
 from kvlowrank.methods.palu.cache import SCALE_DTYPE
 from kvlowrank.methods.registry import Method, register_method
 from kvlowrank.methods.palu import calibration
+from kvlowrank.methods.palu.compress import plan_layout
+from kvlowrank.methods.palu.hadamard import hadamard_factors
 from kvlowrank.methods.palu.spec import PaluSpec, layout_from_params, resolve_group_size
 from kvlowrank_kernels.quant import packing
 
 log = logging.getLogger(__name__)
 
 
+def candidate_ranks(spec, pspec: PaluSpec) -> tuple[int, ...]:
+  """Every group rank the rank search can give on this model, without calibration: the
+  exact ranks for uniform allocation; for Fisher allocation (scores known only after
+  calibration) every multiple of rank_multiple it may pick, and the full group rank."""
+  layout = plan_layout(spec, pspec.replace(rank_search="uniform"))
+  if pspec.rank_search == "uniform" or pspec.target_ratio == 0:
+    return tuple(sorted(set(layout.ranks_k + layout.ranks_v)))
+  full = min(spec.dim, layout.group_dim)
+  lo = min(pspec.rank_multiple, full)
+  return tuple(sorted({lo, full} | set(range(pspec.rank_multiple, full + 1,
+                                               pspec.rank_multiple))))
+
+
 def _validate(spec, pspec: PaluSpec) -> None:
+  """Everything that can make a point infeasible, checked before any calibration: the
+  group size (must divide n_kv_heads), the rank budget of target_ratio at rank_multiple,
+  and a Hadamard order for every rank the rank search may give (hadamard=True; with
+  Fisher ranks this is every candidate rank, so a rank_multiple that could land on an
+  order without a Hadamard matrix is refused even if the scores would avoid it)."""
   resolve_group_size(pspec, spec)   # group_size must divide n_kv_heads
+  ranks = candidate_ranks(spec, pspec)  # raises on an infeasible rank budget
+  if pspec.hadamard:
+    for r in ranks:
+      try:
+        hadamard_factors(r)
+      except ValueError:
+        raise ValueError(f"PaluSpec.hadamard: rank_multiple={pspec.rank_multiple} can give "
+                         f"group rank {r} (candidates {list(ranks)}), which has no "
+                         "Hadamard matrix; use rank_multiple=16 or 32, or hadamard=False"
+                         ) from None
 
 
 def _fingerprint(params, spec, *arrays, extra: str = "") -> str:

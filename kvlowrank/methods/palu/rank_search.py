@@ -80,9 +80,11 @@ def allocate_ranks(n_layers: int, n_groups: int, group_dim: int, full_rank: int,
   dense_total = 2 * n_layers * n_groups * group_dim
   budget = (1.0 - target_ratio) * dense_total
   if budget < 2 * n_layers * n_groups * lo - 1e-9:
-    raise ValueError(f"rank search: target_ratio {target_ratio} needs fewer latent dims "
-                     f"({budget:.0f}) than the minimum rank {lo} allows "
-                     f"({2 * n_layers * n_groups * lo}); lower rank_multiple")
+    raise ValueError(f"PaluSpec.target_ratio={target_ratio} with rank_multiple={multiple} "
+                     f"is infeasible: it leaves {budget:.0f} latent dims, fewer than the "
+                     f"minimum rank {lo} (rank_multiple capped at the group rank "
+                     f"{full_rank}) allows ({2 * n_layers * n_groups * lo}); lower "
+                     "rank_multiple or target_ratio")
   caps = np.full(2 * n_layers, float(n_groups * full_rank))
   cont = _water_fill(flat_scores, caps, budget) / n_groups  # continuous group ranks
   ranks = np.clip(np.round(cont / multiple) * multiple, lo, full_rank).astype(np.int64)
