@@ -9,6 +9,7 @@ import pytest
 
 from kvlowrank.experiment import config as config_lib
 from kvlowrank.experiment import evaluate, records, report, sweep
+from kvlowrank.experiment.spec import from_config
 
 REPO = Path(__file__).resolve().parents[1]
 POINTS = [{"method": "dense"}, {"method": "kivi", "kivi.bits": 4},
@@ -126,6 +127,8 @@ def test_points_of_config_files():
   spec.loader.exec_module(module)
   resolved = sweep.resolve(module.get_config(), points)
   assert len({key for _, _, key in resolved}) == len(points)
+  for _, cfg, _ in resolved:
+    from_config(cfg)
   with pytest.raises(ValueError, match="no get_sweep"):
     sweep.load_points(str(REPO / "configs" / "baseline.py"))
   with pytest.raises(ValueError, match=r"sweep point 0 .*'kivi.bitz'"):
