@@ -15,6 +15,7 @@ from absl import app
 from absl import flags
 
 from kvlowrank.bench import decode
+from kvlowrank.experiment import cli
 from kvlowrank.bench.env import environment
 
 _MODEL = flags.DEFINE_enum("model", "llama3-8b", sorted(decode.MODELS), "Model shape.")
@@ -82,4 +83,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  cli.run(main, uses_jax=False)
