@@ -8,8 +8,10 @@ import stat
 
 import pytest
 
+from kvlowrank import ModelSpec
 from kvlowrank.experiment import config as config_lib
 from kvlowrank.experiment import evaluate, records, report, sweep
+from kvlowrank.methods import get_method
 from test_sweep import tiny_config
 
 # A KIVI group of 64 channels cannot divide random:tiny's head dim 32: infeasible only
@@ -126,3 +128,24 @@ def test_report_lists_failures_until_they_finish(tmp_path):
   assert "`palu.ratio=0.9`: ValueError: infeasible" in md
   records.append(path, {"key": "k", "status": "ok"}, replace=True)
   assert report.failures(records.read(path)) == [] and len(records.read(path)) == 1
+
+
+SMOLLM2 = ModelSpec(vocab_size=49152, dim=576, n_layers=30, n_heads=9, n_kv_heads=3,
+                    head_dim=64, ffn_dim=1536)
+
+
+@pytest.mark.parametrize("section, match", [
+    # M-LRD's group rank is the head dim 64: a multiple of 128 caps at 64 and 50% cannot
+    # be met; the message names the value given.
+    (dict(granularity="m", rank_multiple=128), r"target_ratio=0.5 with rank_multiple=128 is "
+     r"infeasible"),
+    # J-LRD ranks up to 192 in steps of 8 can land on 184 = 8 * 23: no Hadamard matrix.
+    (dict(granularity="j", rank_multiple=8), r"rank_multiple=8 can give group rank 184"),
+    (dict(granularity="g", group_size=2), r"group_size \(2\) must divide .*n_kv_heads \(3\)"),
+])
+def test_palu_feasibility_before_calibration(section, match):
+  """Palu's model-dependent checks run in build_spec (before any calibration)."""
+  palu = get_method("palu")
+  with pytest.raises(ValueError, match=match):
+    palu.build_spec(section, SMOLLM2)
+  palu.build_spec(dict(section, rank_multiple=16, group_size=0), SMOLLM2)  # control
