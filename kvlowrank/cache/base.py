@@ -96,11 +96,10 @@ def new_lengths(lengths, positions):
 
 def concrete(x) -> Optional[np.ndarray]:
   """x as a numpy array when its value is known now (not a tracer), else None."""
-  if isinstance(x, jax.core.Tracer):
-    return None
   try:
     return np.asarray(x)
-  except (TypeError, jax.errors.ConcretizationTypeError):
+  except (jax.errors.TracerArrayConversionError, jax.errors.ConcretizationTypeError,
+          TypeError):
     return None
 
 
