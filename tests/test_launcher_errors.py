@@ -9,6 +9,7 @@ tests read their outcomes. The stories260K smoke configs load in a second.
 import concurrent.futures
 import os
 import re
+import signal
 import subprocess
 import sys
 import textwrap
@@ -55,11 +56,14 @@ NEEDS_SHARED = {name for name, _, args, _ in CASES if any(":smoke" in a for a in
 
 
 def _run(argv, tmp):
+  del tmp
   env = dict(os.environ, JAX_PLATFORMS="cpu",
              PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get(
                  "PYTHONPATH")])))
+  # SIGINT as a terminal delivers it, even where pytest runs with it ignored.
   return subprocess.run(argv, cwd=REPO, capture_output=True, text=True, env=env,
-                        timeout=240)
+                        timeout=240,
+                        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
 
 
 @pytest.fixture(scope="module")
@@ -125,3 +129,40 @@ def test_ctrl_c_is_one_line_and_exit_130(tmp_path):
   assert proc.returncode == 130, proc.stderr
   assert len(lines) == 1 and lines[0].startswith("interrupted (Ctrl-C)")
   assert (tmp_path / "r.jsonl").read_text() == '{"key": "done"}\n'
+
+
+@pytest.mark.parametrize("handler", ["cli", "python"])
+def test_ctrl_c_inside_a_gc_callback_is_not_lost(tmp_path, handler):
+  """JAX runs a callback at every garbage collection; Python drops a KeyboardInterrupt
+  raised inside one ("Exception ignored in ...") and the program went on. The launcher's
+  handler re-delivers it. Control: Python's own handler loses it."""
+  script = tmp_path / "launcher.py"
+  restore = ("signal.signal(signal.SIGINT, signal.default_int_handler)"
+             if handler == "python" else "pass")
+  script.write_text(textwrap.dedent(f"""
+      import gc, os, signal, sys, time
+      from kvlowrank.experiment import cli
+
+      def main(argv):
+        {restore}
+        def cb(phase, info):
+          if phase == "start" and not getattr(cb, "sent", False):
+            cb.sent = True
+            os.kill(os.getpid(), signal.SIGINT)
+            for _ in range(200000):  # the signal handler runs inside this callback
+              pass
+        gc.callbacks.append(cb)
+        gc.collect()
+        gc.callbacks.remove(cb)
+        t = time.time()
+        while time.time() - t < 3:
+          pass
+        print("not interrupted", file=sys.stderr)
+
+      cli.run(main, uses_jax=False)
+      """))
+  proc = _run([sys.executable, str(script)], tmp_path)
+  if handler == "cli":
+    assert proc.returncode == 130 and "not interrupted" not in proc.stderr, proc.stderr
+  else:
+    assert proc.returncode == 0 and "not interrupted" in proc.stderr, proc.stderr

@@ -8,16 +8,25 @@
   `--debug` or `--verbosity=1` (absl's -v) shows the traceback instead;
 * Ctrl-C prints one line and exits with status 130 (the shell's code for SIGINT).
   Finished results are already on disk (kvlowrank.experiment.records appends
-  atomically), so the process leaves through `os._exit` after flushing its output:
-  finalising the interpreter while XLA's and orbax's worker threads are mid-task is what
-  crashed once with a segmentation fault after a Ctrl-C in a sweep;
+  atomically), so the process leaves through `os._exit` after flushing its output,
+  without finalising the interpreter while XLA's and orbax's worker threads may be
+  mid-task (a suspect for the segmentation fault once seen after a Ctrl-C in a sweep;
+  not reproduced here).
+  A Ctrl-C used to be lost at times: JAX runs a callback at every garbage collection
+  (`gc.callbacks`), and a KeyboardInterrupt raised while it runs is printed as
+  "Exception ignored in: _xla_gc_callback" and dropped, so the sweep went on. The
+  SIGINT handler installed here (`_on_sigint`) re-delivers the signal a moment later when
+  it lands inside a gc callback, and a second Ctrl-C exits at once;
 * anything else (a bug) keeps its traceback.
 """
 
 from __future__ import annotations
 
+import gc
 import os
+import signal
 import sys
+import threading
 from typing import Callable
 
 from absl import app
@@ -58,6 +67,34 @@ def _leave(status: int) -> None:
   os._exit(status)  # pylint: disable=protected-access
 
 
+_interrupting = False
+
+
+def _in_gc_callback(frame) -> bool:
+  """Whether `frame` (or a caller) is a `gc.callbacks` function, where an exception is
+  printed and dropped instead of propagating."""
+  codes = {getattr(cb, "__code__", None) for cb in gc.callbacks} - {None}
+  while frame is not None:
+    if frame.f_code in codes:
+      return True
+    frame = frame.f_back
+  return False
+
+
+def _on_sigint(signum, frame):
+  """SIGINT: KeyboardInterrupt, re-delivered 50 ms later if it would be dropped inside a
+  gc callback (module docstring); a second one while the first unwinds exits at once."""
+  global _interrupting
+  if _interrupting:
+    print("interrupted (Ctrl-C twice): exiting now", file=sys.stderr)
+    _leave(EXIT_INTERRUPTED)
+  if _in_gc_callback(frame):
+    threading.Timer(0.05, os.kill, (os.getpid(), signum)).start()
+    return
+  _interrupting = True
+  raise KeyboardInterrupt
+
+
 def guarded(main: Callable[[list[str]], object]) -> Callable[[list[str]], object]:
   """`main` with the launcher error handling of the module docstring."""
 
@@ -84,6 +121,8 @@ def run(main: Callable[[list[str]], object], *, uses_jax: bool = True) -> None:
   if uses_jax:
     import jax  # pylint: disable=g-import-not-at-top
     jax.config.config_with_absl()
+  if signal.getsignal(signal.SIGINT) is signal.default_int_handler:  # not ignored
+    signal.signal(signal.SIGINT, _on_sigint)
   try:
     app.run(guarded(main), flags_parser=config_lib.flags_parser)
   except KeyboardInterrupt:  # during flag parsing / config loading
