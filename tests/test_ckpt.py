@@ -117,7 +117,10 @@ def test_pipeline_calibrates_once(tmp_path):
   r1 = evaluate.run(c, tmp_path / "w")
   assert len(CALLS) == 1 and CALLS[0].shape == (3, 16)
   assert r1["calibration"]["restored"] is False
-  r2 = evaluate.run(c, tmp_path / "w")
+  # The same point again is skipped; --overwrite evaluates it again, restoring the
+  # calibration checkpoint.
+  assert evaluate.run(c, tmp_path / "w")["skipped"]
+  r2 = evaluate.run(c, tmp_path / "w", overwrite=True)
   assert len(CALLS) == 1, "second run must restore the checkpoint, not recalibrate"
   assert r2["calibration"]["restored"] is True
   assert r2["calibration"]["hash"] == r1["calibration"]["hash"]
@@ -133,4 +136,4 @@ def test_pipeline_calibrates_once(tmp_path):
   c.calib.seed = 6
   r4 = evaluate.run(c, tmp_path / "w")
   assert len(CALLS) == 2 and r4["calibration"]["hash"] != r1["calibration"]["hash"]
-  assert len(records.read(tmp_path / "w" / "results.jsonl")) == 4
+  assert len(records.read(tmp_path / "w" / "results.jsonl")) == 3  # r2 replaced r1
