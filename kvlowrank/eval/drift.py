@@ -14,9 +14,13 @@ WikiText-2 evaluation windows) and N generated tokens this measures:
     context (the prompt, then the dense tokens 0..i-1). N distributions per prompt:
     after the prompt, then after each of the first N-1 dense tokens.
 
-Both run through the real decode path: one prefill `forward` call over the prompt with
-the method's cache, then one `forward` call per token (T = 1), exactly the calls of
-kvlowrank.generate (which the tests check token for token). The reference is the dense
+Both run through the real decode path: one prefill call over the prompt with the
+method's cache, then one call per token (T = 1), the cache calls of kvlowrank.generate
+(the tests check the tokens against it). Each call is a one-segment
+kvlowrank.model.segments.forward_segments, as decode-mode perplexity runs them: the same
+cache calls as `forward`, scanning over the layers of a homogeneous stack, so a 30-layer
+model compiles one layer body instead of 30 unrolled copies inside the decode loop. The
+reference is the dense
 (exact) cache with the unmodified model parameters at the given cache dtype, so the
 bf16 dense baseline of a report has match 1 and KL 0 by construction.
 """
@@ -33,7 +37,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from kvlowrank.cache.base import init_caches
-from kvlowrank.model.transformer import forward
+from kvlowrank.model.segments import forward_segments
 from kvlowrank.spec import ModelSpec
 
 
@@ -41,15 +45,15 @@ from kvlowrank.spec import ModelSpec
 def _rollout(params, prompts, caches, teacher, force, *, spec: ModelSpec, n_tokens: int):
   """Prefill `prompts` [B, P], then N - 1 decode steps.
 
-  Token i fed back is teacher[:, i] where `force` (traced bool) else the argmax of the
-  current logits (greedy, as kvlowrank.generate.Greedy).
+  Token i fed back to row b is teacher[b, i] where force[b] (traced bool [B]) else the
+  argmax of the row's current logits (greedy, as kvlowrank.generate.Greedy).
   Returns (tokens [B, N] int32: the token chosen at each step, log-probs [B, N, V] fp32:
   the next-token distribution each token was chosen from).
   """
   b, p = prompts.shape
   positions = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (b, p))
-  logits, caches = forward(params, prompts, positions, caches, spec,
-                           logits_at=jnp.full((b,), p - 1, jnp.int32))
+  logits, caches = forward_segments(params, prompts, positions, caches, spec, ((0, p),))
+  logits = logits[:, -1:]
 
   def choose(logits, i):
     return jnp.where(force, teacher[:, i], jnp.argmax(logits, axis=-1).astype(jnp.int32))
@@ -58,7 +62,8 @@ def _rollout(params, prompts, caches, teacher, force, *, spec: ModelSpec, n_toke
     logits, caches = carry
     tok = choose(logits, i)
     pos = jnp.full((b, 1), p + i, jnp.int32)
-    new_logits, caches = forward(params, tok[:, None], pos, caches, spec)
+    new_logits, caches = forward_segments(params, tok[:, None], pos, caches, spec,
+                                          ((0, 1),))
     return (new_logits[:, 0], caches), (tok, jax.nn.log_softmax(logits, axis=-1))
 
   (last, _), (toks, logps) = jax.lax.scan(step, (logits[:, 0], caches),
@@ -70,7 +75,7 @@ def _rollout(params, prompts, caches, teacher, force, *, spec: ModelSpec, n_toke
 
 
 def rollout(params, spec: ModelSpec, prompts, n_tokens: int, *, method: str = "dense",
-            method_spec=None, cache_dtype=jnp.bfloat16, teacher=None
+            method_spec=None, cache_dtype=jnp.bfloat16, teacher=None, force=None
             ) -> tuple[np.ndarray, np.ndarray]:
   """Greedy (or teacher-forced) decoding of equal-length prompts through a fresh cache.
 
@@ -81,7 +86,9 @@ def rollout(params, spec: ModelSpec, prompts, n_tokens: int, *, method: str = "d
     n_tokens: N >= 1 tokens to decode.
     method, method_spec: registered cache method and its spec (dense: DenseSpec()).
     cache_dtype: cache storage dtype.
-    teacher: optional int [B, N]: feed these tokens instead of the greedy ones.
+    teacher: optional int [B, N]: feed these tokens instead of the greedy ones...
+    force: optional bool [B]: ...in these rows only (default: all rows when teacher is
+      given).
   Returns:
     (tokens int32 [B, N], log-probs float32 [B, N, V]) as numpy arrays.
   """
@@ -92,10 +99,11 @@ def rollout(params, spec: ModelSpec, prompts, n_tokens: int, *, method: str = "d
   b, p = prompts.shape
   caches = init_caches(method, method_spec, spec, params, batch=b, capacity=p + n_tokens,
                        dtype=cache_dtype)
-  force = teacher is not None
+  if force is None:
+    force = np.full((b,), teacher is not None)
   teacher = jnp.zeros((b, n_tokens), jnp.int32) if teacher is None else \
       jnp.asarray(teacher, jnp.int32)
-  toks, logps = _rollout(params, prompts, caches, teacher, jnp.asarray(force),
+  toks, logps = _rollout(params, prompts, caches, teacher, jnp.asarray(force, bool),
                          spec=spec, n_tokens=n_tokens)
   return np.asarray(toks), np.asarray(logps)
 
@@ -129,8 +137,15 @@ class DriftResult:
 def reference(params, spec: ModelSpec, prompts, n_tokens: int, cache_dtype=jnp.bfloat16
               ) -> tuple[np.ndarray, np.ndarray]:
   """The dense model's greedy tokens [B, N] and their log-probs [B, N, V] (the baseline
-  every method is compared with; callers may memoise it across methods)."""
-  return rollout(params, spec, prompts, n_tokens, method="dense", cache_dtype=cache_dtype)
+  every method is compared with; callers may memoise it across methods).
+
+  Run on the prompts twice over ([2B, P], the batch shape `drift` runs a method with), so
+  that a dense "method" repeats the reference's computation exactly (match 1, KL 0).
+  """
+  prompts = np.asarray(prompts, np.int32)
+  toks, logps = rollout(params, spec, np.concatenate([prompts, prompts]), n_tokens,
+                        method="dense", cache_dtype=cache_dtype)
+  return toks[:len(prompts)], logps[:len(prompts)]
 
 
 def drift(ref_params, params, spec: ModelSpec, prompts, n_tokens: int, *, method: str,
@@ -159,10 +174,15 @@ def drift(ref_params, params, spec: ModelSpec, prompts, n_tokens: int, *, method
   start = time.perf_counter()
   ref_toks, ref_logp = ref if ref is not None else reference(
       ref_params, spec, prompts, n_tokens, cache_dtype)
-  toks, _ = rollout(params, spec, prompts, n_tokens, method=method,
-                    method_spec=method_spec, cache_dtype=cache_dtype)
-  _, logp = rollout(params, spec, prompts, n_tokens, method=method,
-                    method_spec=method_spec, cache_dtype=cache_dtype, teacher=ref_toks)
+  # One batch: rows [0, B) decode greedily, rows [B, 2B) are teacher-forced with the
+  # dense tokens (one compiled program and one run per method).
+  b = len(prompts)
+  both_toks, both_logp = rollout(
+      params, spec, np.concatenate([prompts, prompts]), n_tokens, method=method,
+      method_spec=method_spec, cache_dtype=cache_dtype,
+      teacher=np.concatenate([np.zeros_like(ref_toks), ref_toks]),
+      force=np.arange(2 * b) >= b)
+  toks, logp = both_toks[:b], both_logp[b:]
   same = toks == ref_toks
   first = np.where(same.all(axis=1), n_tokens, np.argmin(same, axis=1))
   kl = kl_divergence(ref_logp, logp)
