@@ -102,7 +102,11 @@ def test_spec_and_config_forms_agree(model, tmp_path):
   config = _main_smoke()
   config.method, config.kivi.bits = "kivi", 2
   by_config = kvlowrank.compress(model, config, progress=False)
-  assert by_name.spec == by_spec.spec == by_config.spec
+  by_file = kvlowrank.compress(model, f"{REPO / 'configs' / 'kivi.py'}:smoke,bits=2",
+                               progress=False)
+  assert by_name.spec == by_spec.spec == by_config.spec == by_file.spec
+  with pytest.raises(FileNotFoundError, match="nope.py"):
+    kvlowrank.compress(model, "configs/nope.py", progress=False)
   assert by_name.cache_dtype == by_config.cache_dtype == "bfloat16"
 
 
