@@ -53,9 +53,13 @@ def base_config() -> ConfigDict:
   # and/or decode; prompt_len / prefill_chunk: decode mode's chunked prefill.
   # allow_beyond_max_seq_len: evaluate windows longer than the model's max_seq_len
   # (otherwise an error).
+  # drift_tokens: > 0 measures generation drift (kvlowrank.eval.drift): greedy tokens
+  # generated after each of the first drift_prompts windows' first drift_prompt_len
+  # tokens (0 = prompt_len, or seq_len // 2 when that is 0).
   c.eval = ConfigDict(dict(seq_len=2048, max_windows=0, modes=("prefill", "decode"),
                            batch_size=1, prompt_len=0, prefill_chunk=0,
-                           allow_beyond_max_seq_len=False))
+                           allow_beyond_max_seq_len=False,
+                           drift_tokens=0, drift_prompts=2, drift_prompt_len=0))
   # Calibration samples for methods that calibrate (WikiText-2 validation: no train split
   # in ../shared; disjoint from the test split).
   c.calib = ConfigDict(dict(dataset="wikitext2", split="validation", source="auto", path="",

@@ -68,4 +68,4 @@ def load(path: str, dtype: str = "float32") -> LoadedModel:
     spec = RANDOM_SPECS[name]
     params = init_params(spec, jax.random.key(0), dtype=jdtype, scale=0.3)
     return LoadedModel(spec=spec, params=params, tokenizer=ByteTokenizer(), source=path)
-  return load_model(path, jdtype)
+  return load_model(path, jdtype, progress=True)  # a per-layer bar on stderr

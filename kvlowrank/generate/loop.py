@@ -30,6 +30,13 @@ PAD_TOKEN = -1  # fills `tokens` beyond each row's length in the raw [B, max_new
 # similar lengths (and different EOS sets) reuse one compiled prefill / decode loop.
 WIDTH_BUCKET = 8
 EOS_BUCKET = 8
+_BARS: list = []  # the open progress bar of `generate(..., progress=True)`, if any
+
+
+def _tick(step):
+  """Host side of the decode loop's progress callback: `step` tokens generated so far."""
+  if _BARS and int(step) > _BARS[-1].n:
+    _BARS[-1].update(int(step) - _BARS[-1].n)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,14 +70,17 @@ def _prefill(params, tokens, positions, last_idx, caches, rng, *, spec: ModelSpe
   return sampler.next_tokens(logits[:, 0], rng), caches
 
 
-@functools.partial(jax.jit, static_argnames=("spec", "sampler", "max_new_tokens", "allow"))
+@functools.partial(jax.jit, static_argnames=("spec", "sampler", "max_new_tokens", "allow",
+                                             "progress"))
 def _decode(params, first, next_pos, eos_ids, caches, rng, *, spec: ModelSpec,
-            sampler: Sampler, max_new_tokens: int, allow: bool = False):
+            sampler: Sampler, max_new_tokens: int, allow: bool = False,
+            progress: bool = False):
   """Decode loop. first [B] (sampled by the prefill), next_pos [B] = prompt lengths,
   eos_ids [E] int32 padded with -1.
 
   Returns (out [B, max_new_tokens] with PAD_TOKEN past each row's end, n_generated [B]
-  counting the EOS token, hit_eos [B], steps).
+  counting the EOS token, hit_eos [B], steps). `progress` adds a host callback per step
+  (kvlowrank.generate.loop._tick); without it the loop has none.
   """
   b = first.shape[0]
   out = jnp.full((b, max_new_tokens), PAD_TOKEN, jnp.int32).at[:, 0].set(first)
@@ -94,6 +104,8 @@ def _decode(params, first, next_pos, eos_ids, caches, rng, *, spec: ModelSpec,
     n_gen = n_gen + live
     pos = pos + live
     eos_now = live & _is_eos(new, eos_ids)
+    if progress:
+      jax.debug.callback(_tick, i + 1)
     return i + 1, out, tok, pos, done | eos_now, n_gen, caches, rng
 
   done0 = hit_eos | (max_new_tokens <= 1)
@@ -124,7 +136,8 @@ def generate(params, spec: ModelSpec, prompts: Sequence[Sequence[int]], *,
              cache_spec=DenseSpec(), cache_dtype=None,
              eos_ids: Optional[Sequence[int]] = None,
              capacity: Optional[int] = None,
-             allow_beyond_max_seq_len: bool = False) -> GenerationResult:
+             allow_beyond_max_seq_len: bool = False,
+             progress: bool = False) -> GenerationResult:
   """Generates continuations of a batch of prompts with a registered KV cache.
 
   Args:
@@ -143,6 +156,7 @@ def generate(params, spec: ModelSpec, prompts: Sequence[Sequence[int]], *,
       hands the cache that many columns, padding included).
     allow_beyond_max_seq_len: let prompt + max_new_tokens run past spec.max_seq_len
       (the model's trained context); by default an error.
+    progress: show a tqdm bar of the tokens generated (a host callback per decode step).
   Returns:
     GenerationResult.
   Raises:
@@ -186,11 +200,21 @@ def generate(params, spec: ModelSpec, prompts: Sequence[Sequence[int]], *,
                            sampler=sampler, allow=bool(allow_beyond_max_seq_len))
   eos = np.full(max(1, -(-len(eos_ids) // EOS_BUCKET)) * EOS_BUCKET, -1, np.int32)
   eos[:len(eos_ids)] = eos_ids
-  out, n_gen, hit_eos, steps = _decode(params, first, jnp.asarray(lens), jnp.asarray(eos),
-                                       caches, rng_decode, spec=spec, sampler=sampler,
-                                       max_new_tokens=max_new_tokens,
-                                       allow=bool(allow_beyond_max_seq_len))
-  out, n_gen, hit_eos, steps = jax.device_get((out, n_gen, hit_eos, steps))
+  if progress:
+    from tqdm.auto import tqdm  # pylint: disable=import-outside-toplevel
+    _BARS.append(tqdm(total=max_new_tokens, desc=f"generating ({cache_method})",
+                      unit="tok", leave=False, initial=1))
+  try:
+    out, n_gen, hit_eos, steps = _decode(
+        params, first, jnp.asarray(lens), jnp.asarray(eos), caches, rng_decode, spec=spec,
+        sampler=sampler, max_new_tokens=max_new_tokens,
+        allow=bool(allow_beyond_max_seq_len), progress=progress)
+    out, n_gen, hit_eos, steps = jax.device_get((out, n_gen, hit_eos, steps))
+    if progress:
+      jax.effects_barrier()  # every step's callback has run
+  finally:
+    if progress:
+      _BARS.pop().close()
   toks, reasons = [], []
   for i in range(b):
     n = int(n_gen[i]) - int(bool(hit_eos[i]))  # drop the stopping EOS id

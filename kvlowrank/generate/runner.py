@@ -1,7 +1,11 @@
 """`run(config, workdir)`: load a model, generate one completion, report it.
 
 The library side of `experiments/generate.py`; the ConfigDict is converted to the frozen
-dataclasses below (unknown keys → ValueError) before anything is loaded or jitted.
+dataclasses below (unknown keys → ValueError) before anything is loaded or jitted. The
+KV cache is any registered method (`config.method`, its knobs in `config.<method>`,
+calibration data in `config.calib`), applied through the one-call API
+(kvlowrank.compress), which validates the knobs before loading and calibrates (cached)
+when the method needs it.
 """
 
 from __future__ import annotations
@@ -12,11 +16,9 @@ import os
 import time
 from typing import Optional
 
-import jax
 import jax.numpy as jnp
 
 from kvlowrank import config_lib
-from kvlowrank.generate.loop import generate
 from kvlowrank.generate.sampling import SamplerConfig, sampler_from_config
 
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
@@ -35,6 +37,7 @@ class GenerateConfig:
   """The whole configs/generate.py config."""
 
   model: ModelConfig = ModelConfig()
+  method: str = "dense"
   prompt: str = "The capital of France is"
   chat: bool = False
   sampler: SamplerConfig = SamplerConfig()
@@ -60,36 +63,49 @@ def encode_prompt(tokenizer, prompt: str, chat: bool) -> list[int]:
   return list(tokenizer.encode(prompt, add_bos=True))
 
 
-def run(config, workdir: Optional[str] = None) -> dict:
+def run(config, workdir: Optional[str] = None, *, progress: bool = True) -> dict:
   """Loads `config.model`, generates a continuation of `config.prompt`, returns it.
 
   Args:
     config: ConfigDict of configs/generate.py (or a GenerateConfig).
-    workdir: if given, the result is also written to `workdir/generation.json`.
+    workdir: if given, the result is also written to `workdir/generation.json` (and a
+      calibration is cached in workdir/calib/; default: kvlowrank.api default_cache_dir).
+    progress: progress bars (loading, calibration, generation) and the exact-window note.
   Returns:
     dict with the prompt, completion text, generated ids, stop reason and timings.
   Raises:
     ValueError: unknown or mistyped config keys, bad dtype or sampler settings.
   """
-  cfg = config_lib.to_dataclass(config, GenerateConfig, where="config")
+  if dataclasses.is_dataclass(config):
+    d = dataclasses.asdict(config)
+  else:
+    d = config.to_dict() if hasattr(config, "to_dict") else dict(config)
+  # The method's knobs and the calibration section go to kvlowrank.compress.
+  name = d.get("method", "dense")
+  section, calib = d.pop(name, None) or {}, d.pop("calib", None)
+  cfg = config_lib.to_dataclass(d, GenerateConfig, where="config")
   sampler = sampler_from_config(cfg.sampler)
-  dtype = _dtype(cfg.model.dtype, "model.dtype")
-  cache_dtype = _dtype(cfg.cache_dtype, "cache_dtype")
+  _dtype(cfg.model.dtype, "model.dtype")
+  _dtype(cfg.cache_dtype, "cache_dtype")
   # Imported here: the loaders pull in gguf/tokenizers, which the jitted loop never needs.
-  from kvlowrank.loaders import load_model
+  from kvlowrank.api import compress, load  # pylint: disable=import-outside-toplevel
+  from kvlowrank.methods import get_method  # pylint: disable=import-outside-toplevel
+  get_method(cfg.method).build_spec(section)  # bad knobs: an error before loading
 
   t0 = time.perf_counter()
-  model = load_model(cfg.model.path, dtype=dtype)
+  model = load(cfg.model.path, cfg.model.dtype, progress=progress)
   t_load = time.perf_counter() - t0
+  cm = compress(model, cfg.method, calib=calib, cache_dtype=cfg.cache_dtype,
+                cache_dir=workdir, progress=progress, **section)
   tok = model.require_tokenizer()
   ids = encode_prompt(tok, cfg.prompt, cfg.chat)
   t0 = time.perf_counter()
-  res = generate(model.params, model.spec, [ids], max_new_tokens=cfg.max_new_tokens,
-                 sampler=sampler, rng=jax.random.key(cfg.seed), cache_dtype=cache_dtype,
-                 eos_ids=tok.eos_ids or model.spec.eos_ids)
+  res = cm.generate_tokens([ids], cfg.max_new_tokens, sampler=sampler, seed=cfg.seed,
+                           progress=progress)
   t_gen = time.perf_counter() - t0
   out = {
-      "model": str(model.source), "prompt": cfg.prompt, "chat": cfg.chat,
+      "model": str(model.source), "method": cm.method, "bits": cm.bits,
+      "method_spec": dataclasses.asdict(cm.spec), "prompt": cfg.prompt, "chat": cfg.chat,
       "prompt_ids": ids, "completion": tok.decode(list(res.tokens[0])),
       "completion_ids": list(res.tokens[0]), "stop_reason": res.stop_reasons[0],
       "sampler": repr(sampler), "load_s": round(t_load, 3),

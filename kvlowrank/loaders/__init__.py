@@ -43,7 +43,8 @@ def resolve(path_or_name: Union[str, Path]) -> tuple[str, Path]:
 
 
 def load_model(path_or_name: Union[str, Path], dtype=jnp.float32, *,
-               tokenizer: Optional[Union[str, Path]] = None) -> LoadedModel:
+               tokenizer: Optional[Union[str, Path]] = None,
+               progress: bool = False) -> LoadedModel:
   """Loads a model and its tokenizer.
 
   Args:
@@ -51,6 +52,7 @@ def load_model(path_or_name: Union[str, Path], dtype=jnp.float32, *,
     dtype: parameter dtype, jnp.float32 or jnp.bfloat16 (quantized GGUF weights are
       dequantized to float32 first).
     tokenizer: llama2.c only: explicit tokenizer file.
+    progress: show a per-layer tqdm bar while reading the checkpoint.
   Returns:
     LoadedModel(spec, params, tokenizer, source); params validated with check_params.
   """
@@ -61,13 +63,13 @@ def load_model(path_or_name: Union[str, Path], dtype=jnp.float32, *,
     raise ValueError(f"tokenizer= is only for llama2.c checkpoints, not {kind} ({path})")
   if kind == "hf":
     from kvlowrank.loaders.hf import load_hf
-    spec, params, tok = load_hf(path)
+    spec, params, tok = load_hf(path, progress)
   elif kind == "gguf":
     from kvlowrank.loaders.gguf_loader import load_gguf
-    spec, params, tok = load_gguf(path)
+    spec, params, tok = load_gguf(path, progress)
   else:
     from kvlowrank.loaders.llama2c import load_llama2c
-    spec, params, tok = load_llama2c(path, tokenizer)
+    spec, params, tok = load_llama2c(path, tokenizer, progress)
   check_params(params, spec, source=str(path))
   return LoadedModel(spec=spec, params=cast_params(params, dtype), tokenizer=tok,
                      source=str(path.resolve()))

@@ -18,6 +18,7 @@ import numpy as np
 from kvlowrank.loaders.gguf_file import GGUFFile
 from kvlowrank.loaders.gguf_quants import dequantize
 from kvlowrank.loaders.gguf_tokenizer import build_gpt2_tokenizer
+from kvlowrank.loaders.progress import layer_range
 from kvlowrank.model.rope import permute_heads_to_half
 from kvlowrank.spec import ModelSpec
 
@@ -73,11 +74,12 @@ def spec_from_metadata(meta: dict[str, Any], tensor_names: set[str], path: Path)
       bos_id=None if bos is None else int(bos), eos_ids=eos, arch="llama")
 
 
-def load_gguf(path: Path):
+def load_gguf(path: Path, progress: bool = False):
   """Reads a llama GGUF.
 
   Args:
     path: the .gguf file.
+    progress: show a per-layer tqdm bar.
   Returns:
     (spec, params as float32 numpy pytree, tokenizer or None when the file has no
     tokenizer metadata).
@@ -100,7 +102,7 @@ def load_gguf(path: Path):
     return np.ascontiguousarray(w.T)  # input-major: y = x @ w
 
   layers = []
-  for i in range(spec.n_layers):
+  for i in layer_range(spec.n_layers, progress, path):
     b = f"blk.{i}."
     lp = {}
     for key, suffix in _LAYER_TENSORS.items():

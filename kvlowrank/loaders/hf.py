@@ -16,6 +16,7 @@ import numpy as np
 import tokenizers
 
 from kvlowrank.loaders.bpe_tokenizer import BPETokenizer
+from kvlowrank.loaders.progress import layer_range
 from kvlowrank.loaders.safetensors_io import SafetensorsCheckpoint
 from kvlowrank.spec import ModelSpec, RopeScaling
 
@@ -127,13 +128,13 @@ def spec_from_config(cfg: dict, path: Path, extra_eos=()) -> ModelSpec:
       eos_ids=tuple(dict.fromkeys(_ids(cfg.get("eos_token_id")) + list(extra_eos))), arch=mt)
 
 
-def load_hf_params(directory: Path, spec: ModelSpec) -> dict:
+def load_hf_params(directory: Path, spec: ModelSpec, progress: bool = False) -> dict:
   """Float32 numpy parameter pytree from the directory's safetensors."""
   ckpt = SafetensorsCheckpoint(directory)
   f32 = lambda name: np.asarray(ckpt.get(name), dtype=np.float32)
   linear = lambda name: np.ascontiguousarray(f32(name).T)  # torch [out,in] -> [in,out]
   layers = []
-  for i in range(spec.n_layers):
+  for i in layer_range(spec.n_layers, progress, directory):
     pre = f"model.layers.{i}."
     lp = {k: (f32(pre + s) if k.endswith("norm") else linear(pre + s))
           for k, s in _LAYER_TENSORS.items()}
@@ -187,7 +188,7 @@ def load_hf_tokenizer(directory: Path, spec: ModelSpec) -> Optional[BPETokenizer
                       adds_bos=adds_bos, chat_template=template, source=str(directory))
 
 
-def load_hf(directory: Path):
+def load_hf(directory: Path, progress: bool = False):
   """Reads a HF checkpoint directory.
 
   Args:
@@ -203,5 +204,5 @@ def load_hf(directory: Path):
   gen_path = directory / "generation_config.json"
   extra_eos = _ids(read_json(gen_path).get("eos_token_id")) if gen_path.exists() else []
   spec = spec_from_config(cfg, cfg_path, extra_eos)
-  params = load_hf_params(directory, spec)
+  params = load_hf_params(directory, spec, progress)
   return spec, params, load_hf_tokenizer(directory, spec)

@@ -22,6 +22,7 @@ from typing import Optional
 import numpy as np
 
 from kvlowrank.loaders.llama2c_tokenizer import BOS_ID, EOS_ID, Llama2cTokenizer
+from kvlowrank.loaders.progress import layer_range
 from kvlowrank.model.rope import permute_heads_to_half
 from kvlowrank.spec import ModelSpec
 
@@ -91,7 +92,7 @@ def find_tokenizer(path: Path, vocab_size: int, explicit: Optional[Path]) -> Opt
   return None
 
 
-def load_llama2c(path: Path, tokenizer: Optional[Path] = None):
+def load_llama2c(path: Path, tokenizer: Optional[Path] = None, progress: bool = False):
   """Reads a llama2.c checkpoint and its tokenizer.
 
   Args:
@@ -104,7 +105,7 @@ def load_llama2c(path: Path, tokenizer: Optional[Path] = None):
   spec, a = read_llama2c_arrays(path)
   lin = lambda w: np.ascontiguousarray(w.T)  # [out, in] -> [in, out]
   layers = []
-  for i in range(spec.n_layers):
+  for i in layer_range(spec.n_layers, progress, path):
     layers.append({
         "attn_norm": a["rms_att"][i],
         "wq": lin(permute_heads_to_half(a["wq"][i], spec.n_heads)),
