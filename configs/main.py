@@ -61,6 +61,12 @@ def get_config(arg=None):
                                 layer_bits=(), group_size=64, window=0, path="auto",
                                 delta_axis="token", key_axis="channel", value_axis="token",
                                 scale_dtype="float16", implementation="reference"))
+  # GEAR (configs/gear.py documents the fields): 2-bit KIVI backbone, g = n_b = 64, s = 2 %,
+  # r_p = 4, r_g = 2; its rows prefill the prompt in one call (the paper's prefill factor).
+  c.gear = ConfigDict(dict(backbone="kivi", bits=2, group_size=64, buffer=64, sparsity=2.0,
+                           rank_prefill=4, rank_chunk=2, iterations=3, seed=0,
+                           outlier_fill="mean", scale_dtype="float16",
+                           implementation=config_dict.placeholder(str)))
   c.eval.seq_len = arg.seq_len
   c.eval.max_windows = arg.windows
   c.eval.batch_size = arg.windows
@@ -74,6 +80,8 @@ def get_config(arg=None):
     c.xquant_cl.group_size = 32
     c.xquant_cl.base_layer = 1
     c.xquant_cl.n_high_layers = 1
+    c.gear.group_size = 8          # stories260K: head dim 8
+    c.gear.buffer = 16
   return c
 
 
@@ -88,4 +96,6 @@ def get_sweep(arg=None):
       {"method": "xquant", "xquant.bits": 4},
       {"method": "xquant", "xquant.bits": 2},
       {"method": "xquant_cl", "xquant_cl.bits": 2},
+      {"method": "gear", "eval.prefill_chunk": 0},                          # GEAR-2
+      {"method": "gear", "gear.sparsity": 0.0, "eval.prefill_chunk": 0},    # GEAR-L-2
   ]
