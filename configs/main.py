@@ -9,7 +9,9 @@ bytes), XQuant-4 and XQuant-2 (auto = GQA latent path, groups of 64) and XQuant-
 (paper Table 4 recipe), each in both eval modes, on the embedded SmolLM2-135M-Instruct (fp32 weights) and a
 WikiText-2 test subset: the first 4 windows of 512 tokens (GPTQ windows, scored in one
 batch of 4). Decode mode prefills 256 tokens (in chunks of 128) and decodes the last
-256 one by one. Sized for <= ~10 min on a 2-core CPU; writes results.jsonl,
+256 one by one. Generation drift against the bf16 dense model (kvlowrank.eval.drift:
+greedy match and KL columns): 2 prompts (the first 256 tokens of windows 0 and 1) x 64
+greedy tokens. Sized for <= ~10 min on a 2-core CPU; writes results.jsonl,
 report.md and pareto.png into the workdir and prints where they went.
 
 Args after `:`: model, seq_len, windows, prompt_len, smoke (stories260K, < 2 min).
@@ -72,7 +74,9 @@ def get_config(arg=None):
   c.eval.batch_size = arg.windows
   c.eval.prompt_len = arg.prompt_len
   c.eval.prefill_chunk = 128
+  c.eval.drift_tokens = 64  # x drift_prompts = 2 prompts of eval.prompt_len tokens
   if arg.smoke:
+    c.eval.drift_tokens = 16
     apply_smoke(c)
     c.palu.rank_multiple = 8       # stories260K: head dim 8
     c.palu.fisher_samples = 0

@@ -94,6 +94,7 @@ def test_unknown_method_and_keys():
     ("eval", "modes", ("prefill", "greedy"), "config.eval.modes"),
     ("eval", "seq_len", 1, "config.eval.seq_len must be >= 2"),
     ("eval", "batch_size", 0, "config.eval.batch_size must be positive"),
+    ("eval", "drift_tokens", -1, "config.eval.drift_tokens must be >= 0"),
     ("data", "dataset", "c4", "config.data.dataset/split 'c4'/'test' unknown"),
     ("data", "source", "web", "config.data.source must be one of"),
     ("calib", "split", "test", "calib.split must not be 'test'"),
@@ -105,6 +106,20 @@ def test_bad_fields(section, key, value, match):
   (c[section] if section else c)[key] = value
   with pytest.raises(ValueError, match=match):
     from_config(c)
+
+
+def test_bad_drift_fields():
+  c = config_lib.base_config()
+  c.eval.update(seq_len=64, drift_tokens=8, drift_prompts=0)
+  with pytest.raises(ValueError, match="config.eval.drift_prompts must be >= 1"):
+    from_config(c)
+  c.eval.update(drift_prompts=2, drift_prompt_len=65)
+  with pytest.raises(ValueError, match="config.eval.drift_prompt_len must be in"):
+    from_config(c)
+  c.eval.drift_prompt_len = 0
+  assert from_config(c).eval.drift_prompt_length == 32  # seq_len // 2
+  c.eval.prompt_len = 16
+  assert from_config(c).eval.drift_prompt_length == 16
 
 
 @pytest.mark.parametrize("name", ["baseline", "kivi", "main"])

@@ -89,11 +89,35 @@ def test_report_table(tmp_path):
     records.append(tmp_path / records.RESULTS, r)
   out = report.write(tmp_path)
   rows = [x for x in Path(out["markdown"]).read_text().splitlines() if x.startswith("| ")]
-  assert rows[1] == "| dense (baseline) | 16 | 100 | 1.00x | 10.000 | 10.500 | 14 | 2 |"
-  assert rows[2] == "| kivi | 2 | 25 | 4.00x | 12.000 | 11.000 | 14 | 2 |"
+  assert rows[1] == "| dense (baseline) | 16 | 100 | 1.00x | 10.000 | 10.500 | — | — | 14 | 2 |"
+  assert rows[2] == "| kivi | 2 | 25 | 4.00x | 12.000 | 11.000 | — | — | 14 | 2 |"
+  drift = {"greedy_match": 0.75, "kl": 0.01234, "n_prompts": 2, "n_tokens": 8,
+           "prompt_len": 4}
+  records.append(tmp_path / records.RESULTS, dict(recs[0], drift=drift))
+  text = Path(report.write(tmp_path)["markdown"]).read_text()
+  assert "| kivi | 2 | 25 | 4.00x | 12.000 | 11.000 | 0.750 | 0.0123 | 14 | 2 |" in text
+  assert "2 prompts x 8 tokens after 4 prompt tokens" in text
   assert report.pareto([(100, 10.0), (25, 12.0), (50, 13.0)]) == [(25, 12.0), (100, 10.0)]
   with pytest.raises(FileNotFoundError, match="no results"):
     report.write(tmp_path / "empty")
+
+
+def test_drift_columns_through_the_sweep(tmp_path, text):
+  """eval.drift_tokens > 0: every record carries its generation drift against the dense
+  model; the bf16 dense point is exactly match 1 / KL 0, KIVI-2 (no exact window) is not."""
+  config = tiny_config(text)
+  config.eval.update(drift_tokens=4, drift_prompts=2)
+  config.kivi.residual = 0
+  points = [{"method": "dense"}, {"method": "kivi", "kivi.bits": 2}]
+  summary = sweep.run(config, tmp_path, points)
+  recs = {r["method"]: r for r in records.read(tmp_path / records.RESULTS)}
+  dense, kivi = recs["dense"]["drift"], recs["kivi"]["drift"]
+  assert (dense["n_prompts"], dense["n_tokens"], dense["prompt_len"]) == (2, 4, 12)
+  assert dense["greedy_match"] == 1.0 and dense["kl"] == 0.0
+  assert kivi["kl"] > 0  # negative control
+  md = Path(summary["markdown"]).read_text()
+  assert "| greedy match | KL |" in md and "| dense (baseline) | 16 | " in md
+  assert "| 1.000 | 0 |" in md
 
 
 def test_append_is_atomic(tmp_path, monkeypatch):

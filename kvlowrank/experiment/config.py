@@ -48,8 +48,12 @@ def base_config() -> ConfigDict:
                            path_format="rows", add_bos=True, max_chars=0, joiner="\n\n"))
   # seq_len: window length; max_windows: 0 = all windows of the split; modes: prefill
   # and/or decode; prompt_len / prefill_chunk: decode mode's chunked prefill.
+  # drift_tokens: > 0 measures generation drift (kvlowrank.eval.drift): greedy tokens
+  # generated after each of the first drift_prompts windows' first drift_prompt_len
+  # tokens (0 = prompt_len, or seq_len // 2 when that is 0).
   c.eval = ConfigDict(dict(seq_len=2048, max_windows=0, modes=("prefill", "decode"),
-                           batch_size=1, prompt_len=0, prefill_chunk=0))
+                           batch_size=1, prompt_len=0, prefill_chunk=0,
+                           drift_tokens=0, drift_prompts=2, drift_prompt_len=0))
   # Calibration samples for methods that calibrate (WikiText-2 validation: no train split
   # in ../shared; disjoint from the test split).
   c.calib = ConfigDict(dict(dataset="wikitext2", split="validation", source="auto", path="",

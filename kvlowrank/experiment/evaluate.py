@@ -7,6 +7,8 @@ Pipeline of `run(config, workdir)`:
      workdir/calib/<calibration hash> (orbax, kvlowrank.ckpt), or calibrate on seeded
      samples of the calibration split and save them there;
   4. score every window in each mode of `eval.modes` (kvlowrank.eval.perplexity);
+     with `eval.drift_tokens` > 0, measure generation drift against the dense model
+     (kvlowrank.eval.drift) on the first `eval.drift_prompts` windows' first tokens;
   5. append the record to workdir/results.jsonl (atomically) and return it.
 """
 
@@ -30,6 +32,7 @@ from kvlowrank.experiment import param_delta
 from kvlowrank.cache.base import caches_nbytes, init_caches
 from kvlowrank.data import calib as calib_lib
 from kvlowrank.data import text as text_lib
+from kvlowrank.eval import drift as drift_lib
 from kvlowrank.eval.perplexity import perplexity
 from kvlowrank.experiment import config as config_lib
 from kvlowrank.experiment import models, records
@@ -52,6 +55,38 @@ def eval_windows(model_path: str, model_dtype: str, data: DataSpec, seq_len: int
   w = text_lib.windows(ids, seq_len, max_windows)
   w.setflags(write=False)
   return w, where, len(ids)
+
+
+@functools.lru_cache(maxsize=4)
+def _drift_reference(model_path: str, model_dtype: str, data: DataSpec, seq_len: int,
+                     max_windows: int, n_prompts: int, prompt_len: int, n_tokens: int,
+                     cache_dtype: str):
+  """(prompts, the dense model's reference rollout), memoised: a sweep computes it once."""
+  windows = eval_windows(model_path, model_dtype, data, seq_len, max_windows)[0]
+  if windows.shape[0] < n_prompts:
+    raise ValueError(f"config.eval.drift_prompts={n_prompts} exceeds the {windows.shape[0]} "
+                     "evaluation windows")
+  prompts = np.asarray(windows[:n_prompts, :prompt_len])
+  model = models.load(model_path, model_dtype)
+  return prompts, drift_lib.reference(model.params, model.spec, prompts, n_tokens,
+                                      jnp.dtype(cache_dtype))
+
+
+def measure_drift(exp: Experiment, model, params) -> Optional[dict]:
+  """Generation drift of the experiment's method against the dense model at the same
+  cache dtype (None when eval.drift_tokens is 0)."""
+  ev = exp.eval
+  if not ev.drift_tokens:
+    return None
+  prompts, ref = _drift_reference(exp.model.path, exp.model.dtype, exp.data, ev.seq_len,
+                                  ev.max_windows, ev.drift_prompts, ev.drift_prompt_length,
+                                  ev.drift_tokens, exp.cache_dtype)
+  res = drift_lib.drift(model.params, params, model.spec, prompts, ev.drift_tokens,
+                        method=get_method(exp.method).cache, method_spec=exp.method_spec,
+                        cache_dtype=exp.jnp_cache_dtype, ref=ref)
+  log.info("%s drift: greedy match %.3f, KL %.4g over %d x %d tokens (%.1f s)", exp.method,
+           res.greedy_match, res.kl, res.n_prompts, res.n_tokens, res.seconds)
+  return res.asdict()
 
 
 def calibrated_params(config, exp: Experiment, model, workdir) -> tuple[object, Optional[dict]]:
@@ -128,6 +163,7 @@ def run(config, workdir, *, results_name: str = records.RESULTS) -> dict:
     log.info("%s %s: ppl %.4f over %d tokens (%.1f s)", exp.method, mode, res.ppl,
              res.n_tokens, res.seconds)
     results[mode] = res.asdict()
+  drift = measure_drift(exp, model, params)
   kv_bytes = method.kv_bytes_per_token(model.spec, exp.method_spec, params, cache_dtype)
   bf16_bytes = dense_kv_bytes_per_token(model.spec, jnp.bfloat16)
   caches = init_caches(method.cache, exp.method_spec, model.spec, params, batch=1,
@@ -151,6 +187,7 @@ def run(config, workdir, *, results_name: str = records.RESULTS) -> dict:
       "allocated_bytes_per_token": caches_nbytes(caches) / exp.eval.seq_len,
       "results": results,
       **{f"ppl_{m}": r["ppl"] for m, r in results.items()},
+      "drift": drift,
       "calibration": calib_info,
       "seconds": time.perf_counter() - start,
       "versions": {"jax": jax.__version__, "kvlowrank": kvlowrank.__version__,

@@ -3,7 +3,9 @@
 Records are grouped by setting (model, dataset/split, seq_len, number of windows); each
 setting gets a table and a plot. Within a setting the latest record of each config key
 wins. The bf16 dense row is the baseline: compression ratios are bf16 bytes / method
-bytes, and the plot marks it with a star and a dotted line at its PPL.
+bytes, and the plot marks it with a star and a dotted line at its PPL. Records with a
+generation-drift measurement (eval.drift_tokens > 0) fill the "greedy match" and "KL"
+columns; others show a dash.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from typing import Any
 from kvlowrank.experiment import records
 
 COLUMNS = ("method", "bits", "KV bytes/token", "compression vs bf16", "PPL prefill",
-           "PPL decode", "tokens", "windows")
+           "PPL decode", "greedy match", "KL", "tokens", "windows")
 _MODES = ("prefill", "decode")
 
 
@@ -48,6 +50,14 @@ def _fmt_ppl(r: dict, mode: str) -> str:
   return "—" if v is None else f"{v:.3f}"
 
 
+def _fmt_drift(r: dict) -> tuple[str, str]:
+  """(greedy match, KL) cells: generation drift vs the dense model (kvlowrank.eval.drift)."""
+  d = r.get("drift")
+  if not d:
+    return "—", "—"
+  return f"{d['greedy_match']:.3f}", f"{d['kl']:.3g}"
+
+
 def markdown(groups: dict[tuple, list[dict]]) -> str:
   """Markdown tables, one per setting."""
   out = []
@@ -60,7 +70,16 @@ def markdown(groups: dict[tuple, list[dict]]) -> str:
       out.append("| " + " | ".join([
           name, str(r["bits"]), f"{r['kv_bytes_per_token']:.0f}",
           f"{r['compression_vs_bf16']:.2f}x", _fmt_ppl(r, "prefill"), _fmt_ppl(r, "decode"),
-          str(r["tokens"]), str(r["windows"])]) + " |")
+          *_fmt_drift(r), str(r["tokens"]), str(r["windows"])]) + " |")
+    drifts = sorted({(d["n_prompts"], d["n_tokens"], d["prompt_len"])
+                     for d in (r.get("drift") for r in rows) if d})
+    if drifts:
+      sizes = "; ".join(f"{p} prompts x {n} tokens after {pl} prompt tokens"
+                        for p, n, pl in drifts)
+      out.append(f"\ngreedy match / KL: generation drift against the dense model with the "
+                 f"same cache dtype (kvlowrank.eval.drift): the fraction of identical greedy "
+                 f"tokens, and the mean KL(dense || method) in nats of the next-token "
+                 f"distributions along the dense greedy trajectory; {sizes}.")
     out.append("")
   return "\n".join(out)
 

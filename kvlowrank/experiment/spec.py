@@ -58,11 +58,15 @@ class EvalSpec:
   batch_size: int = 1
   prompt_len: int = 0
   prefill_chunk: int = 0
+  drift_tokens: int = 0
+  drift_prompts: int = 2
+  drift_prompt_len: int = 0
 
   def __post_init__(self):
     if self.seq_len < 2:
       raise ValueError(f"config.eval.seq_len must be >= 2, got {self.seq_len}")
-    for name in ("max_windows", "prompt_len", "prefill_chunk"):
+    for name in ("max_windows", "prompt_len", "prefill_chunk", "drift_tokens",
+                 "drift_prompt_len"):
       if getattr(self, name) < 0:
         raise ValueError(f"config.eval.{name} must be >= 0, got {getattr(self, name)}")
     if self.batch_size <= 0:
@@ -72,6 +76,16 @@ class EvalSpec:
       raise ValueError(f"config.eval.modes must be distinct entries of {MODES}, got "
                        f"{self.modes!r}")
     object.__setattr__(self, "modes", modes)
+    if self.drift_tokens and self.drift_prompts < 1:
+      raise ValueError(f"config.eval.drift_prompts must be >= 1, got {self.drift_prompts}")
+    if self.drift_tokens and not 1 <= self.drift_prompt_length <= self.seq_len:
+      raise ValueError(f"config.eval.drift_prompt_len must be in [1, eval.seq_len="
+                       f"{self.seq_len}], got {self.drift_prompt_len}")
+
+  @property
+  def drift_prompt_length(self) -> int:
+    """Tokens per drift prompt: drift_prompt_len, else prompt_len, else seq_len // 2."""
+    return self.drift_prompt_len or self.prompt_len or self.seq_len // 2
 
 
 @dataclasses.dataclass(frozen=True)
