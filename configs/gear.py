@@ -5,7 +5,12 @@ r"""GEAR (Kang et al. 2024): KIVI/KCVT backbone + sparse outliers + low-rank res
   python experiments/sweep.py --config=configs/gear.py --workdir=runs/gear
 
 Args after `:` (k=v, comma-separated): model, bits, backbone (kivi|kcvt), seq_len,
-windows (0 = the whole test split), prompt_len, smoke (stories260K, g = 8, n_b = 16).
+windows (0 = the whole test split), prompt_len, drift (> 0: also measure generation drift
+against the dense model, `kvlowrank.eval.drift`, over that many greedy tokens after 2
+prompts of prompt_len tokens; get_sweep then runs only dense, KIVI-2, GEAR-2, GEAR-L-2 and
+outlier-only-2), smoke (stories260K, g = 8, n_b = 16).
+
+  python experiments/sweep.py --config=configs/gear.py:drift=128 --workdir=runs/gear_drift
 Knobs via --config.gear.sparsity=, .rank_prefill=, .rank_chunk=, .buffer=, .group_size=,
 .iterations=, .seed=, .outlier_fill= (GearSpec documents them).
 
@@ -42,7 +47,7 @@ def gear_section(bits: int = 2, backbone: str = "kivi") -> ConfigDict:
 
 def get_config(arg=None):
   arg = parse_arg(arg, model="smollm2", bits=2, backbone="kivi", seq_len=512, windows=2,
-                  prompt_len=256, smoke=False)
+                  prompt_len=256, drift=0, smoke=False)
   c = base_config()
   c.model.path = arg.model
   c.method = "gear"
@@ -56,6 +61,7 @@ def get_config(arg=None):
   c.eval.modes = ("decode",)
   c.eval.prompt_len = arg.prompt_len
   c.eval.prefill_chunk = 0
+  c.eval.drift_tokens = arg.drift   # x drift_prompts = 2 prompts of prompt_len tokens
   if arg.smoke:
     apply_smoke(c)
     c.eval.prefill_chunk = 0
@@ -73,7 +79,12 @@ def _grid():
 
 
 def get_sweep(arg=None):
-  del arg
+  if parse_arg(arg, model="smollm2", bits=2, backbone="kivi", seq_len=512, windows=2,
+               prompt_len=256, drift=0, smoke=False).drift:
+    # The drift run: the 2-bit claims' points only (dense = the reference: match 1, KL 0).
+    return [{"method": "dense"}, {"method": "kivi"}, {"method": "gear"},
+            {"method": "gear", "gear.sparsity": 0.0},
+            {"method": "gear", "gear.rank_prefill": 0, "gear.rank_chunk": 0}]
   return ([{"method": "dense"}, {"method": "kivi"}] + list(_grid()) + [
       {"method": "gear", "gear.backbone": "kcvt", "gear.bits": 4, "gear.sparsity": 0.0,
        "gear.rank_prefill": 0, "gear.rank_chunk": 0},

@@ -1,10 +1,8 @@
 """GEAR caches streaming through the model: prefill + decode on stories260K (../shared)."""
 
-import time
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import pytest
 
 from kvlowrank import resources
