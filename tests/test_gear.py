@@ -414,3 +414,19 @@ def test_configs_build_every_sweep_point():
   # GEAR-2 on SmolLM2: 30 layers x 3 KV heads x (2 x 16 B codes + 4 + 4 B scale/zero +
   # 16 B left factors + 8 B right factors + 6 B key + 6 B value outliers) = 6840 B/token.
   assert get_method("gear").kv_bytes_per_token(smol, GearSpec(), None, None) == 6840.0
+
+
+def test_bench_random_fill_gives_valid_indices():
+  """bench_decode's random fill (GEAR-2 at n_b = 64, H = 128): outlier indices inside the
+  chunk / head, the lengths and n_pchunks = the context (every compressed token on the
+  prefill factor, as after a prefill), and a finite decode step."""
+  from kvlowrank.bench.decode import METHODS, fill_caches
+  spec = SPEC.replace(head_dim=128, n_layers=1)
+  caches = init_caches("gear", METHODS["gear2"].spec, spec, None, batch=1, capacity=128)
+  (c,) = fill_caches(caches, jax.random.key(0), 100)
+  assert int(np.asarray(c.sk_idx).max()) < 64 and int(np.asarray(c.sv_idx).max()) < 64
+  assert int(c.lens[0]) == 100 and int(c.n_pchunks[0]) == 100
+  q = jnp.ones((1, 1, spec.n_heads, 128), jnp.bfloat16)
+  out, lse = jax.jit(lambda c, q, p: c.attend(q, p, {}, spec=spec))(
+      c, q, jnp.full((1, 1), 100, jnp.int32))
+  assert np.isfinite(np.asarray(out, np.float32)).all() and np.isfinite(np.asarray(lse)).all()
