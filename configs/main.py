@@ -6,7 +6,9 @@ Sweep (get_sweep): bf16 dense baseline, KIVI-4, KIVI-2 (G = 32, R = 128, fp16 sc
 Palu G-LRD (gs-4 -> gs=3 = all 3 KV heads on SmolLM2; Fisher ranks, whitened SVD) at
 50% with bf16 latents and at 30% with 3-bit Hadamard-rotated latents (about KIVI-2's
 bytes), XQuant-4 and XQuant-2 (auto = GQA latent path, groups of 64) and XQuant-CL-2
-(paper Table 4 recipe), each in both eval modes, on the embedded SmolLM2-135M-Instruct (fp32 weights) and a
+(paper Table 4 recipe), GEAR-2 and GEAR-L-2 (2-bit KIVI backbone g = n_b = 64, s = 2 % / 0,
+r_p = 4, r_g = 2; their decode prompt is prefilled in one call: results/gear.md; not yet in
+the table below), each in both eval modes, on the embedded SmolLM2-135M-Instruct (fp32 weights) and a
 WikiText-2 test subset: the first 4 windows of 512 tokens (GPTQ windows, scored in one
 batch of 4). Decode mode prefills 256 tokens (in chunks of 128) and decodes the last
 256 one by one. Generation drift against the bf16 dense model (kvlowrank.eval.drift:
