@@ -6,7 +6,9 @@ Sweep (get_sweep): bf16 dense baseline, KIVI-4, KIVI-2 (G = 32, R = 128, fp16 sc
 Palu G-LRD (gs-4 -> gs=3 = all 3 KV heads on SmolLM2; Fisher ranks, whitened SVD) at
 50% with bf16 latents and at 30% with 3-bit Hadamard-rotated latents (about KIVI-2's
 bytes), XQuant-4 and XQuant-2 (auto = GQA latent path, groups of 64) and XQuant-CL-2
-(paper Table 4 recipe), each in both eval modes, on the embedded SmolLM2-135M-Instruct (fp32 weights) and a
+(paper Table 4 recipe), GEAR-2 and GEAR-L-2 (2-bit KIVI backbone g = n_b = 64, s = 2 % / 0,
+r_p = 4, r_g = 2; their decode prompt is prefilled in one call: results/gear.md; not yet in
+the table below), each in both eval modes, on the embedded SmolLM2-135M-Instruct (fp32 weights) and a
 WikiText-2 test subset: the first 4 windows of 512 tokens (GPTQ windows, scored in one
 batch of 4). Decode mode prefills 256 tokens (in chunks of 128) and decodes the last
 256 one by one. Generation drift against the bf16 dense model (kvlowrank.eval.drift:
@@ -63,6 +65,12 @@ def get_config(arg=None):
                                 layer_bits=(), group_size=64, window=0, path="auto",
                                 delta_axis="token", key_axis="channel", value_axis="token",
                                 scale_dtype="float16", implementation="reference"))
+  # GEAR (configs/gear.py documents the fields): 2-bit KIVI backbone, g = n_b = 64, s = 2 %,
+  # r_p = 4, r_g = 2; its rows prefill the prompt in one call (the paper's prefill factor).
+  c.gear = ConfigDict(dict(backbone="kivi", bits=2, group_size=64, buffer=64, sparsity=2.0,
+                           rank_prefill=4, rank_chunk=2, iterations=3, seed=0,
+                           outlier_fill="mean", scale_dtype="float16",
+                           implementation=config_dict.placeholder(str)))
   c.eval.seq_len = arg.seq_len
   c.eval.max_windows = arg.windows
   c.eval.batch_size = arg.windows
@@ -78,6 +86,8 @@ def get_config(arg=None):
     c.xquant_cl.group_size = 32
     c.xquant_cl.base_layer = 1
     c.xquant_cl.n_high_layers = 1
+    c.gear.group_size = 8          # stories260K: head dim 8
+    c.gear.buffer = 16
   return c
 
 
@@ -92,4 +102,6 @@ def get_sweep(arg=None):
       {"method": "xquant", "xquant.bits": 4},
       {"method": "xquant", "xquant.bits": 2},
       {"method": "xquant_cl", "xquant_cl.bits": 2},
+      {"method": "gear", "eval.prefill_chunk": 0},                          # GEAR-2
+      {"method": "gear", "gear.sparsity": 0.0, "eval.prefill_chunk": 0},    # GEAR-L-2
   ]

@@ -21,8 +21,11 @@ chunked prefill path (the user's path: one `forward` over the prompt).
 Methods (`METHODS`): dense (bf16), KIVI-2 / KIVI-4 (G = 32, R = 128, fp16 scales), Palu-50%
 (G-LRD groups of 4 KV heads, key rank 25%, value rank 75% of a group's width: the paper's
 latency configuration; bf16 latents and 4-bit latents), XQuant-2 (group 128; "x" path
-for MHA, "latent" for GQA). Palu's factors are random matrices of the compressed shapes
-(the step's work does not depend on their values).
+for MHA, "latent" for GQA), GEAR-2 / GEAR-L-2 (2-bit KIVI backbone g = n_b = 64, s = 2 % /
+0, r_p = 4, r_g = 2; the fill sets n_pchunks = the context, i.e. every compressed token
+uses the prefill factor, as after a prefill of the context, and outlier indices < 64).
+Palu's factors are random matrices of the compressed shapes (the step's work does not
+depend on their values).
 """
 
 from __future__ import annotations
@@ -40,7 +43,7 @@ from kvlowrank.bench import memory
 from kvlowrank.bench.inputs import rand
 from kvlowrank.bench.timing import time_fn
 from kvlowrank.cache.base import caches_nbytes, init_caches
-from kvlowrank.methods import DenseSpec, KiviSpec, PaluSpec, XQuantSpec
+from kvlowrank.methods import DenseSpec, GearSpec, KiviSpec, PaluSpec, XQuantSpec
 from kvlowrank.methods.palu.spec import default_group_size
 from kvlowrank.model.params import layer_shapes
 from kvlowrank.model.transformer import forward
@@ -73,6 +76,8 @@ METHODS = {
     "palu50": BenchMethod("Palu-50%", "palu", PaluSpec()),
     "palu50-4bit": BenchMethod("Palu-50% 4-bit", "palu", PaluSpec(bits=4)),
     "xquant2": BenchMethod("XQuant-2", "xquant", XQuantSpec(bits=2)),
+    "gear2": BenchMethod("GEAR-2", "gear", GearSpec()),
+    "gearl2": BenchMethod("GEAR-L-2", "gear", GearSpec(sparsity=0.0)),
 }
 PALU_GROUP = 4          # KV heads per G-LRD group (the paper's gs-4)
 
@@ -121,6 +126,9 @@ def fill_caches(caches, key, length: int):
     name = jax.tree_util.keystr(path).lower()
     if x.dtype == jnp.int32:
       new = jnp.full(x.shape, length, jnp.int32)
+    elif name.endswith("_idx"):
+      # GEAR outlier indices: a token within an n_b = 64 chunk or a channel (< H).
+      new = jax.random.bits(k, x.shape, x.dtype) % jnp.asarray(64, x.dtype)
     elif jnp.issubdtype(x.dtype, jnp.unsignedinteger):
       new = jax.random.bits(k, x.shape, x.dtype)
     elif "scale" in name or name.endswith(("ks", "vs")):

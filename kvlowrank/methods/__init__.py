@@ -11,5 +11,6 @@ from kvlowrank.methods.registry import (Method, dense_kv_bytes_per_token, get_me
                                         register_method)
 from kvlowrank.methods.dense import DenseCache, DenseSpec
 from kvlowrank.methods.kivi import KiviCache, KiviSpec
+from kvlowrank.methods.gear import GearCache, GearSpec
 from kvlowrank.methods.palu import LatentCache, PaluSpec
 from kvlowrank.methods.xquant import XCache, XCLCache, XQuantCLSpec, XQuantSpec

@@ -1,0 +1,61 @@
+"""Low-rank factor of a residual by power iteration (GEAR Algorithm 2, after PowerSGD).
+
+For X [..., n, d] (one (batch element, KV head) residual per leading index) and rank r:
+    B <- B0 (random, seeded); for l in 0..L-1:
+        if l == L-1: B <- QR(B)      (orthonormalise, last iteration only)
+        A = X B
+        if l == L-1: A <- QR(A)
+        B = X^T A
+so X ~= A B^T with A [n, r] orthonormal and B = X^T A (A B^T = A A^T X). fp32 throughout,
+as the official code (`fake_poweriteration_group`: torch.rand init, fp32, --loop 3).
+
+Init (`init_right`): B0 = uniform [0, 1) of shape [d, r] from jax.random.key(seed), shared
+by every (batch element, head, chunk) -- the official code draws a fresh torch.rand per
+call; a fixed seeded B0 makes the cache a deterministic function of its inputs (and lets
+the float64 test reference start from the same B0). A is never read before its first
+assignment, so its init does not matter. L <= 8 (`GearSpec.iterations`): without the
+intermediate normalisation the first L-1 products grow like sigma_1^(2(L-1)), fine in fp32.
+
+Rows of X that are all zero (tokens outside a segment) get zero rows in A whenever
+A = X B has full column rank (its columns lie in the span of X's non-zero rows); `factor`
+also zeroes them explicitly (rows outside `row_mask`).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+_HI = jax.lax.Precision.HIGHEST
+
+
+def init_right(seed: int, d: int, r: int):
+  """B0: float32 [d, r], uniform [0, 1) from jax.random.key(seed)."""
+  return jax.random.uniform(jax.random.key(seed), (d, r), jnp.float32)
+
+
+def power_iteration(x, b0, iterations: int):
+  """Algorithm 2. x [..., n, d] float32, b0 [d, r] -> (A [..., n, r], B [..., d, r])."""
+  x = x.astype(jnp.float32)
+  b = jnp.broadcast_to(b0, x.shape[:-2] + b0.shape)
+  a = None
+  for l in range(iterations):
+    last = l == iterations - 1
+    if last:
+      b = jnp.linalg.qr(b)[0]
+    a = jnp.einsum("...nd,...dr->...nr", x, b, precision=_HI)
+    if last:
+      a = jnp.linalg.qr(a)[0]
+    b = jnp.einsum("...nd,...nr->...dr", x, a, precision=_HI)
+  return a, b
+
+
+def factor(x, rank: int, *, seed: int, iterations: int, row_mask=None):
+  """Rank-`rank` factors (A, B) of x [..., n, d]; rows outside row_mask [..., n] (bool) are
+  zeroed in x and in A."""
+  if row_mask is not None:
+    x = jnp.where(row_mask[..., None], x, 0.0)
+  a, b = power_iteration(x, init_right(seed, x.shape[-1], rank), iterations)
+  if row_mask is not None:
+    a = jnp.where(row_mask[..., None], a, 0.0)
+  return a, b
