@@ -68,6 +68,10 @@ from .triton_dequant import to_dtype as _to_dt
 from .triton_plan import plan
 
 
+# GEAR's flags and sizes (HAS_LR, HAS_SK, HAS_SV, NB, RP, RG, RA, NK, NV) off: plain KIVI.
+NO_GEAR = tl.constexpr((0, 0, 0, 0, 0, 0, 0, 0, 0))
+
+
 @triton.jit
 def _window_part(q, qk_scale, kw_ptr, vw_ptr, wlen_ptr, W, b64, kh, o_ptr, lse_ptr, prow, row_ok,
                  KH: tl.constexpr, QP: tl.constexpr, H: tl.constexpr, BLOCK_W: tl.constexpr):
@@ -102,12 +106,49 @@ def _window_part(q, qk_scale, kw_ptr, vw_ptr, wlen_ptr, W, b64, kh, o_ptr, lse_p
 
 
 @triton.jit
-def _key_scores(q_t, kc_base, ks_base, kz_base, t0, tile_ok, offs, t_ok, H: tl.constexpr,
-                QP: tl.constexpr, BITS: tl.constexpr, CW: tl.constexpr, G: tl.constexpr,
-                T: tl.constexpr, DT: tl.constexpr, FAST: tl.constexpr):
+def _add_key_outliers(k_j, idx_base, val_base, ch, tloc, tile_ok, H: tl.constexpr,
+                      NK: tl.constexpr, DT: tl.constexpr, FAST: tl.constexpr):
+  """GEAR: k_j [T, CW] + the chunk's key outliers of channels ch [CW] (slot o of channel c:
+  token index idx_base[o * H + c] in the chunk, value val_base[o * H + c]) at the tokens whose
+  slots in the chunk are tloc [T]: a one-hot compare per slot, summed in fp32, one rounding."""
+  x = k_j.to(tl.float32)
+  for o in tl.static_range(NK):
+    idx = tl.load(idx_base + o * H + ch, mask=tile_ok, other=0).to(tl.int32)
+    val = tl.load(val_base + o * H + ch, mask=tile_ok, other=0.0).to(tl.float32)
+    x = x + tl.where(tloc[:, None] == idx[None, :], val[None, :], 0.0)
+  return _to_dt(x, DT, FAST)
+
+
+@triton.jit
+def _add_value_outliers(v_j, svi, svv, ch, NV: tl.constexpr, DT: tl.constexpr,
+                        FAST: tl.constexpr):
+  """GEAR: v_j [CW, T] (channels ch [CW] x tokens) + the tokens' value outliers (slot o:
+  channel svi[o] [T], value svv[o] [T]): a one-hot compare per slot, fp32, one rounding."""
+  x = v_j.to(tl.float32)
+  for o in tl.static_range(NV):
+    x = x + tl.where(ch[:, None] == svi[o][None, :], svv[o][None, :], 0.0)
+  return _to_dt(x, DT, FAST)
+
+
+@triton.jit
+def _factor(bp_base, bc_base, pre, ch, r, RP: tl.constexpr, RG: tl.constexpr):
+  """GEAR: fp32 B[ch, r] (ch, r broadcastable index tiles) of the prefill factor [H, RP] if
+  pre, else of the chunk's [H, RG]; 0 beyond that factor's rank (the padded MMA dim)."""
+  fp = tl.load(bp_base + ch * RP + r, mask=(r < RP) & pre, other=0.0)
+  fc = tl.load(bc_base + ch * RG + r, mask=(r < RG) & (pre == 0), other=0.0)
+  return fp.to(tl.float32) + fc.to(tl.float32)
+
+
+@triton.jit
+def _key_scores(q_t, kc_base, ks_base, kz_base, t0, tile_ok, offs, t_ok, sk, tloc,
+                H: tl.constexpr, QP: tl.constexpr, BITS: tl.constexpr, CW: tl.constexpr,
+                G: tl.constexpr, T: tl.constexpr, DT: tl.constexpr, FAST: tl.constexpr,
+                HAS_SK: tl.constexpr, NK: tl.constexpr):
   """Raw scores^T [T, QP] of tokens t0 + [0, T): sum over key planes j of K_j @ q_j^T.
 
   tile_ok: t0 < end (a sub-tile past the end must not read its group's scales).
+  HAS_SK (GEAR): sk = (index, value) bases of the chunk's key outliers, tloc [T] the tokens'
+  slots in the chunk; each plane tile gets its outliers added before its dot.
   """
   PPB: tl.constexpr = 8 // BITS
   NSEG: tl.constexpr = H // (PPB * CW)
@@ -127,15 +168,22 @@ def _key_scores(q_t, kc_base, ks_base, kz_base, t0, tile_ok, offs, t_ok, H: tl.c
         s = tl.load(ks_base + sp, mask=t_ok[:, None], other=0.0)
         z = tl.load(kz_base + sp, mask=t_ok[:, None], other=0.0)
       k_j = _dequant(kb, s, z, j - seg * PPB, BITS, DT, False, 0, FAST)
+      if HAS_SK:
+        k_j = _add_key_outliers(k_j, sk[0], sk[1], j * CW + cw, tloc, tile_ok, H, NK, DT, FAST)
       sc_t = tl.dot(k_j, q_t[j], sc_t)
   return sc_t
 
 
 @triton.jit
-def _value_update(accs, p, vc_base, vs_base, vz_base, t0, end, H: tl.constexpr,
+def _value_update(accs, p, vc_base, vs_base, vz_base, t0, end, sv, H: tl.constexpr,
                   BITS: tl.constexpr, CW: tl.constexpr, GV: tl.constexpr, VB: tl.constexpr,
-                  T: tl.constexpr, DT: tl.constexpr, FAST: tl.constexpr):
-  """accs[j] [CW, QP] += V_j^T @ p^T for every value plane j (tokens t0 + [0, T), < end)."""
+                  T: tl.constexpr, DT: tl.constexpr, FAST: tl.constexpr, HAS_SV: tl.constexpr,
+                  NV: tl.constexpr):
+  """accs[j] [CW, QP] += V_j^T @ p^T for every value plane j (tokens t0 + [0, T), < end).
+
+  HAS_SV (GEAR): sv = (index, value) bases of the head's per-token value outliers, added to
+  each plane tile before its dot.
+  """
   PPB: tl.constexpr = 8 // BITS
   NSEG: tl.constexpr = H // (PPB * CW)
   ROW: tl.constexpr = H * BITS // 8
@@ -158,6 +206,12 @@ def _value_update(accs, p, vc_base, vs_base, vz_base, t0, end, H: tl.constexpr,
     for w in tl.static_range(NW):
       sw = sw + (tl.load(vs_base + toks * NW + w, mask=toks < end, other=0),)
       zw = zw + (tl.load(vz_base + toks * NW + w, mask=toks < end, other=0),)
+  if HAS_SV:  # NV (channel, value) slots per token, loaded once per sub-tile
+    svi = ()
+    svv = ()
+    for o in tl.static_range(NV):
+      svi = svi + (tl.load(sv[0] + toks * NV + o, mask=toks < end, other=0).to(tl.int32),)
+      svv = svv + (tl.load(sv[1] + toks * NV + o, mask=toks < end, other=0.0).to(tl.float32),)
   p_t = _to_dt(p, DT, FAST)
   # Token-blocked codes (`planar`): byte r of token t at (t // VB) * VB * ROW + r * VB + t % VB;
   # the tile [t0, t0 + T) lies in one block (T divides VB).
@@ -171,6 +225,8 @@ def _value_update(accs, p, vc_base, vs_base, vz_base, t0, end, H: tl.constexpr,
       # plane j lies in channel group (j * CW) // GV: word // 2, half % 2 of that word.
       v_j = _dequant(vb, sw[(j * CW) // GV // 2][None, :], zw[(j * CW) // GV // 2][None, :],
                      j - seg * PPB, BITS, DT, WORDS, (j * CW) // GV % 2, FAST)
+      if HAS_SV:
+        v_j = _add_value_outliers(v_j, svi, svv, j * CW + cw, NV, DT, FAST)
       accs = accs[:j] + (tl.dot(v_j, p_t, accs[j]),) + accs[j + 1:]
   return accs
 
@@ -181,8 +237,30 @@ def _quant_part(q_ptr, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, qlen_ptr,
                 QP: tl.constexpr, H: tl.constexpr, KBITS: tl.constexpr, VBITS: tl.constexpr,
                 KCW: tl.constexpr, VCW: tl.constexpr, G: tl.constexpr, GV: tl.constexpr,
                 VB: tl.constexpr, BLOCK_S: tl.constexpr, KF16: tl.constexpr,
-                VF16: tl.constexpr, FAST: tl.constexpr):
-  """One chunk of the quantized prefix of one (batch, kv head)."""
+                VF16: tl.constexpr, FAST: tl.constexpr, gx, GEAR: tl.constexpr):
+  """One chunk of the quantized prefix of one (batch, kv head).
+
+  GEAR = (HAS_LR, HAS_SK, HAS_SV, NB, RP, RG, RA, NK, NV) (all 0 for KIVI, whose code is then
+  unchanged) adds GEAR's residual terms (`kvlowrank_kernels.gear`), gx = their pointers
+  (a_k, a_v, b_k, b_v, bp_k, bp_v, n_pchunks, sk_idx, sk_val, sv_idx, sv_val). A loop step
+  lies in one chunk of NB tokens (BLOCK_S | NB):
+    HAS_LR: low rank, factored: qB^T [16, QP] = B^T q^T per step (B: the prefill factor
+      for chunks < n_pchunks, else the chunk's; rank padded to 16 with zero columns for the
+      MMA), scores^T += a_k [T, 16] @ qB^T per sub-tile; pa [16, QP] += a_v^T [16, T] @ p^T
+      per sub-tile and acc_j += B_v,j [CW, 16] @ pa once per step (p of the step shares
+      the step's running max, so pa needs no rescaling);
+    HAS_SK / HAS_SV: outliers added to the dequantized plane tiles (one-hot compares).
+  """
+  HAS_LR: tl.constexpr = GEAR[0]
+  HAS_SK: tl.constexpr = GEAR[1]
+  HAS_SV: tl.constexpr = GEAR[2]
+  NB: tl.constexpr = GEAR[3]
+  RP: tl.constexpr = GEAR[4]
+  RG: tl.constexpr = GEAR[5]
+  RA: tl.constexpr = GEAR[6]
+  NK: tl.constexpr = GEAR[7]
+  NV: tl.constexpr = GEAR[8]
+  R16: tl.constexpr = 16  # the low-rank MMA dim (ranks padded)
   KDT: tl.constexpr = tl.float16 if KF16 else tl.bfloat16  # key MMA operands
   VDT: tl.constexpr = tl.float16 if VF16 else tl.bfloat16  # value MMA operands
   NPK: tl.constexpr = H // KCW
@@ -217,15 +295,52 @@ def _quant_part(q_ptr, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, qlen_ptr,
   # over tokens would be a cross-warp reduction (tokens are the MMA's M, split over warps).
   l_t = tl.zeros([T, QP], tl.float32)
   tcol = tl.arange(0, T)
+  if HAS_LR or HAS_SK:
+    n_chunks = S // NB
+  if HAS_LR:
+    npc = tl.load(gx[6] + b)
+    rr = tl.arange(0, R16)
+    ak_base = gx[0] + head * S * RA
+    av_base = gx[1] + head * S * RA
+    bpk_base = gx[4] + head * H * RP
+    bpv_base = gx[5] + head * H * RP
+    vcw_lr = tl.arange(0, VCW)
+  if HAS_SV:
+    sv = (gx[9] + head * S * NV, gx[10] + head * S * NV)
+  else:
+    sv = ()
+  sk = ()
   for t0 in range(start, end, BLOCK_S):
     t0 = tl.multiple_of(t0, BLOCK_S)
+    if HAS_LR or HAS_SK:
+      c = t0 // NB
+    if HAS_LR:
+      pre = c < npc
+      bk_base = gx[2] + (head * n_chunks + c) * (H * RG)
+      qbt = tl.zeros([R16, QP], tl.float32)
+      for j in tl.static_range(NPK):
+        bt = _factor(bpk_base, bk_base, pre, (j * KCW + kcw)[None, :], rr[:, None], RP, RG)
+        qbt = tl.dot(_to_dt(bt, KDT, FAST), q_t[j], qbt)
+      qbt = _to_dt(qbt, KDT, FAST)
+      pa = tl.zeros([R16, QP], tl.float32)
+    if HAS_SK:
+      sk = (gx[7] + (head * n_chunks + c) * (NK * H), gx[8] + (head * n_chunks + c) * (NK * H))
     scs = ()
     m_new = m_i
     for u in tl.static_range(NSUB):
       offs = t0 + u * T + tcol
       t_ok = offs < end
+      if HAS_SK:
+        tloc = offs - c * NB
+      else:
+        tloc = offs
       sc_t = _key_scores(q_t, kc_base, ks_base, kz_base, t0 + u * T, t0 + u * T < end, offs,
-                         t_ok, H, QP, KBITS, KCW, G, T, KDT, FAST) * qk_scale
+                         t_ok, sk, tloc, H, QP, KBITS, KCW, G, T, KDT, FAST, HAS_SK, NK)
+      if HAS_LR:
+        ak = tl.load(ak_base + offs[:, None] * RA + rr[None, :],
+                     mask=t_ok[:, None] & (rr < RA)[None, :], other=0.0)
+        sc_t = tl.dot(_to_dt(ak.to(tl.float32), KDT, FAST), qbt, sc_t)
+      sc_t = sc_t * qk_scale
       sc_t = tl.where(t_ok[:, None], sc_t, float("-inf"))
       m_new = tl.maximum(m_new, tl.max(sc_t, 0))
       scs = scs + (sc_t,)
@@ -236,8 +351,19 @@ def _quant_part(q_ptr, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, qlen_ptr,
     for u in tl.static_range(NSUB):
       p = tl.exp2(scs[u] - m_new[None, :])
       l_t = l_t + p
-      accs = _value_update(accs, p, vc_base, vs_base, vz_base, t0 + u * T, end, H, VBITS, VCW,
-                           GV, VB, T, VDT, FAST)
+      accs = _value_update(accs, p, vc_base, vs_base, vz_base, t0 + u * T, end, sv, H, VBITS,
+                           VCW, GV, VB, T, VDT, FAST, HAS_SV, NV)
+      if HAS_LR:
+        offs = t0 + u * T + tcol
+        avt = tl.load(av_base + offs[None, :] * RA + rr[:, None],
+                      mask=(offs < end)[None, :] & (rr < RA)[:, None], other=0.0)
+        pa = tl.dot(_to_dt(avt.to(tl.float32), VDT, FAST), _to_dt(p, VDT, FAST), pa)
+    if HAS_LR:
+      bv_base = gx[3] + (head * n_chunks + c) * (H * RG)
+      pa_t = _to_dt(pa, VDT, FAST)
+      for j in tl.static_range(NPV):
+        bv = _factor(bpv_base, bv_base, pre, (j * VCW + vcw_lr)[:, None], rr[None, :], RP, RG)
+        accs = accs[:j] + (tl.dot(_to_dt(bv, VDT, FAST), pa_t, accs[j]),) + accs[j + 1:]
     m_i = m_new
   l_i = tl.sum(l_t, 0)
   l_safe, lse = split_lse(m_i, l_i)
@@ -254,7 +380,9 @@ def _kivi_body(q_ptr, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, kw_ptr, vw
                QPK: tl.constexpr, QP: tl.constexpr, H: tl.constexpr, KBITS: tl.constexpr,
                VBITS: tl.constexpr, KCW: tl.constexpr, VCW: tl.constexpr, G: tl.constexpr,
                GV: tl.constexpr, VB: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_W: tl.constexpr,
-               KF16: tl.constexpr, VF16: tl.constexpr, FAST: tl.constexpr):
+               KF16: tl.constexpr, VF16: tl.constexpr, FAST: tl.constexpr, gx,
+               GEAR: tl.constexpr):
+  """KIVI decode attention (GEAR's residual terms when GEAR / gx say so; `_quant_part`)."""
   pid = tl.program_id(0)
   sid = tl.program_id(1)
   b = pid // KH
@@ -275,7 +403,7 @@ def _kivi_body(q_ptr, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, kw_ptr, vw
   else:
     _quant_part(q_ptr, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, qlen_ptr, S, NSPLIT, b,
                 b64, kh, sid, qk_scale, o_ptr, lse_ptr, prow, heads, row_ok, KH, QP, H, KBITS,
-                VBITS, KCW, VCW, G, GV, VB, BLOCK_S, KF16, VF16, FAST)
+                VBITS, KCW, VCW, G, GV, VB, BLOCK_S, KF16, VF16, FAST, gx, GEAR)
 
 
 @triton.jit
@@ -287,7 +415,7 @@ def kivi_kernel(q_ptr, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, kw_ptr, v
                 KF16: tl.constexpr, VF16: tl.constexpr, FAST: tl.constexpr):
   _kivi_body(q_ptr, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, kw_ptr, vw_ptr, qlen_ptr,
              wlen_ptr, S, W, NSPLIT, sm_scale, o_ptr, lse_ptr, KH, QPK, QP, H, KBITS, VBITS, KCW,
-             VCW, G, GV, VB, BLOCK_S, BLOCK_W, KF16, VF16, FAST)
+             VCW, G, GV, VB, BLOCK_S, BLOCK_W, KF16, VF16, FAST, (), NO_GEAR)
 
 
 @triton.jit
@@ -301,7 +429,7 @@ def kivi_kernel_poisoned(q_ptr, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, 
                          FAST: tl.constexpr):
   _kivi_body(q_ptr, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, kw_ptr, vw_ptr, qlen_ptr,
              wlen_ptr, S, W, NSPLIT, sm_scale, o_ptr, lse_ptr, KH, QPK, QP, H, KBITS, VBITS, KCW,
-             VCW, G, GV, VB, BLOCK_S, BLOCK_W, KF16, VF16, FAST)
+             VCW, G, GV, VB, BLOCK_S, BLOCK_W, KF16, VF16, FAST, (), NO_GEAR)
 
 
 def _scale_dtype(x, name):
