@@ -104,14 +104,14 @@ def check_operands(b: int, kh: int, s: int, h: int, lowrank, sparse_k, sparse_v)
     ra = lr.a_k.shape[-1]
     if rp < 1 or rg < 1:
       raise ValueError(f"gear: lowrank ranks must be >= 1, got RP={rp}, RG={rg}")
+    if ra != max(rp, rg):
+      raise ValueError(f"gear: lowrank.a_k has {ra} columns, expected max(RP={rp}, RG={rg})")
     want = dict(a_k=(b, kh, s, ra), a_v=(b, kh, s, ra), b_k=(b, kh, c, h, rg),
                 b_v=(b, kh, c, h, rg), bp_k=(b, kh, h, rp), bp_v=(b, kh, h, rp), n_pchunks=(b,))
     for name, shape in want.items():
       got = getattr(lr, name).shape
       if tuple(got) != shape:
         raise ValueError(f"gear: lowrank.{name} must be {shape}, got {tuple(got)}")
-    if ra != max(rp, rg):
-      raise ValueError(f"gear: lowrank.a_k has {ra} columns, expected max(RP={rp}, RG={rg})")
     if ra > 16:
       raise ValueError(f"gear: lowrank ranks must be <= 16, got {ra}")
   if sparse_k is not None:
