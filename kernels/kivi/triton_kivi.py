@@ -131,15 +131,6 @@ def _add_value_outliers(v_j, svi, svv, ch, NV: tl.constexpr, DT: tl.constexpr,
 
 
 @triton.jit
-def _factor(bp_base, bc_base, pre, ch, r, RP: tl.constexpr, RG: tl.constexpr):
-  """GEAR: fp32 B[ch, r] (ch, r broadcastable index tiles) of the prefill factor [H, RP] if
-  pre, else of the chunk's [H, RG]; 0 beyond that factor's rank (the padded MMA dim)."""
-  fp = tl.load(bp_base + ch * RP + r, mask=(r < RP) & pre, other=0.0)
-  fc = tl.load(bc_base + ch * RG + r, mask=(r < RG) & (pre == 0), other=0.0)
-  return fp.to(tl.float32) + fc.to(tl.float32)
-
-
-@triton.jit
 def _key_scores(q_t, kc_base, ks_base, kz_base, t0, tile_ok, offs, t_ok, sk, tloc,
                 H: tl.constexpr, QP: tl.constexpr, BITS: tl.constexpr, CW: tl.constexpr,
                 G: tl.constexpr, T: tl.constexpr, DT: tl.constexpr, FAST: tl.constexpr,
@@ -244,11 +235,13 @@ def _quant_part(q_ptr, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, qlen_ptr,
   unchanged) adds GEAR's residual terms (`kvlowrank_kernels.gear`), gx = their pointers
   (a_k, a_v, b_k, b_v, bp_k, bp_v, n_pchunks, sk_idx, sk_val, sv_idx, sv_val). A loop step
   lies in one chunk of NB tokens (BLOCK_S | NB):
-    HAS_LR: low rank, factored: qB^T [16, QP] = B^T q^T per step (B: the prefill factor
-      for chunks < n_pchunks, else the chunk's; rank padded to 16 with zero columns for the
-      MMA), scores^T += a_k [T, 16] @ qB^T per sub-tile; pa [16, QP] += a_v^T [16, T] @ p^T
-      per sub-tile and acc_j += B_v,j [CW, 16] @ pa once per step (p of the step shares
-      the step's running max, so pa needs no rescaling);
+    HAS_LR: low rank, factored, ranks padded to 16 (one MMA dim) with zero columns:
+      scores^T += a_k [T, 16] @ qB^T per sub-tile, qB^T [16, QP] = B^T q^T (B: the prefill
+      factor bp_k for chunks < n_pchunks, computed once per program; else the chunk's b_k[c],
+      once per step); pa [16, QP] = sum of a_v^T [16, T] @ p^T over the step's sub-tiles,
+      then for a streaming chunk acc_j += b_v[c]_j [CW, 16] @ pa at once (the step's p share
+      its running max), for a prefill chunk pa joins pa_p (rescaled like the accumulators),
+      applied once at the end: acc_j += bp_v_j @ pa_p;
     HAS_SK / HAS_SV: outliers added to the dequantized plane tiles (one-hot compares).
   """
   HAS_LR: tl.constexpr = GEAR[0]
@@ -305,26 +298,40 @@ def _quant_part(q_ptr, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, qlen_ptr,
     bpk_base = gx[4] + head * H * RP
     bpv_base = gx[5] + head * H * RP
     vcw_lr = tl.arange(0, VCW)
+    # One prefill factor for every prefill chunk: its qB^T once per program; its p-weighted
+    # a_v sum pa_p carried over the steps (rescaled like the accumulators), applied at the end.
+    qbt_p = tl.zeros([R16, QP], tl.float32)
+    for j in tl.static_range(NPK):
+      bt = tl.load(bpk_base + (j * KCW + kcw)[None, :] * RP + rr[:, None],
+                   mask=(rr < RP)[:, None], other=0.0)
+      qbt_p = tl.dot(_to_dt(bt.to(tl.float32), KDT, FAST), q_t[j], qbt_p)
+    qbt_p = _to_dt(qbt_p, KDT, FAST)
+    pa_p = tl.zeros([R16, QP], tl.float32)
   if HAS_SV:
     sv = (gx[9] + head * S * NV, gx[10] + head * S * NV)
   else:
     sv = ()
-  sk = ()
   for t0 in range(start, end, BLOCK_S):
     t0 = tl.multiple_of(t0, BLOCK_S)
     if HAS_LR or HAS_SK:
       c = t0 // NB
     if HAS_LR:
       pre = c < npc
-      bk_base = gx[2] + (head * n_chunks + c) * (H * RG)
-      qbt = tl.zeros([R16, QP], tl.float32)
-      for j in tl.static_range(NPK):
-        bt = _factor(bpk_base, bk_base, pre, (j * KCW + kcw)[None, :], rr[:, None], RP, RG)
-        qbt = tl.dot(_to_dt(bt, KDT, FAST), q_t[j], qbt)
-      qbt = _to_dt(qbt, KDT, FAST)
+      if pre:
+        qbt = qbt_p
+      else:  # a streaming chunk: its own factor
+        bk_base = gx[2] + (head * n_chunks + c) * (H * RG)
+        qbt_c = tl.zeros([R16, QP], tl.float32)
+        for j in tl.static_range(NPK):
+          bt = tl.load(bk_base + (j * KCW + kcw)[None, :] * RG + rr[:, None],
+                       mask=(rr < RG)[:, None], other=0.0)
+          qbt_c = tl.dot(_to_dt(bt.to(tl.float32), KDT, FAST), q_t[j], qbt_c)
+        qbt = _to_dt(qbt_c, KDT, FAST)
       pa = tl.zeros([R16, QP], tl.float32)
     if HAS_SK:
       sk = (gx[7] + (head * n_chunks + c) * (NK * H), gx[8] + (head * n_chunks + c) * (NK * H))
+    else:
+      sk = ()
     scs = ()
     m_new = m_i
     for u in tl.static_range(NSUB):
@@ -359,12 +366,25 @@ def _quant_part(q_ptr, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, qlen_ptr,
                       mask=(offs < end)[None, :] & (rr < RA)[:, None], other=0.0)
         pa = tl.dot(_to_dt(avt.to(tl.float32), VDT, FAST), _to_dt(p, VDT, FAST), pa)
     if HAS_LR:
-      bv_base = gx[3] + (head * n_chunks + c) * (H * RG)
-      pa_t = _to_dt(pa, VDT, FAST)
-      for j in tl.static_range(NPV):
-        bv = _factor(bpv_base, bv_base, pre, (j * VCW + vcw_lr)[:, None], rr[None, :], RP, RG)
-        accs = accs[:j] + (tl.dot(_to_dt(bv, VDT, FAST), pa_t, accs[j]),) + accs[j + 1:]
+      pa_p = pa_p * alpha[None, :]
+      if pre:
+        pa_p = pa_p + pa
+      else:  # a streaming chunk: acc_j += B_v,j @ pa now
+        bv_base = gx[3] + (head * n_chunks + c) * (H * RG)
+        pa_t = _to_dt(pa, VDT, FAST)
+        for j in tl.static_range(NPV):
+          bv = tl.load(bv_base + (j * VCW + vcw_lr)[:, None] * RG + rr[None, :],
+                       mask=(rr < RG)[None, :], other=0.0)
+          accs = accs[:j] + (tl.dot(_to_dt(bv.to(tl.float32), VDT, FAST), pa_t, accs[j]),) + \
+              accs[j + 1:]
     m_i = m_new
+  if HAS_LR:  # the prefill tokens' low-rank values: acc_j += B_p,j @ pa_p
+    pa_t = _to_dt(pa_p, VDT, FAST)
+    for j in tl.static_range(NPV):
+      bv = tl.load(bpv_base + (j * VCW + vcw_lr)[:, None] * RP + rr[None, :],
+                   mask=(rr < RP)[None, :], other=0.0)
+      accs = accs[:j] + (tl.dot(_to_dt(bv.to(tl.float32), VDT, FAST), pa_t, accs[j]),) + \
+          accs[j + 1:]
   l_i = tl.sum(l_t, 0)
   l_safe, lse = split_lse(m_i, l_i)
   vcw = tl.arange(0, VCW)
