@@ -33,11 +33,14 @@ from kvlowrank_kernels.kivi.mosaic_layout import to_mosaic
 
 N, KH, H = 32, 8, 128
 KIVI_OPTS = dict(block_s=64, num_warps=2, num_stages=4, target_programs=1584)  # bench_kernels
+# Knob sets (--sweep times all; first = the default). H200 sweep of 2026-11-25 at 32K/B=8
+# (results/gear_kernel.md): GEAR-L fastest with the first, GEAR / outlier-only with the third.
 GEAR_SWEEP = [dict(block_s=64, num_warps=2, num_stages=4, target_programs=1584),
               dict(block_s=64, num_warps=2, num_stages=3, target_programs=2112),
               dict(block_s=64, num_warps=2, num_stages=2, target_programs=1584),
               dict(block_s=32, num_warps=2, num_stages=4, target_programs=1584),
               dict(block_s=64, num_warps=4, num_stages=3, target_programs=1056)]
+DEFAULT = {"gear-l": GEAR_SWEEP[0], "gear": GEAR_SWEEP[2], "outlier": GEAR_SWEEP[2]}
 
 
 def kivi_inputs(s, b, group, window, key):
@@ -98,7 +101,7 @@ def main(argv=None):
   npc = jnp.full((b,), s // 64 - args.stream_chunks, jnp.int32)
   for name, variant in (("gear-l-2", "gear-l"), ("gear-2", "gear"), ("outlier-2", "outlier")):
     lr, sk, sv = residual_operands(shape, jax.random.key(3), npc, variant)
-    for opts in GEAR_SWEEP if args.sweep and variant != "outlier" else GEAR_SWEEP[:1]:
+    for opts in GEAR_SWEEP if args.sweep else [DEFAULT[variant]]:
       f = jax.jit(lambda *a, o=opts: gear_attention(*a[:7], lowrank=a[7], sparse_k=a[8],
                                                     sparse_v=a[9], implementation="triton",
                                                     **o))
