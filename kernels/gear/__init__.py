@@ -19,8 +19,11 @@ import warnings
 
 from ..common import triton_backend
 from ..kivi.planar import KiviKeys, KiviValues
-from .operands import GearLowRank, GearSparseKeys, GearSparseValues  # noqa: F401
+from .operands import GearLowRank, GearSparseKeys, GearSparseValues
 from .reference import check_gear_shapes, gear_attention_reference
+
+__all__ = ["GearLowRank", "GearSparseKeys", "GearSparseValues", "gear_attention",
+           "gear_attention_reference", "resolve_implementation", "triton_fit"]
 
 IMPLEMENTATIONS = ("reference", "triton")
 TRITON_OPTIONS = frozenset(("block_s", "block_w", "num_splits", "target_programs", "num_warps",
