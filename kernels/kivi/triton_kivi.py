@@ -47,7 +47,10 @@ kv head rounded up to a power of 2 (>= min_rows), CW = plane width (`planar`):
     scale/zero); the softmax denominator is kept per token slot and summed once
     at the end (a per-tile sum over tokens crosses warps).
 Key groups that are not powers of 2 >= 16 fall back to gathering the key scale
-pair per (token, channel), which is correct but slow. The launch plan and its checks
+pair per (token, channel), which is correct but slow.
+GEAR (`kvlowrank_kernels.gear.triton_gear`) runs this same source with constexpr flags on
+(`_quant_part`: factored low-rank terms, outliers in the dequantized tiles); with them off
+(the KIVI entries below) the code compiles to the same PTX as without them. The launch plan and its checks
 (2/4-bit codes only) live in `triton_plan` (importable without Triton), re-exported here.
 """
 
@@ -66,6 +69,10 @@ from .planar import KiviKeys, KiviValues
 from .triton_dequant import dequant as _dequant
 from .triton_dequant import to_dtype as _to_dt
 from .triton_plan import plan
+
+
+# GEAR's flags and sizes (HAS_LR, HAS_SK, HAS_SV, NB, RP, RG, RA, NK, NV) off: plain KIVI.
+NO_GEAR = tl.constexpr((0, 0, 0, 0, 0, 0, 0, 0, 0))
 
 
 @triton.jit
@@ -102,12 +109,40 @@ def _window_part(q, qk_scale, kw_ptr, vw_ptr, wlen_ptr, W, b64, kh, o_ptr, lse_p
 
 
 @triton.jit
-def _key_scores(q_t, kc_base, ks_base, kz_base, t0, tile_ok, offs, t_ok, H: tl.constexpr,
-                QP: tl.constexpr, BITS: tl.constexpr, CW: tl.constexpr, G: tl.constexpr,
-                T: tl.constexpr, DT: tl.constexpr, FAST: tl.constexpr):
+def _add_key_outliers(k_j, idx_base, val_base, ch, tloc, tile_ok, H: tl.constexpr,
+                      NK: tl.constexpr, DT: tl.constexpr, FAST: tl.constexpr):
+  """GEAR: k_j [T, CW] + the chunk's key outliers of channels ch [CW] (slot o of channel c:
+  token index idx_base[o * H + c] in the chunk, value val_base[o * H + c]) at the tokens whose
+  slots in the chunk are tloc [T]: a one-hot compare per slot, summed in fp32, one rounding."""
+  x = k_j.to(tl.float32)
+  for o in tl.static_range(NK):
+    idx = tl.load(idx_base + o * H + ch, mask=tile_ok, other=0).to(tl.int32)
+    val = tl.load(val_base + o * H + ch, mask=tile_ok, other=0.0).to(tl.float32)
+    x = x + tl.where(tloc[:, None] == idx[None, :], val[None, :], 0.0)
+  return _to_dt(x, DT, FAST)
+
+
+@triton.jit
+def _add_value_outliers(v_j, svi, svv, ch, NV: tl.constexpr, DT: tl.constexpr,
+                        FAST: tl.constexpr):
+  """GEAR: v_j [CW, T] (channels ch [CW] x tokens) + the tokens' value outliers (slot o:
+  channel svi[o] [T], value svv[o] [T]): a one-hot compare per slot, fp32, one rounding."""
+  x = v_j.to(tl.float32)
+  for o in tl.static_range(NV):
+    x = x + tl.where(ch[:, None] == svi[o][None, :], svv[o][None, :], 0.0)
+  return _to_dt(x, DT, FAST)
+
+
+@triton.jit
+def _key_scores(q_t, kc_base, ks_base, kz_base, t0, tile_ok, offs, t_ok, sk, tloc,
+                H: tl.constexpr, QP: tl.constexpr, BITS: tl.constexpr, CW: tl.constexpr,
+                G: tl.constexpr, T: tl.constexpr, DT: tl.constexpr, FAST: tl.constexpr,
+                HAS_SK: tl.constexpr, NK: tl.constexpr):
   """Raw scores^T [T, QP] of tokens t0 + [0, T): sum over key planes j of K_j @ q_j^T.
 
   tile_ok: t0 < end (a sub-tile past the end must not read its group's scales).
+  HAS_SK (GEAR): sk = (index, value) bases of the chunk's key outliers, tloc [T] the tokens'
+  slots in the chunk; each plane tile gets its outliers added before its dot.
   """
   PPB: tl.constexpr = 8 // BITS
   NSEG: tl.constexpr = H // (PPB * CW)
@@ -127,15 +162,22 @@ def _key_scores(q_t, kc_base, ks_base, kz_base, t0, tile_ok, offs, t_ok, H: tl.c
         s = tl.load(ks_base + sp, mask=t_ok[:, None], other=0.0)
         z = tl.load(kz_base + sp, mask=t_ok[:, None], other=0.0)
       k_j = _dequant(kb, s, z, j - seg * PPB, BITS, DT, False, 0, FAST)
+      if HAS_SK:
+        k_j = _add_key_outliers(k_j, sk[0], sk[1], j * CW + cw, tloc, tile_ok, H, NK, DT, FAST)
       sc_t = tl.dot(k_j, q_t[j], sc_t)
   return sc_t
 
 
 @triton.jit
-def _value_update(accs, p, vc_base, vs_base, vz_base, t0, end, H: tl.constexpr,
+def _value_update(accs, p, vc_base, vs_base, vz_base, t0, end, sv, H: tl.constexpr,
                   BITS: tl.constexpr, CW: tl.constexpr, GV: tl.constexpr, VB: tl.constexpr,
-                  T: tl.constexpr, DT: tl.constexpr, FAST: tl.constexpr):
-  """accs[j] [CW, QP] += V_j^T @ p^T for every value plane j (tokens t0 + [0, T), < end)."""
+                  T: tl.constexpr, DT: tl.constexpr, FAST: tl.constexpr, HAS_SV: tl.constexpr,
+                  NV: tl.constexpr):
+  """accs[j] [CW, QP] += V_j^T @ p^T for every value plane j (tokens t0 + [0, T), < end).
+
+  HAS_SV (GEAR): sv = (index, value) bases of the head's per-token value outliers, added to
+  each plane tile before its dot.
+  """
   PPB: tl.constexpr = 8 // BITS
   NSEG: tl.constexpr = H // (PPB * CW)
   ROW: tl.constexpr = H * BITS // 8
@@ -158,6 +200,12 @@ def _value_update(accs, p, vc_base, vs_base, vz_base, t0, end, H: tl.constexpr,
     for w in tl.static_range(NW):
       sw = sw + (tl.load(vs_base + toks * NW + w, mask=toks < end, other=0),)
       zw = zw + (tl.load(vz_base + toks * NW + w, mask=toks < end, other=0),)
+  if HAS_SV:  # NV (channel, value) slots per token, loaded once per sub-tile
+    svi = ()
+    svv = ()
+    for o in tl.static_range(NV):
+      svi = svi + (tl.load(sv[0] + toks * NV + o, mask=toks < end, other=0).to(tl.int32),)
+      svv = svv + (tl.load(sv[1] + toks * NV + o, mask=toks < end, other=0.0).to(tl.float32),)
   p_t = _to_dt(p, DT, FAST)
   # Token-blocked codes (`planar`): byte r of token t at (t // VB) * VB * ROW + r * VB + t % VB;
   # the tile [t0, t0 + T) lies in one block (T divides VB).
@@ -171,6 +219,8 @@ def _value_update(accs, p, vc_base, vs_base, vz_base, t0, end, H: tl.constexpr,
       # plane j lies in channel group (j * CW) // GV: word // 2, half % 2 of that word.
       v_j = _dequant(vb, sw[(j * CW) // GV // 2][None, :], zw[(j * CW) // GV // 2][None, :],
                      j - seg * PPB, BITS, DT, WORDS, (j * CW) // GV % 2, FAST)
+      if HAS_SV:
+        v_j = _add_value_outliers(v_j, svi, svv, j * CW + cw, NV, DT, FAST)
       accs = accs[:j] + (tl.dot(v_j, p_t, accs[j]),) + accs[j + 1:]
   return accs
 
@@ -181,8 +231,32 @@ def _quant_part(q_ptr, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, qlen_ptr,
                 QP: tl.constexpr, H: tl.constexpr, KBITS: tl.constexpr, VBITS: tl.constexpr,
                 KCW: tl.constexpr, VCW: tl.constexpr, G: tl.constexpr, GV: tl.constexpr,
                 VB: tl.constexpr, BLOCK_S: tl.constexpr, KF16: tl.constexpr,
-                VF16: tl.constexpr, FAST: tl.constexpr):
-  """One chunk of the quantized prefix of one (batch, kv head)."""
+                VF16: tl.constexpr, FAST: tl.constexpr, gx, GEAR: tl.constexpr):
+  """One chunk of the quantized prefix of one (batch, kv head).
+
+  GEAR = (HAS_LR, HAS_SK, HAS_SV, NB, RP, RG, RA, NK, NV) (all 0 for KIVI, whose code is then
+  unchanged) adds GEAR's residual terms (`kvlowrank_kernels.gear`), gx = their pointers
+  (a_k, a_v, b_k, b_v, bp_k, bp_v, n_pchunks, sk_idx, sk_val, sv_idx, sv_val). A loop step
+  lies in one chunk of NB tokens (BLOCK_S | NB):
+    HAS_LR: low rank, factored, ranks padded to 16 (one MMA dim) with zero columns:
+      scores^T += a_k [T, 16] @ qB^T per sub-tile, qB^T [16, QP] = B^T q^T (B: the prefill
+      factor bp_k for chunks < n_pchunks, computed once per program; else the chunk's b_k[c],
+      once per step); pa [16, QP] = sum of a_v^T [16, T] @ p^T over the step's sub-tiles,
+      then for a streaming chunk acc_j += b_v[c]_j [CW, 16] @ pa at once (the step's p share
+      its running max), for a prefill chunk pa joins pa_p (rescaled like the accumulators),
+      applied once at the end: acc_j += bp_v_j @ pa_p;
+    HAS_SK / HAS_SV: outliers added to the dequantized plane tiles (one-hot compares).
+  """
+  HAS_LR: tl.constexpr = GEAR[0]
+  HAS_SK: tl.constexpr = GEAR[1]
+  HAS_SV: tl.constexpr = GEAR[2]
+  NB: tl.constexpr = GEAR[3]
+  RP: tl.constexpr = GEAR[4]
+  RG: tl.constexpr = GEAR[5]
+  RA: tl.constexpr = GEAR[6]
+  NK: tl.constexpr = GEAR[7]
+  NV: tl.constexpr = GEAR[8]
+  R16: tl.constexpr = 16  # the low-rank MMA dim (ranks padded)
   KDT: tl.constexpr = tl.float16 if KF16 else tl.bfloat16  # key MMA operands
   VDT: tl.constexpr = tl.float16 if VF16 else tl.bfloat16  # value MMA operands
   NPK: tl.constexpr = H // KCW
@@ -217,15 +291,66 @@ def _quant_part(q_ptr, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, qlen_ptr,
   # over tokens would be a cross-warp reduction (tokens are the MMA's M, split over warps).
   l_t = tl.zeros([T, QP], tl.float32)
   tcol = tl.arange(0, T)
+  if HAS_LR or HAS_SK:
+    n_chunks = S // NB
+  if HAS_LR:
+    npc = tl.load(gx[6] + b)
+    rr = tl.arange(0, R16)
+    ak_base = gx[0] + head * S * RA
+    av_base = gx[1] + head * S * RA
+    bpk_base = gx[4] + head * H * RP
+    bpv_base = gx[5] + head * H * RP
+    vcw_lr = tl.arange(0, VCW)
+    # One prefill factor for every prefill chunk: its qB^T once per program; its p-weighted
+    # a_v sum pa_p carried over the steps (rescaled like the accumulators), applied at the end.
+    qbt_p = tl.zeros([R16, QP], tl.float32)
+    for j in tl.static_range(NPK):
+      bt = tl.load(bpk_base + (j * KCW + kcw)[None, :] * RP + rr[:, None],
+                   mask=(rr < RP)[:, None], other=0.0)
+      qbt_p = tl.dot(_to_dt(bt.to(tl.float32), KDT, FAST), q_t[j], qbt_p)
+    qbt_p = _to_dt(qbt_p, KDT, FAST)
+    pa_p = tl.zeros([R16, QP], tl.float32)
+  if HAS_SV:
+    sv = (gx[9] + head * S * NV, gx[10] + head * S * NV)
+  else:
+    sv = ()
   for t0 in range(start, end, BLOCK_S):
     t0 = tl.multiple_of(t0, BLOCK_S)
+    if HAS_LR or HAS_SK:
+      c = t0 // NB
+    if HAS_LR:
+      pre = c < npc
+      if pre:
+        qbt = qbt_p
+      else:  # a streaming chunk: its own factor
+        bk_base = gx[2] + (head * n_chunks + c) * (H * RG)
+        qbt_c = tl.zeros([R16, QP], tl.float32)
+        for j in tl.static_range(NPK):
+          bt = tl.load(bk_base + (j * KCW + kcw)[None, :] * RG + rr[:, None],
+                       mask=(rr < RG)[:, None], other=0.0)
+          qbt_c = tl.dot(_to_dt(bt.to(tl.float32), KDT, FAST), q_t[j], qbt_c)
+        qbt = _to_dt(qbt_c, KDT, FAST)
+      pa = tl.zeros([R16, QP], tl.float32)
+    if HAS_SK:
+      sk = (gx[7] + (head * n_chunks + c) * (NK * H), gx[8] + (head * n_chunks + c) * (NK * H))
+    else:
+      sk = ()
     scs = ()
     m_new = m_i
     for u in tl.static_range(NSUB):
       offs = t0 + u * T + tcol
       t_ok = offs < end
+      if HAS_SK:
+        tloc = offs - c * NB
+      else:
+        tloc = offs
       sc_t = _key_scores(q_t, kc_base, ks_base, kz_base, t0 + u * T, t0 + u * T < end, offs,
-                         t_ok, H, QP, KBITS, KCW, G, T, KDT, FAST) * qk_scale
+                         t_ok, sk, tloc, H, QP, KBITS, KCW, G, T, KDT, FAST, HAS_SK, NK)
+      if HAS_LR:
+        ak = tl.load(ak_base + offs[:, None] * RA + rr[None, :],
+                     mask=t_ok[:, None] & (rr < RA)[None, :], other=0.0)
+        sc_t = tl.dot(_to_dt(ak.to(tl.float32), KDT, FAST), qbt, sc_t)
+      sc_t = sc_t * qk_scale
       sc_t = tl.where(t_ok[:, None], sc_t, float("-inf"))
       m_new = tl.maximum(m_new, tl.max(sc_t, 0))
       scs = scs + (sc_t,)
@@ -236,9 +361,33 @@ def _quant_part(q_ptr, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, qlen_ptr,
     for u in tl.static_range(NSUB):
       p = tl.exp2(scs[u] - m_new[None, :])
       l_t = l_t + p
-      accs = _value_update(accs, p, vc_base, vs_base, vz_base, t0 + u * T, end, H, VBITS, VCW,
-                           GV, VB, T, VDT, FAST)
+      accs = _value_update(accs, p, vc_base, vs_base, vz_base, t0 + u * T, end, sv, H, VBITS,
+                           VCW, GV, VB, T, VDT, FAST, HAS_SV, NV)
+      if HAS_LR:
+        offs = t0 + u * T + tcol
+        avt = tl.load(av_base + offs[None, :] * RA + rr[:, None],
+                      mask=(offs < end)[None, :] & (rr < RA)[:, None], other=0.0)
+        pa = tl.dot(_to_dt(avt.to(tl.float32), VDT, FAST), _to_dt(p, VDT, FAST), pa)
+    if HAS_LR:
+      pa_p = pa_p * alpha[None, :]
+      if pre:
+        pa_p = pa_p + pa
+      else:  # a streaming chunk: acc_j += B_v,j @ pa now
+        bv_base = gx[3] + (head * n_chunks + c) * (H * RG)
+        pa_t = _to_dt(pa, VDT, FAST)
+        for j in tl.static_range(NPV):
+          bv = tl.load(bv_base + (j * VCW + vcw_lr)[:, None] * RG + rr[None, :],
+                       mask=(rr < RG)[None, :], other=0.0)
+          accs = accs[:j] + (tl.dot(_to_dt(bv.to(tl.float32), VDT, FAST), pa_t, accs[j]),) + \
+              accs[j + 1:]
     m_i = m_new
+  if HAS_LR:  # the prefill tokens' low-rank values: acc_j += B_p,j @ pa_p
+    pa_t = _to_dt(pa_p, VDT, FAST)
+    for j in tl.static_range(NPV):
+      bv = tl.load(bpv_base + (j * VCW + vcw_lr)[:, None] * RP + rr[None, :],
+                   mask=(rr < RP)[None, :], other=0.0)
+      accs = accs[:j] + (tl.dot(_to_dt(bv.to(tl.float32), VDT, FAST), pa_t, accs[j]),) + \
+          accs[j + 1:]
   l_i = tl.sum(l_t, 0)
   l_safe, lse = split_lse(m_i, l_i)
   vcw = tl.arange(0, VCW)
@@ -254,7 +403,9 @@ def _kivi_body(q_ptr, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, kw_ptr, vw
                QPK: tl.constexpr, QP: tl.constexpr, H: tl.constexpr, KBITS: tl.constexpr,
                VBITS: tl.constexpr, KCW: tl.constexpr, VCW: tl.constexpr, G: tl.constexpr,
                GV: tl.constexpr, VB: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_W: tl.constexpr,
-               KF16: tl.constexpr, VF16: tl.constexpr, FAST: tl.constexpr):
+               KF16: tl.constexpr, VF16: tl.constexpr, FAST: tl.constexpr, gx,
+               GEAR: tl.constexpr):
+  """KIVI decode attention (GEAR's residual terms when GEAR / gx say so; `_quant_part`)."""
   pid = tl.program_id(0)
   sid = tl.program_id(1)
   b = pid // KH
@@ -275,7 +426,7 @@ def _kivi_body(q_ptr, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, kw_ptr, vw
   else:
     _quant_part(q_ptr, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, qlen_ptr, S, NSPLIT, b,
                 b64, kh, sid, qk_scale, o_ptr, lse_ptr, prow, heads, row_ok, KH, QP, H, KBITS,
-                VBITS, KCW, VCW, G, GV, VB, BLOCK_S, KF16, VF16, FAST)
+                VBITS, KCW, VCW, G, GV, VB, BLOCK_S, KF16, VF16, FAST, gx, GEAR)
 
 
 @triton.jit
@@ -287,7 +438,7 @@ def kivi_kernel(q_ptr, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, kw_ptr, v
                 KF16: tl.constexpr, VF16: tl.constexpr, FAST: tl.constexpr):
   _kivi_body(q_ptr, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, kw_ptr, vw_ptr, qlen_ptr,
              wlen_ptr, S, W, NSPLIT, sm_scale, o_ptr, lse_ptr, KH, QPK, QP, H, KBITS, VBITS, KCW,
-             VCW, G, GV, VB, BLOCK_S, BLOCK_W, KF16, VF16, FAST)
+             VCW, G, GV, VB, BLOCK_S, BLOCK_W, KF16, VF16, FAST, (), NO_GEAR)
 
 
 @triton.jit
@@ -301,7 +452,7 @@ def kivi_kernel_poisoned(q_ptr, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, 
                          FAST: tl.constexpr):
   _kivi_body(q_ptr, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, kw_ptr, vw_ptr, qlen_ptr,
              wlen_ptr, S, W, NSPLIT, sm_scale, o_ptr, lse_ptr, KH, QPK, QP, H, KBITS, VBITS, KCW,
-             VCW, G, GV, VB, BLOCK_S, BLOCK_W, KF16, VF16, FAST)
+             VCW, G, GV, VB, BLOCK_S, BLOCK_W, KF16, VF16, FAST, (), NO_GEAR)
 
 
 def _scale_dtype(x, name):

@@ -1,0 +1,114 @@
+"""GEAR problem shapes and seeded contract-conforming inputs (tests and the benchmark).
+
+The backbone is a KIVI planar store of random data (`kivi.shapes.make_inputs`); the residual
+operands are random with the contract's shapes, dtypes and zero patterns (a's columns beyond
+a segment's rank are 0, a few outlier slots unused with value 0).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ..kivi import shapes as kivi_shapes
+from .operands import GearLowRank, GearSparseKeys, GearSparseValues
+
+VARIANTS = ("gear", "gear-l", "outlier")  # Q + S + L, Q + L, Q + S
+
+
+@dataclasses.dataclass(frozen=True)
+class GearShape:
+  """One GEAR decode problem (KIVI backbone + chunks of `chunk` tokens)."""
+
+  batch: int
+  capacity: int
+  window: int
+  n_heads: int
+  n_kv_heads: int
+  head_dim: int = 128
+  bits: int = 2
+  k_group: int = 64
+  v_group: int = 64
+  chunk: int = 64
+  prefill_rank: int = 4
+  chunk_rank: int = 2
+  key_slots: int = 2
+  value_slots: int = 3
+  scale_dtype: Optional[str] = "float16"
+
+  def kivi(self) -> kivi_shapes.KiviShape:
+    return kivi_shapes.KiviShape(
+        batch=self.batch, capacity=self.capacity, window=self.window, n_heads=self.n_heads,
+        n_kv_heads=self.n_kv_heads, head_dim=self.head_dim, k_bits=self.bits,
+        v_bits=self.bits, k_group=self.k_group, v_group=self.v_group,
+        scale_dtype=self.scale_dtype)
+
+
+# Tiny problems for the CPU interpreter: MHA H = 64 with key groups of 32 in chunks of 64;
+# GQA 4 H = 128 with chunks of 32 (block_s 32) and ranks 3 / 1.
+TEST_SHAPES = (
+    GearShape(batch=2, capacity=192, window=24, n_heads=2, n_kv_heads=2, head_dim=64,
+              k_group=32, v_group=32),
+    GearShape(batch=2, capacity=128, window=9, n_heads=8, n_kv_heads=2, head_dim=128,
+              k_group=32, v_group=64, chunk=32, prefill_rank=3, chunk_rank=1, key_slots=1,
+              value_slots=2, scale_dtype=None),
+)
+
+
+def residual_operands(shape: GearShape, key, n_pchunks, variant="gear"):
+  """(lowrank, sparse_k, sparse_v) of `variant` (VARIANTS), seeded."""
+  if variant not in VARIANTS:
+    raise ValueError(f"variant must be one of {VARIANTS}, got {variant!r}")
+  b, kh, s, h, nb = shape.batch, shape.n_kv_heads, shape.capacity, shape.head_dim, shape.chunk
+  c = s // nb
+  rp, rg = shape.prefill_rank, shape.chunk_rank
+  ra = max(rp, rg)
+  ks = jax.random.split(key, 10)
+  f16 = jnp.float16
+  npc = jnp.asarray(n_pchunks, jnp.int32)
+  lowrank = sparse_k = sparse_v = None
+  if variant in ("gear", "gear-l"):
+    pre = ((jnp.arange(s) // nb)[None, :] < npc[:, None])[:, None, :, None]  # [B,1,S,1]
+    col = jnp.arange(ra)[None, None, None, :]
+    keep = jnp.where(pre, col < rp, col < rg)
+
+    def left(k):
+      return jnp.where(keep, 0.5 * jax.random.normal(k, (b, kh, s, ra)), 0.0).astype(f16)
+
+    lowrank = GearLowRank(
+        a_k=left(ks[0]), a_v=left(ks[1]),
+        b_k=(0.3 * jax.random.normal(ks[2], (b, kh, c, h, rg))).astype(f16),
+        b_v=(0.3 * jax.random.normal(ks[3], (b, kh, c, h, rg))).astype(f16),
+        bp_k=(0.3 * jax.random.normal(ks[4], (b, kh, h, rp))).astype(f16),
+        bp_v=(0.3 * jax.random.normal(ks[5], (b, kh, h, rp))).astype(f16),
+        n_pchunks=npc)
+  if variant in ("gear", "outlier"):
+    nk, nv = shape.key_slots, shape.value_slots
+    kval = 3.0 * jax.random.normal(ks[6], (b, kh, c, nk, h))
+    kval = jnp.where(jax.random.uniform(ks[9], kval.shape) < 0.1, 0.0, kval)  # unused slots
+    sparse_k = GearSparseKeys(
+        idx=jax.random.randint(ks[7], (b, kh, c, nk, h), 0, nb).astype(jnp.uint8),
+        val=kval.astype(f16))
+    sparse_v = GearSparseValues(
+        idx=jax.random.randint(ks[8], (b, kh, s, nv), 0, h).astype(jnp.uint8),
+        val=(3.0 * jax.random.normal(ks[9], (b, kh, s, nv))).astype(f16))
+  return lowrank, sparse_k, sparse_v
+
+
+def make_inputs(shape: GearShape, key, q_len=None, w_len=None, n_pchunks=None,
+                variant="gear"):
+  """((q, keys, values, k_win, v_win, q_len, w_len), dict(lowrank, sparse_k, sparse_v)).
+
+  q_len defaults to the capacity, n_pchunks to half of each sequence's chunks.
+  """
+  k1, k2 = jax.random.split(key)
+  args = kivi_shapes.make_inputs(shape.kivi(), k1, q_len=q_len, w_len=w_len)
+  ql = np.asarray(args[5])
+  if n_pchunks is None:
+    n_pchunks = ql // shape.chunk // 2
+  lowrank, sparse_k, sparse_v = residual_operands(shape, k2, n_pchunks, variant)
+  return args, dict(lowrank=lowrank, sparse_k=sparse_k, sparse_v=sparse_v)
