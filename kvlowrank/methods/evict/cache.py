@@ -29,16 +29,24 @@ hard cap for generation too: once the inner cache is full, the token leaving the
 each decode step is evicted (StreamingLLM-like behaviour past the budget, with SnapKV's
 selected prompt tokens in place of attention sinks).
 
-Attention (update, then attend, as every cache of the protocol): the inner cache with
-queries at their compact positions c(p) = #{inner tokens at positions <= p} - 1 (so the
-inner's causal mask `slot <= c` is the original `position <= p`), merged by log-sum-exp
-(`model.attention.combine`) with attention over the ring:
+Attention: the inner cache with queries at their compact positions c(p) = #{inner tokens
+at positions <= p} - 1 (so the inner's causal mask `slot <= c` is the original
+`position <= p`), merged by log-sum-exp (`model.attention.combine`) with attention over
+the tokens not in the inner cache:
   * ring="exact" (auto for dense and KIVI, whose attention is softmax(q K^T) V over the
-    stored post-RoPE K, V): exact attention over the ring's K, V;
+    stored post-RoPE K, V): exact attention over every candidate of the call that was not
+    admitted, i.e. the window AND the tokens this call evicts. `step` is overridden for
+    this (update, then attend with the call's candidates): eviction takes effect after the
+    call, so a prompt's queries see the whole prompt as in SnapKV's prefill, and the
+    deeper layers' keys and values of the prompt are computed from full attention.
+    (A cache with its own `step` runs the token-major schedule of
+    `model.segments`: slower on CPU, same results.)
   * ring="inner" (auto for every other cache: Palu/FDC/ZACK outputs are value LATENTS
-    folded into W_o, XQuant stores x): the ring goes through a scratch copy of the inner
+    folded into W_o, XQuant stores x): the window goes through a scratch copy of the inner
     cache (capacity W, rebuilt from the ring's inputs each call), so both segments come
-    out in the inner cache's value space.
+    out in the inner cache's value space. The scratch holds W tokens, so here the tokens a
+    call evicts are not seen by that call's own queries (a departure from SnapKV's prefill
+    for these caches; a scratch of capacity W + T would need a per-cache constructor).
 Caches that re-apply RoPE at slot positions (Palu, XQuant: pre-RoPE latents / x) see their
 keys at compact positions; their queries are re-rotated from p to the compact position
 (RoPE(c - p) composed with RoPE(p) = RoPE(c)), i.e. StreamingLLM's "positions within the
@@ -53,10 +61,8 @@ Choices and departures (deliberate):
     every cache.
   * The softmax of the scores is over the candidates (ring + new tokens), not over tokens
     already in the inner cache; on an empty cache (SnapKV's prefill) that is the same.
-  * Prompt queries attend to the cache after this call's eviction (update then attend, as
-    KIVI's prefill attends its quantized cache here); SnapKV's prefill attends the full
-    prompt. Decode-mode perplexity therefore also scores the prompt's own predictions
-    through the evicted cache; `experiments/` report the decoded tokens' PPL separately.
+  * Tokens admitted to the inner cache are seen through it (quantized for KIVI) by the
+    call's own queries too, as KIVI's prefill attends its quantized cache here.
   * When nothing is evicted (the budget covers the sequence) the wrapper is transparent:
     the inner cache sees the same tokens at the same positions and its output is returned
     unchanged.
@@ -167,7 +173,8 @@ class EvictCache(base.KVCache):
     q = q.reshape(x.shape[0], o, spec.n_heads, spec.head_dim)
     return apply_rope(q, jnp.maximum(p_obs, 0), spec), p_obs
 
-  def update(self, inputs: base.AttnInputs, lp):
+  def _update(self, inputs: base.AttnInputs, lp):
+    """(new cache, candidates E, admitted [B, M], valid [B, M]) for this call."""
     w, t = self.window, inputs.positions.shape[1]
     pos = jnp.where((inputs.positions >= 0) & (inputs.positions < self.max_len),
                     inputs.positions, -1)
@@ -192,11 +199,32 @@ class EvictCache(base.KVCache):
     order = jnp.argsort(jnp.where(in_ring, 0, m) + jnp.arange(m)[None, :], axis=1)[:, :w]
     keep = _rows(in_ring, order)
     ring = lambda a, old: None if old is None else _rows(a, order).astype(old.dtype)
-    return dataclasses.replace(
+    new = dataclasses.replace(
         self, inner=inner, ring_k=ring(e.k, self.ring_k), ring_v=ring(e.v, self.ring_v),
         ring_x=ring(e.x, self.ring_x), ring_kpre=ring(e.k_pre, self.ring_kpre),
         ring_pos=jnp.where(keep, _rows(e.positions, order), -1).astype(jnp.int32),
         pos_map=pos_map, lens=base.new_lengths(self.lens, pos))
+    return new, e, admitted, valid
+
+  def update(self, inputs: base.AttnInputs, lp):
+    return self._update(inputs, lp)[0]
+
+  def step(self, inputs: base.AttnInputs, q, lp, carry, *, spec: ModelSpec):
+    """update, then attention in which the call's queries also see the tokens this call
+    evicts (they were in the cache while the call ran: SnapKV's full-prompt prefill).
+
+    With ring="exact" the candidates that were not admitted (window + evicted now) are
+    attended exactly; with ring="inner" only the post-update window is (the scratch copy
+    of the inner cache holds W tokens), as `attend`."""
+    cache, e, admitted, valid = self._update(inputs, lp)
+    if self.ring != "exact" or self.window + inputs.positions.shape[1] == 0:
+      out, lse = cache.attend(q, inputs.positions, lp, spec=spec)
+      return out, lse, cache, carry
+    inner = cache._attend_inner(q, inputs.positions, lp, spec)
+    recent = dot_product_attention(q, e.k, e.v, inputs.positions, e.positions,
+                                   valid & ~admitted, out_dtype=jnp.float32)
+    out, lse = combine([inner, recent], out_dtype=q.dtype)
+    return out, lse, cache, carry
 
   def _requery(self, q, c, q_positions, spec: ModelSpec):
     """q rotated from its position to the compact position c (pre-RoPE inner caches)."""
@@ -204,10 +232,14 @@ class EvictCache(base.KVCache):
       return q
     return apply_rope(q, jnp.where(q_positions >= 0, c - q_positions, 0), spec)
 
-  def attend(self, q, q_positions, lp, *, spec: ModelSpec, implementation=None):
+  def _attend_inner(self, q, q_positions, lp, spec: ModelSpec, implementation=None):
     c_in = _compact_positions(self.pos_map, self.pos_map != EMPTY, q_positions)
-    inner = self.inner.attend(self._requery(q, c_in, q_positions, spec), c_in, lp, spec=spec,
-                              implementation=implementation)
+    return self.inner.attend(self._requery(q, c_in, q_positions, spec), c_in, lp, spec=spec,
+                             implementation=implementation)
+
+  def attend(self, q, q_positions, lp, *, spec: ModelSpec, implementation=None):
+    """Attention over what the cache holds: the inner cache and the window."""
+    inner = self._attend_inner(q, q_positions, lp, spec, implementation)
     if self.window == 0:
       return inner
     ring_valid = self.ring_pos >= 0

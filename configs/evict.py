@@ -1,0 +1,65 @@
+r"""SnapKV-style eviction (kvlowrank.methods.evict) around the dense and KIVI caches.
+
+  python experiments/evaluate.py --config=configs/evict.py:inner=kivi,budget=128 --workdir=runs/evict
+  python experiments/evaluate.py --config=configs/evict.py:smoke --workdir=/tmp/smoke
+  python experiments/sweep.py --config=configs/evict.py --workdir=runs/evict_sweep
+
+Args after `:` (k=v, comma-separated): model, inner (dense | kivi | any supported cache
+with its knobs under --config.evict.inner_specs.<inner>.*), budget (tokens kept per
+sequence and layer), window (recent tokens never evicted), bits (KIVI inner), seq_len,
+windows, prompt_len (decode mode: prompt prefilled in one call, then one token per call),
+smoke (stories260K, < 2 min). get_sweep(): budgets {128, 256} x inner {dense, KIVI-2}.
+Eviction is judged in decode mode (SnapKV compresses at the end of the prompt), so only
+that mode runs; kv_bytes_per_token counts the budget's share of a seq_len context.
+
+Stacking with the rotated caches (issue 22 item 5): with the `fdc` / `zack` methods
+registered, `inner=zack` and --config.evict.inner_specs.zack.* (target_ratio, bits...)
+compose rotation + quantization + eviction in one config.
+
+Expected (measured 2026-11-25, 2-core CPU under heavy load, SmolLM2-135M fp32, bf16
+K/V, 2 WikiText-2 test windows of 512, prompt 256 in one call, window 32; PPL over all
+511 predictions / over the 256 predictions after the prompt), see the evict branch report:
+the numbers go to results/rotated.md.
+"""
+
+from ml_collections import ConfigDict
+
+from kvlowrank.config_lib import parse_arg
+from kvlowrank.experiment.config import apply_smoke, base_config
+
+
+def get_config(arg=None):
+  arg = parse_arg(arg, model="smollm2", inner="dense", budget=128, window=32, bits=2,
+                  seq_len=512, windows=4, prompt_len=256, smoke=False)
+  c = base_config()
+  c.model.path = arg.model
+  c.method = "evict"
+  c.evict = ConfigDict(dict(
+      inner=arg.inner, budget=arg.budget, window=arg.window, observe=arg.window, pool=5,
+      ring="auto", bytes_context=arg.seq_len,
+      inner_specs=ConfigDict(dict(
+          dense=ConfigDict(),
+          kivi=ConfigDict(dict(bits=arg.bits, group_size=32, residual=128,
+                               scale_dtype="float16"))))))
+  c.eval.seq_len = arg.seq_len
+  c.eval.max_windows = arg.windows
+  c.eval.batch_size = arg.windows
+  c.eval.modes = ("decode",)
+  c.eval.prompt_len = arg.prompt_len
+  c.eval.prefill_chunk = 0
+  if arg.smoke:
+    apply_smoke(c)                 # stories260K, 2 windows of 256, prompt 64
+    c.eval.modes = ("decode",)
+    c.eval.prefill_chunk = 0
+    c.evict.budget = min(arg.budget, 64)
+    c.evict.window = c.evict.observe = min(arg.window, 16)
+    c.evict.bytes_context = c.eval.seq_len
+    c.evict.inner_specs.kivi.group_size = 8     # head dim 8
+    c.evict.inner_specs.kivi.residual = 32
+  return c
+
+
+def get_sweep(arg=None):
+  del arg
+  return [{"evict.inner": inner, "evict.budget": budget}
+          for inner in ("dense", "kivi") for budget in (128, 256)]
