@@ -12,9 +12,13 @@ smoke (stories260K, < 2 min). get_sweep(): budgets {128, 256} x inner {dense, KI
 Eviction is judged in decode mode (SnapKV compresses at the end of the prompt), so only
 that mode runs; kv_bytes_per_token counts the budget's share of a seq_len context.
 
-Stacking with the rotated caches (issue 22 item 5): with the `fdc` / `zack` methods
-registered, `inner=zack` and --config.evict.inner_specs.zack.* (target_ratio, bits...)
-compose rotation + quantization + eviction in one config.
+KIVI inside the budget: G = 32 and an exact residual R = 32 (not KIVI's 128): the inner
+cache holds budget - window tokens, and with R >= that KIVI would never quantize anything.
+
+Stacking (issue 22 item 5): where the rotated caches are registered (`fdc` / `zack`), the
+config also holds inner_specs.zack (ZACK at 50% widths, 4-bit K'/V' KIVI-style, R = 32)
+and `inner=zack` composes rotation + quantization + eviction in one config; get_sweep()
+then adds that point at each budget.
 
 Expected (measured 2026-11-25, 2-core CPU under heavy load, SmolLM2-135M fp32, bf16
 K/V, 2 WikiText-2 test windows of 512, prompt 256 in one call, window 32; PPL over all
@@ -26,6 +30,9 @@ from ml_collections import ConfigDict
 
 from kvlowrank.config_lib import parse_arg
 from kvlowrank.experiment.config import apply_smoke, base_config
+from kvlowrank.methods import methods
+
+STACK = "zack" in methods()   # the rotated family is registered
 
 
 def get_config(arg=None):
@@ -39,8 +46,11 @@ def get_config(arg=None):
       ring="auto", bytes_context=arg.seq_len,
       inner_specs=ConfigDict(dict(
           dense=ConfigDict(),
-          kivi=ConfigDict(dict(bits=arg.bits, group_size=32, residual=128,
+          kivi=ConfigDict(dict(bits=arg.bits, group_size=32, residual=32,
                                scale_dtype="float16"))))))
+  if STACK:
+    c.evict.inner_specs.zack = ConfigDict(dict(target_ratio=0.5, bits=4, group_size=16,
+                                               residual=32, calibration="random"))
   c.eval.seq_len = arg.seq_len
   c.eval.max_windows = arg.windows
   c.eval.batch_size = arg.windows
@@ -55,11 +65,16 @@ def get_config(arg=None):
     c.evict.window = c.evict.observe = min(arg.window, 16)
     c.evict.bytes_context = c.eval.seq_len
     c.evict.inner_specs.kivi.group_size = 8     # head dim 8
-    c.evict.inner_specs.kivi.residual = 32
+    c.evict.inner_specs.kivi.residual = 16
+    if STACK:
+      c.evict.inner_specs.zack.group_size = 8
+      c.evict.inner_specs.zack.residual = 16
+      c.evict.inner_specs.zack.width_multiple = 8
   return c
 
 
 def get_sweep(arg=None):
   del arg
+  inners = ("dense", "kivi") + (("zack",) if STACK else ())
   return [{"evict.inner": inner, "evict.budget": budget}
-          for inner in ("dense", "kivi") for budget in (128, 256)]
+          for inner in inners for budget in (128, 256)]
