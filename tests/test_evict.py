@@ -317,3 +317,23 @@ def test_config_file_and_sweep_build():
     from_config(module.get_config("budget=16,window=32"))
   with pytest.raises(ValueError, match="unknown config arg 'bitz'"):
     module.get_config("bitz=3")
+
+
+def test_xquant_inner_transparent_and_evicting(params):
+  """A pre-RoPE inner cache (XQuant stores X and re-applies RoPE at its slots): equal to
+  plain XQuant when nothing is evicted; with eviction (scratch ring, re-indexed queries)
+  the budget holds and the outputs stay finite."""
+  from kvlowrank.methods import XQuantSpec  # pylint: disable=import-outside-toplevel
+  xq = {"bits": 4, "group_size": 16, "window": 0, "implementation": "reference"}
+  tokens = _tokens(2, 28)
+  es = lambda budget: EvictSpec(inner="xquant", budget=budget, window=6,
+                                inner_specs={"xquant": xq})
+  got, _ = _run(params, es(64), tokens, 20)
+  ref, _ = _run(params, XQuantSpec(**xq), tokens, 20, method="xquant")
+  # fp32 round-off: the inner cache projects x over the window's (empty) rows too.
+  np.testing.assert_allclose(np.asarray(got), np.asarray(ref), atol=1e-5, rtol=0)
+  small, states = _run(params, es(16), tokens, 20)
+  assert states[-1][0].ring == "inner" and states[-1][0].reindex
+  assert np.all(np.asarray(states[-1][0].stored_tokens()) == 16)
+  assert np.isfinite(np.asarray(small)).all()
+  assert np.abs(np.asarray(small) - np.asarray(ref)).max() > 1e-2   # negative control
