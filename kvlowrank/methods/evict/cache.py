@@ -18,7 +18,9 @@ Layout, per layer (B rows, W = window, C = budget - W):
     [B, C] records its original position (sorted, since tokens are admitted in order).
   * the window ring: the last W tokens not (yet) admitted, in position order: ring_k,
     ring_v [B, W, K, H] at the cache dtype, ring_pos [B, W] (-1 = empty), plus ring_x
-    [B, W, D] and ring_kpre when the inner cache reads them (Palu, XQuant: latents of x).
+    [B, W, D] and ring_kpre when the inner cache reads them (Palu, XQuant: latents of x;
+    held at the cache dtype, so such a cache sees x rounded once more than without the
+    wrapper when a token reaches it through the window).
   * lens [B]: one past the highest original position seen.
 Every call: the candidates are the ring followed by the new tokens; `select.admit` decides
 (admit everything while it fits, else keep the last W in the ring, admit the best `room`

@@ -5,6 +5,10 @@ wrapper's. KV bytes per token (the Pareto axis): the inner method's asymptotic b
 stored token times the fraction of a `bytes_context`-token context the cache keeps,
 min(budget, context) / context (an eviction cache does not grow with the context, so a
 per-token figure needs a context length; 0 reports the inner's bytes per token).
+Like the inner methods' figures it leaves out O(1) parts: the window ring (W exact
+tokens) and the inner cache's own exact residual (KIVI's R tokens, which with a small
+budget are a large share of the kept tokens: pick R well below budget - window);
+the evaluation record's allocated_bytes_per_token counts everything.
 """
 
 from __future__ import annotations
