@@ -8,7 +8,7 @@ Args after `:` (k=v, comma-separated): model, inner (dense | kivi | any supporte
 with its knobs under --config.evict.inner_specs.<inner>.*), budget (tokens kept per
 sequence and layer), window (recent tokens never evicted), bits (KIVI inner), seq_len,
 windows, prompt_len (decode mode: prompt prefilled in one call, then one token per call),
-smoke (stories260K, < 2 min). get_sweep(): budgets {128, 256} x inner {dense, KIVI-2}.
+smoke (stories260K, < 2 min; the random tiny model for inner=zack). get_sweep(): budgets {128, 256} x inner {dense, KIVI-2}.
 Eviction is judged in decode mode (SnapKV compresses at the end of the prompt), so only
 that mode runs; kv_bytes_per_token counts the budget's share of a seq_len context.
 
@@ -66,10 +66,11 @@ def get_config(arg=None):
     c.evict.bytes_context = c.eval.seq_len
     c.evict.inner_specs.kivi.group_size = 8     # head dim 8
     c.evict.inner_specs.kivi.residual = 16
-    if STACK:
-      c.evict.inner_specs.zack.group_size = 8
+    if arg.inner in ("zack", "fdc"):
+      # Widths are multiples of 8 or more: stories260K's head dim 8 leaves nothing to
+      # remove; the random tiny model (head dim 32) is the rotated family's smoke model.
+      c.model.path = "random:tiny"
       c.evict.inner_specs.zack.residual = 16
-      c.evict.inner_specs.zack.width_multiple = 8
   return c
 
 
