@@ -75,7 +75,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping
-from typing import Any, Optional
+from typing import Any
 
 import jax
 import jax.numpy as jnp
