@@ -144,6 +144,8 @@ def calibrated_params(config, exp: Experiment, model, workdir, *, tokens=None
   # Only what the calibration added or changed is saved; restore re-applies it to the
   # loaded model (bitwise identical).
   changed, meta["removed"] = param_delta.diff(model.params, params)
+  if not changed and not meta["removed"]:   # e.g. evict around a cache that does not calibrate
+    return params, None
   meta["changed"] = list(changed)
   ckpt.save(path, list(changed.values()), meta)
   return params, {"hash": h, "path": str(path), "restored": False,
