@@ -13,3 +13,4 @@ from kvlowrank.methods.dense import DenseCache, DenseSpec
 from kvlowrank.methods.kivi import KiviCache, KiviSpec
 from kvlowrank.methods.palu import LatentCache, PaluSpec
 from kvlowrank.methods.xquant import XCache, XCLCache, XQuantCLSpec, XQuantSpec
+from kvlowrank.methods.rotated import RotatedCache, RotatedSpec
