@@ -34,6 +34,14 @@ def _fwd(params, toks, pos, caches, spec):
   return forward(params, toks, pos, caches, spec)
 
 
+@jax.jit
+def _step(cache, inputs, q, lp):
+  """update then attend, jitted (eager CPU dispatch compiles every small op)."""
+  cache = cache.update(inputs, lp)
+  out, lse = cache.attend(q, inputs.positions, lp, spec=SPEC)
+  return cache, out, lse
+
+
 @pytest.mark.parametrize("recipe", ["fdc", "zack"])
 def test_r0_equals_dense_model_prefill_and_decode(recipe):
   """r = 0 keeps full width: prefill (ragged batch: row 1 is 5 tokens shorter, right-
@@ -100,8 +108,7 @@ def test_ragged_widths_attention_and_bytes(k_widths, v_widths):
   pos = np.stack([np.arange(t), np.where(np.arange(t) < 7, np.arange(t), -1)]).astype(np.int32)
   inputs = base.AttnInputs(x=jnp.asarray(x), k=jnp.asarray(k), k_pre=jnp.asarray(k),
                            v=jnp.asarray(k), positions=jnp.asarray(pos))
-  cache = cache.update(inputs, lp)
-  out, lse = cache.attend(jnp.asarray(q), jnp.asarray(pos), lp, spec=SPEC)
+  cache, out, lse = _step(cache, inputs, jnp.asarray(q), lp)
   out, lse = np.asarray(out, np.float64), np.asarray(lse, np.float64)
   assert out.shape == (2, t, 6, max(v_widths))
   for b in range(2):
@@ -145,14 +152,14 @@ def test_prefill_chunks_and_decode_match_one_prefill():
                                   k_pre=jnp.asarray(k[:, sl], jnp.float32),
                                   v=jnp.asarray(k[:, sl], jnp.float32), positions=pos[:, sl])
   c0 = rotated.RotatedCache.init(SPEC, lp, batch=1, capacity=16, dtype=jnp.float32)
-  full = c0.update(mk(slice(0, t)), lp)
-  ref, _ = full.attend(q, pos, lp, spec=SPEC)
+  full, ref, _ = _step(c0, mk(slice(0, t)), q, lp)
   import kvlowrank.model.attention as attn  # pylint: disable=C0415
   chunked = rotated.cache.ragged_attention
   q_rot = rotated.cache.rotate_queries(q, full.rk, 2)
   kp, valid = full.slot_positions()
-  out_c, _ = chunked(q_rot, full.k_rot, full.v_rot, pos, kp, valid, k_widths=(16, 32),
-                     v_widths=(32, 16), scale=32 ** -0.5)
+  out_c, _ = jax.jit(functools.partial(chunked, k_widths=(16, 32), v_widths=(32, 16),
+                                       scale=32 ** -0.5))(q_rot, full.k_rot, full.v_rot, pos,
+                                                          kp, valid)
   old = attn.SCORE_ELEMENTS
   try:
     attn.SCORE_ELEMENTS = 3 * 16       # 1 query row per chunk
@@ -163,10 +170,9 @@ def test_prefill_chunks_and_decode_match_one_prefill():
     attn.SCORE_ELEMENTS = old
   np.testing.assert_allclose(np.asarray(out_s), np.asarray(out_c), atol=1e-6)
   np.testing.assert_allclose(np.asarray(out_c), np.asarray(ref), atol=1e-6)
-  c = c0.update(mk(slice(0, 6)), lp)
+  c, _, _ = _step(c0, mk(slice(0, 6)), q[:, :6], lp)
   for i in range(6, t):
-    c = c.update(mk(slice(i, i + 1)), lp)
-    o, _ = c.attend(q[:, i:i + 1], pos[:, i:i + 1], lp, spec=SPEC)
+    c, o, _ = _step(c, mk(slice(i, i + 1)), q[:, i:i + 1], lp)
     np.testing.assert_allclose(np.asarray(o[0, 0]), np.asarray(ref[0, i]), atol=1e-5)
 
 
@@ -187,17 +193,17 @@ def test_quantized_rotated_cache(bits):
                            positions=pos)
   cq = rotated.RotatedCache.init(SPEC, lp, batch=2, capacity=64, dtype=jnp.float32, rspec=rs)
   cu = rotated.RotatedCache.init(SPEC, lp, batch=2, capacity=64, dtype=jnp.float32)
-  cq, cu = cq.update(inputs, lp), cu.update(inputs, lp)
-  oq, lq = cq.attend(q, pos, lp, spec=SPEC)
-  ou, _ = cu.attend(q, pos, lp, spec=SPEC)
-  kr, vr = cq.stored()
+  cq, oq, lq = _step(cq, inputs, q, lp)
+  cu, ou, _ = _step(cu, inputs, q, lp)
+  kr, vr = jax.jit(lambda c: c.stored())(cq)
   kp, valid = cq.slot_positions()
   q_rot = rotated.cache.rotate_queries(q, cq.rk, 2)
-  oref, lref = rotated.cache.ragged_attention(q_rot, kr, vr, pos, kp, valid, k_widths=(16, 32),
-                                              v_widths=(32, 16), scale=32 ** -0.5)
+  oref, lref = jax.jit(functools.partial(
+      rotated.cache.ragged_attention, k_widths=(16, 32), v_widths=(32, 16),
+      scale=32 ** -0.5))(q_rot, kr, vr, pos, kp, valid)
   np.testing.assert_allclose(np.asarray(oq), np.asarray(oref), atol=1e-5)
   np.testing.assert_allclose(np.asarray(lq), np.asarray(lref), atol=1e-5)
-  kx, _ = cu.stored()
+  kx, _ = jax.jit(lambda c: c.stored())(cu)
   err = float(jnp.max(jnp.abs(kr[:, :t] - kx[:, :t])))
   assert 0 < err < (0.05 if bits == 8 else 0.6)        # quantized, but not garbage
   assert np.all(np.asarray(kr[:, t - 8:t] == kx[:, t - 8:t]))  # the exact window

@@ -97,9 +97,6 @@ def _bits(rspec: RotatedSpec, cache_dtype) -> str:
 
 
 def _validate(spec, rspec: RotatedSpec) -> None:
-  if spec.head_dim % 16:
-    raise ValueError(f"fdc/zack: the model's head_dim ({spec.head_dim}) must be a multiple "
-                     "of 16 (kept widths are multiples of 16)")
   if rspec.width_multiple > spec.head_dim:
     raise ValueError(f"RotatedSpec.width_multiple ({rspec.width_multiple}) must be <= the "
                      f"model's head_dim ({spec.head_dim})")
