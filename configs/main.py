@@ -61,6 +61,15 @@ def get_config(arg=None):
                                 layer_bits=(), group_size=64, window=0, path="auto",
                                 delta_axis="token", key_axis="channel", value_axis="token",
                                 scale_dtype="float16", implementation="reference"))
+  # FDC / ZACK (configs/fdc.py documents the fields): adaptive Eq. 1 widths at 50% of the
+  # KV dims; FDC's rotations on random tokens (c.calib's shape, FDC's >= 8K tokens),
+  # ZACK's rotations on WikiText-2 (c.calib), as ZACK calibrates on text.
+  for name in ("fdc", "zack"):
+    c[name] = ConfigDict(dict(rate=0.0, target_ratio=0.5, allocation="adaptive",
+                              width_multiple=16, v_decomposition="whiten",
+                              calibration="random" if name == "fdc" else "data",
+                              bits=config_dict.placeholder(int), group_size=16, residual=32,
+                              implementation=config_dict.placeholder(str)))
   c.eval.seq_len = arg.seq_len
   c.eval.max_windows = arg.windows
   c.eval.batch_size = arg.windows
@@ -74,6 +83,7 @@ def get_config(arg=None):
     c.xquant_cl.group_size = 32
     c.xquant_cl.base_layer = 1
     c.xquant_cl.n_high_layers = 1
+    c.fdc.width_multiple = c.zack.width_multiple = 8   # head dim 8: full width only
   return c
 
 
@@ -88,4 +98,6 @@ def get_sweep(arg=None):
       {"method": "xquant", "xquant.bits": 4},
       {"method": "xquant", "xquant.bits": 2},
       {"method": "xquant_cl", "xquant_cl.bits": 2},
+      {"method": "fdc"},
+      {"method": "zack"},
   ]

@@ -213,3 +213,18 @@ def test_quantized_rotated_cache(bits):
   assert cq.bytes_per_token() * 1.0 == rotated.method.packed_bytes_per_token(
       48, rs, jnp.float32, values=False) + rotated.method.packed_bytes_per_token(
           48, rs, jnp.float32, values=True)
+
+
+def test_bench_decode_rotated_rows():
+  """bench_decode's FDC/ZACK-50% rows: random params of ragged widths averaging H/2, the
+  cache's bytes are half of dense, and a decode step runs."""
+  from kvlowrank.bench import decode  # pylint: disable=C0415
+  tiny = ModelSpec(vocab_size=64, dim=64, n_layers=2, n_heads=8, n_kv_heads=4, head_dim=64,
+                   ffn_dim=64, max_seq_len=512)
+  assert decode.rotated_widths(tiny) == (16, 48, 32, 32)
+  res = decode.run(tiny, methods=["dense", "fdc50"], configs=[(256, 2)], steps=1,
+                   log=lambda s: None)
+  recs = {r["method"]: r for r in res["records"]}
+  assert recs["FDC-50%"]["cache_nbytes"] == recs["FDC-50%"]["cache_device_bytes"]
+  ratio = recs["FDC-50%"]["cache_nbytes"] / recs["dense"]["cache_nbytes"]
+  assert abs(ratio - 0.5) < 0.01

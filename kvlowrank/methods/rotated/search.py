@@ -123,3 +123,55 @@ def search_model_rate(params, spec, rspec: RotatedSpec, calib, recipe: str, wind
   cparams, layout, _ = compress(params, spec, rspec.replace(rate=res.rate), calib, recipe,
                                 factors)
   return res, cparams, layout
+
+
+def run_config_search(config, workdir, *, tolerance: float = 0.01, hi: float = 0.5,
+                      steps: int = 8, held_out_windows: int = 4, progress=print) -> dict:
+  """The rate search of an fdc/zack evaluation config (experiments/search_rate.py).
+
+  Loads the config's model, calibrates on its calib section (Grams cached in workdir),
+  takes `held_out_windows` windows of eval.seq_len tokens from the START of the WikiText-2
+  validation split (the evaluation reports use the test split; the calibration windows,
+  when calibration="data", are drawn from the same validation split at random offsets),
+  searches the rate and writes workdir/search_<method>.json.
+
+  Returns:
+    the JSON record (rate, its PPL, dense PPL, bound, widths, removed fraction, history).
+  """
+  # Imported here: kvlowrank.experiment imports the methods package.
+  import json  # pylint: disable=C0415
+  from pathlib import Path  # pylint: disable=C0415
+  from kvlowrank.data import calib as calib_lib, text as text_lib  # pylint: disable=C0415
+  from kvlowrank.experiment import models  # pylint: disable=C0415
+  from kvlowrank.experiment.spec import from_config  # pylint: disable=C0415
+  from kvlowrank.methods.rotated.method import statistics  # pylint: disable=C0415
+  exp0 = from_config(config)
+  if exp0.method not in ("fdc", "zack"):
+    raise ValueError(f"config.method must be fdc or zack for the rate search, got "
+                     f"{exp0.method!r}")
+  model = models.load(exp0.model.path, exp0.model.dtype)
+  exp = from_config(config, model.spec)
+  rspec = exp.method_spec.replace(target_ratio=None, allocation="adaptive")
+  tok = model.require_tokenizer()
+  calib_tokens, _ = calib_lib.calibration_tokens(tok, exp.calib)
+  txt, where = text_lib.load_text(exp.data.dataset, "validation", source=exp.data.source)
+  ids = text_lib.tokenize(tok, txt, add_bos=exp.data.add_bos, max_chars=exp.data.max_chars)
+  windows = text_lib.windows(ids, exp.eval.seq_len, held_out_windows)
+  stats = statistics(model.params, model.spec, rspec, calib_tokens, workdir, exp.method)
+  res, _, layout = search_model_rate(model.params, model.spec, rspec, stats, exp.method,
+                                     windows, tolerance=tolerance, hi=hi, steps=steps,
+                                     cache_dtype=exp.jnp_cache_dtype,
+                                     batch_size=len(windows), progress=progress)
+  record = {"method": exp.method, "rate": res.rate, "ppl": res.value,
+            "dense_ppl": res.baseline, "bound": res.bound, "tolerance": tolerance,
+            "held_out": {"source": where, "windows": int(len(windows)),
+                         "seq_len": exp.eval.seq_len},
+            "kv_dims_removed": layout.compression_ratio(),
+            "k_widths": layout.k_widths, "v_widths": layout.v_widths,
+            "calibration": rspec.calibration,
+            "history": [dict(rate=r, ppl=v, passed=ok) for r, v, ok in res.history]}
+  out = Path(workdir) / f"search_{exp.method}.json"
+  out.parent.mkdir(parents=True, exist_ok=True)
+  out.write_text(json.dumps(record, indent=1))
+  record["path"] = str(out)
+  return record

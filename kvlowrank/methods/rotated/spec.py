@@ -44,9 +44,12 @@ class RotatedSpec:
       (uniformly random vocabulary ids, FDC §5.1: >= 8K tokens) or "data" (the config's
       calib windows, WikiText-2 validation). Both use positions 0..calib.seq_len-1, which
       should span the evaluated context.
-    v_decomposition: FDC's value factorisation through Palu's code: "svd" (SVD of W_V, the
-      FDC text; data-free) or "whiten" (Palu's whitened SVD, needs the calib windows'
-      Gram). Ignored by ZACK.
+    v_decomposition: FDC's value factorisation through Palu's code: "whiten" (Palu's
+      whitened SVD on the calib windows' XᵀX, whatever `calibration` says: FDC says V
+      "follows Palu") or "svd" (plain SVD of W_V, FDC's literal text; data-free). Default
+      "whiten", a deliberate choice: on SmolLM2 plain SVD of W_V at ~50% of the value dims
+      gave PPL 51157 (dense 28.2) against 54.0 whitened (results/rotated.md). Ignored by
+      ZACK.
     bits: None (K', V' at the cache dtype) or 2/4/8: KIVI-style quantization of the stored
       K' (per channel, groups of `group_size` tokens) and V' (per token, groups of
       `group_size` channels) through the KIVI cache code, with a `residual`-token exact
@@ -60,7 +63,7 @@ class RotatedSpec:
   allocation: str = "adaptive"
   width_multiple: int = 16
   calibration: str = "random"
-  v_decomposition: str = "svd"
+  v_decomposition: str = "whiten"
   bits: Optional[int] = None
   group_size: int = 16
   residual: int = 32
