@@ -14,3 +14,4 @@ from kvlowrank.methods.kivi import KiviCache, KiviSpec
 from kvlowrank.methods.palu import LatentCache, PaluSpec
 from kvlowrank.methods.xquant import XCache, XCLCache, XQuantCLSpec, XQuantSpec
 from kvlowrank.methods.rotated import RotatedCache, RotatedSpec
+from kvlowrank.methods.evict import EvictCache, EvictSpec
