@@ -77,8 +77,8 @@ METHODS = {
     "xquant2": BenchMethod("XQuant-2", "xquant", XQuantSpec(bits=2)),
     # FDC / ZACK at 50%: the same rotated cache (the recipes differ offline only); ragged
     # random widths (`rotated_widths`) averaging H/2 for keys and values.
-    "fdc50": BenchMethod("FDC-50%", "rotated", RotatedSpec()),
-    "zack50": BenchMethod("ZACK-50%", "rotated", RotatedSpec()),
+    "fdc50": BenchMethod("FDC-50%", "fdc", RotatedSpec()),
+    "zack50": BenchMethod("ZACK-50%", "zack", RotatedSpec()),
 }
 PALU_GROUP = 4          # KV heads per G-LRD group (the paper's gs-4)
 
@@ -109,7 +109,7 @@ def random_params(spec: ModelSpec, key, method: BenchMethod):
                 palu_bk=_rand(next(keys), (g, rk, width), scale=rk ** -0.5),
                 palu_bv=_rand(next(keys), (g, rv, width), scale=rv ** -0.5),
                 wo=_rand(next(keys), (spec.n_heads * rv, spec.dim), scale=std))
-    if method.cache == "rotated":
+    if method.cache in ("fdc", "zack"):
       lp.update(_rotated_params(spec, keys, std))
     layers.append(lp)
   return {"embed": _rand(next(keys), (spec.vocab_size, spec.dim), scale=std),

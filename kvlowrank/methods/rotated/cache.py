@@ -240,9 +240,10 @@ class RotatedCache(base.KVCache):
     return k_pos, k_pos < self.lens[:, None]
 
 
-@base.register_cache("rotated")
 def _make_rotated(method_spec, spec: ModelSpec, params, *, batch, capacity, dtype):
-  """Per-layer RotatedCaches for FDC/ZACK-compressed `params` (widths from the params)."""
+  """Per-layer RotatedCaches for FDC/ZACK-compressed `params` (widths from the params).
+  Registered as "rotated" and under the method names "fdc" and "zack" (the recipes differ
+  offline only), so wrappers that build their inner cache by method name find it."""
   if isinstance(method_spec, Mapping):
     method_spec = RotatedSpec(**method_spec)
   if method_spec is not None and not isinstance(method_spec, RotatedSpec):
@@ -251,3 +252,7 @@ def _make_rotated(method_spec, spec: ModelSpec, params, *, batch, capacity, dtyp
   layout_from_params(params, spec.head_dim)   # clear error if params are not compressed
   return tuple(RotatedCache.init(spec, lp, batch=batch, capacity=capacity, dtype=dtype,
                                  rspec=method_spec) for lp in params["layers"])
+
+
+for _name in ("rotated", "fdc", "zack"):
+  base.register_cache(_name)(_make_rotated)

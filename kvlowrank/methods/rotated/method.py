@@ -102,11 +102,11 @@ def _validate(spec, rspec: RotatedSpec) -> None:
                      f"model's head_dim ({spec.head_dim})")
 
 
-FDC = register_method(Method(name="fdc", cache="rotated", spec_cls=RotatedSpec,
+FDC = register_method(Method(name="fdc", cache="fdc", spec_cls=RotatedSpec,
                              kv_bytes_per_token=_kv_bytes,
                              calibrate=functools.partial(_calibrate, recipe="fdc"),
                              validate=_validate, bits=_bits))
-ZACK = register_method(Method(name="zack", cache="rotated", spec_cls=RotatedSpec,
+ZACK = register_method(Method(name="zack", cache="zack", spec_cls=RotatedSpec,
                               kv_bytes_per_token=_kv_bytes,
                               calibrate=functools.partial(_calibrate, recipe="zack"),
                               validate=_validate, bits=_bits))
