@@ -2,7 +2,7 @@ r"""FDC: post-RoPE rotated K' (one Q-K rotation per KV head) + Palu-style V late
 per-head widths from one singular-value removal rate (kvlowrank.methods.rotated).
 
   python experiments/evaluate.py --config=configs/fdc.py --workdir=runs/fdc
-  python experiments/evaluate.py --config=configs/fdc.py:ratio=0.5,allocation=uniform --workdir=runs/fdc
+  python experiments/evaluate.py --config=configs/fdc.py:allocation=uniform --workdir=runs/fdc
   python experiments/evaluate.py --config=configs/fdc.py:rate=0.05 --workdir=runs/fdc
   python experiments/evaluate.py --config=configs/fdc.py:smoke --workdir=/tmp/smoke
   python experiments/sweep.py --config=configs/fdc.py --workdir=runs/rotated

@@ -205,3 +205,21 @@ def test_bad_configs_through_the_registry():
   with pytest.raises(ValueError, match="not FDC/ZACK-compressed"):
     from kvlowrank.methods import init_caches  # pylint: disable=C0415
     init_caches("rotated", RotatedSpec(), SPEC, _params(), batch=1, capacity=8)
+
+
+@pytest.mark.parametrize("name", ["fdc", "zack"])
+def test_config_files(name):
+  """configs/fdc.py and configs/zack.py: default, smoke and every sweep point validate."""
+  from test_experiment_configs import SMOL, config_module  # pylint: disable=C0415
+  from kvlowrank.experiment import config as config_lib  # pylint: disable=C0415
+  from kvlowrank.experiment.spec import from_config  # pylint: disable=C0415
+  module = config_module(name)
+  assert "python experiments/" in module.__doc__ and "Expected" in module.__doc__
+  c = module.get_config()
+  assert from_config(c, SMOL).method == name
+  assert from_config(c, SMOL).method_spec.calibration == ("random" if name == "fdc" else "data")
+  for point in module.get_sweep():
+    from_config(config_lib.apply_overrides(c, point), SMOL)
+  assert from_config(module.get_config("smoke")).model.path == "random:tiny"
+  with pytest.raises(ValueError, match="unknown config arg 'bitz'"):
+    module.get_config("bitz=3")

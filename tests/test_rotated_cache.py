@@ -1,6 +1,5 @@
 """The FDC / ZACK rotated cache against dense attention and a float64 numpy model."""
 
-import dataclasses
 import functools
 
 import jax
@@ -14,7 +13,7 @@ from kvlowrank.methods.rotated import compression
 from kvlowrank.model.transformer import forward
 from kvlowrank.spec import ModelSpec
 from np_params import np_init_params
-from np_reference import np_forward, np_rope
+from np_reference import np_forward
 
 SPEC = ModelSpec(vocab_size=64, dim=64, n_layers=2, n_heads=6, n_kv_heads=2, head_dim=32,
                  ffn_dim=48, qkv_bias=True)

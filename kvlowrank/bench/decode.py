@@ -22,8 +22,9 @@ Methods (`METHODS`): dense (bf16), KIVI-2 / KIVI-4 (G = 32, R = 128, fp16 scales
 (G-LRD groups of 4 KV heads, key rank 25%, value rank 75% of a group's width: the paper's
 latency configuration; bf16 latents and 4-bit latents), XQuant-2 (group 128; "x" path
 for MHA, "latent" for GQA), FDC-50% / ZACK-50% (the rotated cache; random rotations of ragged
-widths H/4, 3H/4, H/2, H/2, ... per KV head, keys and values alike). Palu's factors are random matrices of the compressed shapes
-(the step's work does not depend on their values).
+widths H/4, 3H/4, H/2, H/2, ... per KV head, keys and values alike). Palu's (and FDC/ZACK's)
+factors are random matrices of the compressed shapes (the step's work does not depend on
+their values).
 """
 
 from __future__ import annotations
