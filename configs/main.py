@@ -71,6 +71,15 @@ def get_config(arg=None):
                            rank_prefill=4, rank_chunk=2, iterations=3, seed=0,
                            outlier_fill="mean", scale_dtype="float16",
                            implementation=config_dict.placeholder(str)))
+  # FDC / ZACK (configs/fdc.py documents the fields): adaptive Eq. 1 widths at 50% of the
+  # KV dims; FDC's rotations on random tokens (c.calib's shape, FDC's >= 8K tokens),
+  # ZACK's rotations on WikiText-2 (c.calib), as ZACK calibrates on text.
+  for name in ("fdc", "zack"):
+    c[name] = ConfigDict(dict(rate=0.0, target_ratio=0.5, allocation="adaptive",
+                              width_multiple=16, v_decomposition="whiten",
+                              calibration="random" if name == "fdc" else "data",
+                              bits=config_dict.placeholder(int), group_size=16, residual=32,
+                              implementation=config_dict.placeholder(str)))
   c.eval.seq_len = arg.seq_len
   c.eval.max_windows = arg.windows
   c.eval.batch_size = arg.windows
@@ -88,6 +97,7 @@ def get_config(arg=None):
     c.xquant_cl.n_high_layers = 1
     c.gear.group_size = 8          # stories260K: head dim 8
     c.gear.buffer = 16
+    c.fdc.width_multiple = c.zack.width_multiple = 8   # head dim 8: full width only
   return c
 
 
@@ -104,4 +114,6 @@ def get_sweep(arg=None):
       {"method": "xquant_cl", "xquant_cl.bits": 2},
       {"method": "gear", "eval.prefill_chunk": 0},                          # GEAR-2
       {"method": "gear", "gear.sparsity": 0.0, "eval.prefill_chunk": 0},    # GEAR-L-2
+      {"method": "fdc"},
+      {"method": "zack"},
   ]

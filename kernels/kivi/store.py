@@ -64,8 +64,9 @@ def capacity_multiple(layout: str, group: int) -> int:
 
 
 def empty(layout: str, *, batch: int, kv_heads: int, capacity: int, head_dim: int,
-          k_bits: int, v_bits: int, group: int, scale_dtype):
-  """A zeroed store of `capacity` slots (a multiple of `capacity_multiple`)."""
+          k_bits: int, v_bits: int, group: int, scale_dtype, v_head_dim: int | None = None):
+  """A zeroed store of `capacity` slots (a multiple of `capacity_multiple`); values are
+  `v_head_dim` wide (default: head_dim; planar only, e.g. FDC/ZACK's rotated widths)."""
   if layout not in LAYOUTS:
     raise ValueError(f"KIVI store layout must be one of {LAYOUTS}, got {layout!r}")
   if capacity % capacity_multiple(layout, group):
@@ -82,12 +83,13 @@ def empty(layout: str, *, batch: int, kv_heads: int, capacity: int, head_dim: in
     return ml.KiviMosaic(kc=z(shape, jnp.uint32), ks=z(shape, sd), vc=z(shape, jnp.uint32),
                          vs=z(shape, sd))
   h, b, k, s = head_dim, batch, kv_heads, capacity
+  hv = h if v_head_dim is None else v_head_dim
   kw = packing.packed_bytes(h, k_bits, packing.plane_width(h, k_bits))
-  vw = packing.packed_bytes(h, v_bits, packing.plane_width(h, v_bits, group))
+  vw = packing.packed_bytes(hv, v_bits, packing.plane_width(hv, v_bits, group))
   keys = KiviKeys(codes=z((b, k, s, kw), jnp.uint8), scale=z((b, k, s // group, h), sd),
                   zero=z((b, k, s // group, h), sd), bits=k_bits, group=group)
-  values = KiviValues(codes=z((b, k, s, vw), jnp.uint8), scale=z((b, k, s, h // group), sd),
-                      zero=z((b, k, s, h // group), sd), bits=v_bits, group=group)
+  values = KiviValues(codes=z((b, k, s, vw), jnp.uint8), scale=z((b, k, s, hv // group), sd),
+                      zero=z((b, k, s, hv // group), sd), bits=v_bits, group=group)
   return PlanarStore(keys=keys, values=values)
 
 
@@ -97,11 +99,13 @@ def capacity(store) -> int:
   return store.keys.codes.shape[2]
 
 
-def dequantize(store, head_dim: int):
-  """(keys, values) float32 [B, S, K, H] (code * scale + zero of every slot)."""
+def dequantize(store, head_dim: int, v_head_dim: int | None = None):
+  """(keys, values) float32 [B, S, K, H] (code * scale + zero of every slot); values
+  `v_head_dim` wide when given."""
   if isinstance(store, ml.KiviMosaic):
     return ml.dequantize_mosaic(store)
-  return dequantize_keys(store.keys, head_dim), dequantize_values(store.values, head_dim)
+  hv = head_dim if v_head_dim is None else v_head_dim
+  return dequantize_keys(store.keys, head_dim), dequantize_values(store.values, hv)
 
 
 def _drop(idx, ok, size):

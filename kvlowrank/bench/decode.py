@@ -23,9 +23,10 @@ Methods (`METHODS`): dense (bf16), KIVI-2 / KIVI-4 (G = 32, R = 128, fp16 scales
 latency configuration; bf16 latents and 4-bit latents), XQuant-2 (group 128; "x" path
 for MHA, "latent" for GQA), GEAR-2 / GEAR-L-2 (2-bit KIVI backbone g = n_b = 64, s = 2 % /
 0, r_p = 4, r_g = 2; the fill sets n_pchunks = the context, i.e. every compressed token
-uses the prefill factor, as after a prefill of the context, and outlier indices < 64).
-Palu's factors are random matrices of the compressed shapes (the step's work does not
-depend on their values).
+uses the prefill factor, as after a prefill of the context, and outlier indices < 64),
+FDC-50% / ZACK-50% (the rotated cache; random rotations of ragged widths H/4, 3H/4, H/2,
+H/2, ... per KV head, keys and values alike). Palu's (and FDC/ZACK's) factors are random
+matrices of the compressed shapes (the step's work does not depend on their values).
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ from kvlowrank.bench.timing import time_fn
 from kvlowrank.cache.base import caches_nbytes, init_caches
 from kvlowrank.methods import DenseSpec, GearSpec, KiviSpec, PaluSpec, XQuantSpec
 from kvlowrank.methods.palu.spec import default_group_size
+from kvlowrank.methods.rotated import RotatedSpec
 from kvlowrank.model.params import layer_shapes
 from kvlowrank.model.transformer import forward
 from kvlowrank.spec import ModelSpec, RopeScaling
@@ -78,6 +80,10 @@ METHODS = {
     "xquant2": BenchMethod("XQuant-2", "xquant", XQuantSpec(bits=2)),
     "gear2": BenchMethod("GEAR-2", "gear", GearSpec()),
     "gearl2": BenchMethod("GEAR-L-2", "gear", GearSpec(sparsity=0.0)),
+    # FDC / ZACK at 50%: the same rotated cache (the recipes differ offline only); ragged
+    # random widths (`rotated_widths`) averaging H/2 for keys and values.
+    "fdc50": BenchMethod("FDC-50%", "fdc", RotatedSpec()),
+    "zack50": BenchMethod("ZACK-50%", "zack", RotatedSpec()),
 }
 PALU_GROUP = 4          # KV heads per G-LRD group (the paper's gs-4)
 
@@ -108,10 +114,31 @@ def random_params(spec: ModelSpec, key, method: BenchMethod):
                 palu_bk=_rand(next(keys), (g, rk, width), scale=rk ** -0.5),
                 palu_bv=_rand(next(keys), (g, rv, width), scale=rv ** -0.5),
                 wo=_rand(next(keys), (spec.n_heads * rv, spec.dim), scale=std))
+    if method.cache in ("fdc", "zack"):
+      lp.update(_rotated_params(spec, keys, std))
     layers.append(lp)
   return {"embed": _rand(next(keys), (spec.vocab_size, spec.dim), scale=std),
           "final_norm": jnp.ones((spec.dim,), jnp.bfloat16), "layers": layers,
           "lm_head": _rand(next(keys), (spec.dim, spec.vocab_size), scale=std)}
+
+
+def rotated_widths(spec: ModelSpec) -> tuple[int, ...]:
+  """FDC/ZACK-50% widths per KV head: H/4, 3H/4, H/2, H/2, ... (multiples of 16, mean H/2
+  for an even head count), so the ragged decode path sees unequal heads."""
+  h = spec.head_dim
+  pattern = (h // 4, 3 * h // 4, h // 2, h // 2)
+  return tuple(max(16, 16 * (pattern[i % 4] // 16)) for i in range(spec.n_kv_heads))
+
+
+def _rotated_params(spec: ModelSpec, keys, std) -> dict:
+  """Random FDC/ZACK entries of the compressed shapes (`methods.rotated.compression`)."""
+  w = rotated_widths(spec)
+  kh, h = spec.n_kv_heads, spec.head_dim
+  return dict(rot_rk=_rand(next(keys), (kh * h, sum(w)), scale=h ** -0.5),
+              rot_av=_rand(next(keys), (spec.dim, sum(w)), scale=std),
+              rot_bv=_rand(next(keys), (sum(w), kh * h), scale=h ** -0.5),
+              rot_kw=jnp.asarray(w, jnp.int32), rot_vw=jnp.asarray(w, jnp.int32),
+              wo=_rand(next(keys), (spec.n_heads * max(w), spec.dim), scale=std))
 
 
 def fill_caches(caches, key, length: int):

@@ -14,4 +14,5 @@ from kvlowrank.methods.kivi import KiviCache, KiviSpec
 from kvlowrank.methods.gear import GearCache, GearSpec
 from kvlowrank.methods.palu import LatentCache, PaluSpec
 from kvlowrank.methods.xquant import XCache, XCLCache, XQuantCLSpec, XQuantSpec
+from kvlowrank.methods.rotated import RotatedCache, RotatedSpec
 from kvlowrank.methods.evict import EvictCache, EvictSpec

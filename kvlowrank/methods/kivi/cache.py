@@ -183,22 +183,24 @@ class KiviCache(base.KVCache):
 
   @classmethod
   def init(cls, kspec: KiviSpec, spec: ModelSpec, *, batch: int, capacity: int,
-           dtype=jnp.bfloat16):
+           dtype=jnp.bfloat16, v_head_dim: Optional[int] = None):
     """Allocates an empty cache for `capacity` positions (rounded up to the store's
-    capacity multiple)."""
+    capacity multiple). `v_head_dim`: values narrower/wider than the keys (planar layout;
+    the FDC/ZACK rotated cache stores its K' and V' through this class)."""
     g, h, kh = kspec.group_size, spec.head_dim, spec.n_kv_heads
-    if h % g:
-      raise ValueError(f"KiviSpec.group_size ({g}) must divide head_dim ({h}): values are "
-                       f"quantized per token in groups of group_size channels")
-    layout = kspec.store_layout(h)
+    hv = h if v_head_dim is None else v_head_dim
+    if h % g or hv % g:
+      raise ValueError(f"KiviSpec.group_size ({g}) must divide head_dim ({h}, values {hv}): "
+                       f"values are quantized per token in groups of group_size channels")
+    layout = kspec.store_layout(h) if hv == h else "planar"
     m = kstore.capacity_multiple(layout, g)
     s = -(-capacity // m) * m
     f = kspec.flush_block
     store = kstore.empty(layout, batch=batch, kv_heads=kh, capacity=s, head_dim=h,
                          k_bits=kspec.bits, v_bits=kspec.value_bits, group=g,
-                         scale_dtype=kspec.scale_dtype)
+                         scale_dtype=kspec.scale_dtype, v_head_dim=hv)
     z = jnp.zeros
-    return cls(store=store, k_res=z((batch, f, kh, h), dtype), v_res=z((batch, f, kh, h), dtype),
+    return cls(store=store, k_res=z((batch, f, kh, h), dtype), v_res=z((batch, f, kh, hv), dtype),
                lens=z((batch,), jnp.int32), k_bits=kspec.bits, v_bits=kspec.value_bits,
                group_size=g, residual=kspec.residual, sliding_window=spec.sliding_window,
                implementation=kspec.implementation)
@@ -292,7 +294,7 @@ class KiviCache(base.KVCache):
 
   def dequantized(self):
     """Dequantized store (K_hat, V_hat) [B,S,K,H] in the cache dtype (fp32 math)."""
-    k, v = kstore.dequantize(self.store, self.k_res.shape[-1])
+    k, v = kstore.dequantize(self.store, self.k_res.shape[-1], self.v_res.shape[-1])
     return k.astype(self.k_res.dtype), v.astype(self.k_res.dtype)
 
   def segments(self):

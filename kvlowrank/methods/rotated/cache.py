@@ -1,0 +1,258 @@
+"""The FDC / ZACK rotated cache: post-RoPE keys and values in per-KV-head rotated bases,
+truncated to ragged widths, attended in the reduced dimension.
+
+Storage (per layer; the contract shared with the ragged decode kernel, kernels/rotated):
+  k_rot [B, S, Σk] cache dtype: K'_g = RoPE(K_g) R_g[:, :k_g] for every KV head g, heads
+        concatenated along the last axis (head g at offset Σ_{<g} k), no padding;
+  v_rot [B, S, Σv]: V'_g = x A_g[:, :v_g] (FDC: Palu's latent; ZACK: V_g R_v[:, :v_g]);
+  lens [B] int32; k_widths / v_widths: static tuples (pytree metadata).
+With `bits` set the same two arrays are stored quantized instead, KIVI-style (K' per channel
+in groups of G tokens, V' per token in groups of G channels, the last R tokens exact), by
+an inner KIVI cache (`kvlowrank.methods.kivi.cache.KiviCache` over one "head" of width Σk
+for keys and Σv for values: per-channel and per-token groups never mix heads since every
+width is a multiple of 16 and G divides 16).
+
+Attention (prefill and decode, any GQA ratio, ragged rows): the query is rotated per KV
+head, q'_n = q_n R_{g(n)}[:, :k_g] (laid out [B, T, G, Σk] like the kernel's q_rot), and
+each KV head's G query heads attend to their k_g-wide keys with the ORIGINAL softmax scale
+1/sqrt(H) (the rotation preserves dot products; truncation only drops low-energy dims).
+The output stays in the value space: head n's [v_g] output is zero-padded to
+v_max = max_g v_g so the attention block's folded W_O' [N·v_max, D] applies unchanged
+(`compress`); the padding is transient, never stored. Long prompts attend in query chunks
+(`model.attention.dot_product_attention`), so no [T, S] fp32 score matrix is built at once.
+
+Decode path: the ragged-head kernel (kernels/rotated, built separately) is wired at merge;
+until then `kernel_candidates` is empty and every call runs this jnp reference.
+
+`nbytes()` counts what grows with the cache (k_rot, v_rot or the quantized store and its
+exact window, lengths); the rotations and reconstructions are weights (`weights_nbytes`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any, Optional
+
+import jax
+import jax.numpy as jnp
+
+from kvlowrank.cache import base
+from kvlowrank.methods.kivi.cache import KiviCache, KiviSpec
+from kvlowrank.methods.rotated.spec import RotatedSpec, layout_from_params
+from kvlowrank.model.attention import combine, dot_product_attention
+from kvlowrank.spec import ModelSpec
+
+_HI = jax.lax.Precision.HIGHEST
+# Slots in whole 64-token tiles, as the dense and Palu caches (the decode kernels' blocks).
+CAPACITY_MULTIPLE = 64
+
+
+def offsets(widths) -> tuple[int, ...]:
+  """Start of each head's slice in a packed axis: (0, w0, w0 + w1, ...)."""
+  out, acc = [], 0
+  for w in widths:
+    out.append(acc)
+    acc += w
+  return tuple(out)
+
+
+def rotate_queries(q, rk, n_kv_heads: int):
+  """q [B, T, N, H] (RoPE applied) → q_rot [B, T, G, Σk] fp32 (query n = g_kv·G + g sits
+  at [.., g, off_{g_kv}:...]), through the block-diagonal rotation rk [K·H, Σk]."""
+  b, t, n, h = q.shape
+  g = n // n_kv_heads
+  qg = q.astype(jnp.float32).reshape(b, t, n_kv_heads, g, h).transpose(0, 1, 3, 2, 4)
+  return jnp.einsum("btgc,cw->btgw", qg.reshape(b, t, g, n_kv_heads * h),
+                    rk.astype(jnp.float32), precision=_HI)
+
+
+def ragged_attention(q_rot, k_rot, v_rot, q_pos, k_pos, k_valid, *, k_widths, v_widths,
+                     scale: float, sliding_window=None):
+  """Attention of rotated queries over ragged-width heads (the jnp path of the cache).
+
+  Args:
+    q_rot: [B, T, G, Σk] rotated queries (see `rotate_queries`).
+    k_rot: [B, S, Σk]; v_rot: [B, S, Σv] (any float dtype; math in fp32).
+    q_pos [B, T], k_pos [B, S], k_valid [B, S]: as `dot_product_attention`.
+    k_widths, v_widths: static per-KV-head widths.
+    scale: softmax scale (1/sqrt(original head dim)).
+  Returns:
+    out [B, T, N, v_max] fp32 (head n = g_kv·G + g; columns >= v_{g_kv} are zero),
+    lse [B, T, N] fp32.
+  """
+  vmax = max(v_widths)
+  outs, lses = [], []
+  for ko, kw, vo, vw in zip(offsets(k_widths), k_widths, offsets(v_widths), v_widths):
+    o, l = dot_product_attention(
+        q_rot[..., ko:ko + kw], k_rot[:, :, None, ko:ko + kw], v_rot[:, :, None, vo:vo + vw],
+        q_pos, k_pos, k_valid, sliding_window=sliding_window, scale=scale,
+        out_dtype=jnp.float32)                                     # [B, T, G, vw], [B, T, G]
+    outs.append(jnp.pad(o, ((0, 0), (0, 0), (0, 0), (0, vmax - vw))))
+    lses.append(l)
+  b, t, g = lses[0].shape
+  out = jnp.stack(outs, axis=2).reshape(b, t, len(k_widths) * g, vmax)
+  return out, jnp.stack(lses, axis=2).reshape(b, t, -1)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class RotatedCache(base.KVCache):
+  """One layer of rotated K' / V' (module docstring)."""
+
+  k_rot: Optional[jax.Array]    # [B, S, Σk] (None when quantized)
+  v_rot: Optional[jax.Array]    # [B, S, Σv]
+  quant: Optional[Any]          # inner KiviCache holding K', V' quantized (bits set)
+  lens: jax.Array               # [B] int32
+  rk: jax.Array                 # [K·H, Σk] block-diagonal key rotations (weights)
+  bv: jax.Array                 # [Σv, K·H] value reconstructions (materialize only)
+  v_bias: Optional[jax.Array]   # [K·H] (materialize only; folded into bo for attention)
+  spec: ModelSpec = base.static_field()
+  k_widths: tuple = base.static_field(default=())
+  v_widths: tuple = base.static_field(default=())
+  implementation: Optional[str] = base.static_field(default=None)
+
+  name = "rotated"
+
+  @classmethod
+  def init(cls, spec: ModelSpec, lp: dict, *, batch: int, capacity: int,
+           dtype=jnp.bfloat16, rspec: Optional[RotatedSpec] = None):
+    """Empty cache for one compressed layer `lp` (needs rot_rk, rot_bv, rot_kw, rot_vw)."""
+    rspec = RotatedSpec() if rspec is None else rspec
+    kw = tuple(int(x) for x in jax.device_get(lp["rot_kw"]))
+    vw = tuple(int(x) for x in jax.device_get(lp["rot_vw"]))
+    own = lambda a: None if a is None else jnp.array(a, copy=True)
+    capacity = -(-capacity // CAPACITY_MULTIPLE) * CAPACITY_MULTIPLE
+    k_rot = v_rot = quant = None
+    if rspec.bits is None:
+      k_rot = jnp.zeros((batch, capacity, sum(kw)), dtype)
+      v_rot = jnp.zeros((batch, capacity, sum(vw)), dtype)
+    else:
+      kspec = KiviSpec(bits=rspec.bits, group_size=rspec.group_size, residual=rspec.residual,
+                       layout="planar", implementation="reference")
+      pseudo = spec.replace(n_heads=1, n_kv_heads=1, head_dim=sum(kw), rope_layout="none")
+      quant = KiviCache.init(kspec, pseudo, batch=batch, capacity=capacity, dtype=dtype,
+                             v_head_dim=sum(vw))
+    return cls(k_rot=k_rot, v_rot=v_rot, quant=quant, lens=jnp.zeros((batch,), jnp.int32),
+               rk=own(lp["rot_rk"]), bv=own(lp["rot_bv"]), v_bias=own(lp.get("bv")),
+               spec=spec, k_widths=kw, v_widths=vw, implementation=rspec.implementation)
+
+  # -- protocol -------------------------------------------------------------
+
+  @property
+  def capacity(self) -> int:
+    return self.quant.capacity if self.quant is not None else self.k_rot.shape[1]
+
+  @property
+  def lengths(self):
+    return self.lens
+
+  @property
+  def sliding_window(self):
+    return self.spec.sliding_window
+
+  def rotate_keys(self, k):
+    """Post-RoPE keys [B, T, K, H] → K' [B, T, Σk] fp32."""
+    b, t = k.shape[:2]
+    return jnp.einsum("btc,cw->btw", k.astype(jnp.float32).reshape(b, t, -1),
+                      self.rk.astype(jnp.float32), precision=_HI)
+
+  def update(self, inputs: base.AttnInputs, lp):
+    pos = inputs.positions
+    kr = self.rotate_keys(inputs.k)
+    vr = inputs.x @ lp["rot_av"]
+    lens = base.new_lengths(self.lens, pos)
+    if self.quant is not None:
+      inner = base.AttnInputs(x=inputs.x, k=kr[:, :, None], k_pre=kr[:, :, None],
+                              v=vr[:, :, None], positions=pos)
+      return dataclasses.replace(self, quant=self.quant.update(inner, lp), lens=lens)
+    return dataclasses.replace(self, k_rot=base.scatter_slots(self.k_rot, kr, pos),
+                               v_rot=base.scatter_slots(self.v_rot, vr, pos), lens=lens)
+
+  def kernel_candidates(self, q_shape):
+    """The ragged-head decode kernel is wired at merge (kernels/rotated): none yet."""
+    del q_shape
+    return []
+
+  def attend(self, q, q_positions, lp, *, spec: ModelSpec, implementation=None):
+    # Only the jnp path exists until the ragged kernel is wired (kernel_candidates).
+    del implementation
+    q_rot = rotate_queries(q, self.rk, spec.n_kv_heads)
+    kw = dict(k_widths=self.k_widths, v_widths=self.v_widths, scale=spec.head_dim ** -0.5,
+              sliding_window=spec.sliding_window)
+    if self.quant is None:
+      k_pos, valid = self.slot_positions()
+      out, lse = ragged_attention(q_rot, self.k_rot, self.v_rot, q_positions, k_pos, valid,
+                                  **kw)
+      return out.astype(q.dtype), lse
+    # Quantized: the dequantized prefix [0, m) and the exact ring, merged by their LSE.
+    qc = self.quant
+    m, w_len = qc.segments()
+    k_hat, v_hat = qc.dequantized()
+    b, s = k_hat.shape[:2]
+    s_pos = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
+    prefix = ragged_attention(q_rot, k_hat[:, :, 0], v_hat[:, :, 0], q_positions, s_pos,
+                              s_pos < m[:, None], **kw)
+    ring_pos = qc._ring_positions(qc.lens)  # pylint: disable=protected-access
+    ring_ok = jnp.arange(qc.flush_block)[None, :] < w_len[:, None]
+    ring = ragged_attention(q_rot, qc.k_res[:, :, 0], qc.v_res[:, :, 0], q_positions,
+                            ring_pos, ring_ok, **kw)
+    return combine([prefix, ring], out_dtype=q.dtype)
+
+  def stored(self):
+    """(K' [B, S, Σk], V' [B, S, Σv]) fp32 as attention sees them."""
+    if self.quant is None:
+      return self.k_rot.astype(jnp.float32), self.v_rot.astype(jnp.float32)
+    k, v, _ = self.quant.materialize()
+    return k[:, :, 0].astype(jnp.float32), v[:, :, 0].astype(jnp.float32)
+
+  def materialize(self):
+    """(k [B,S,K,H] = K' R_pᵀ (post-RoPE, projected), v [B,S,K,H] = V' B (+ bias), valid)."""
+    kr, vr = self.stored()
+    b, s = kr.shape[:2]
+    shape = (b, s, self.spec.n_kv_heads, self.spec.head_dim)
+    k = jnp.einsum("bsw,cw->bsc", kr, self.rk.astype(jnp.float32), precision=_HI)
+    v = jnp.einsum("bsw,wc->bsc", vr, self.bv.astype(jnp.float32), precision=_HI)
+    if self.v_bias is not None:
+      v = v + self.v_bias.astype(jnp.float32)
+    _, valid = self.slot_positions()
+    return k.reshape(shape), v.reshape(shape), valid
+
+  def nbytes(self) -> int:
+    """Bytes of per-sequence storage: K', V' (or the quantized store + window), lengths."""
+    leaves = jax.tree.leaves((self.k_rot, self.v_rot, self.quant, self.lens))
+    return int(sum(x.size * x.dtype.itemsize for x in leaves))
+
+  def weights_nbytes(self) -> int:
+    leaves = jax.tree.leaves((self.rk, self.bv, self.v_bias))
+    return int(sum(x.size * x.dtype.itemsize for x in leaves))
+
+  def bytes_per_token(self) -> float:
+    """Storage per cached token of this layer (K' + V', or codes + amortised scales)."""
+    if self.quant is not None:
+      return self.quant.bytes_per_token()
+    return float(self.k_rot.shape[-1] * self.k_rot.dtype.itemsize
+                 + self.v_rot.shape[-1] * self.v_rot.dtype.itemsize)
+
+  def slot_positions(self):
+    b, s = self.lens.shape[0], self.capacity
+    k_pos = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
+    return k_pos, k_pos < self.lens[:, None]
+
+
+def _make_rotated(method_spec, spec: ModelSpec, params, *, batch, capacity, dtype):
+  """Per-layer RotatedCaches for FDC/ZACK-compressed `params` (widths from the params).
+  Registered as "rotated" and under the method names "fdc" and "zack" (the recipes differ
+  offline only), so wrappers that build their inner cache by method name find it."""
+  if isinstance(method_spec, Mapping):
+    method_spec = RotatedSpec(**method_spec)
+  if method_spec is not None and not isinstance(method_spec, RotatedSpec):
+    raise ValueError(f"rotated cache: method_spec must be a RotatedSpec, got "
+                     f"{type(method_spec).__name__}")
+  layout_from_params(params, spec.head_dim)   # clear error if params are not compressed
+  return tuple(RotatedCache.init(spec, lp, batch=batch, capacity=capacity, dtype=dtype,
+                                 rspec=method_spec) for lp in params["layers"])
+
+
+for _name in ("rotated", "fdc", "zack"):
+  base.register_cache(_name)(_make_rotated)
