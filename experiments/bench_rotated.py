@@ -3,8 +3,10 @@
 One layer, one new token per sequence, batch 8, all slots valid, random data. The rotated cache
 keeps ragged per-KV-head widths at 50% compression: k and v widths multiples of 16 around a
 mean of exactly 64 of H = 128 (`rotated.shapes.ragged_widths`, seeded). Rows: `dense-cudnn`,
-`dense-triton` (the baselines, full 128-wide bf16 K/V), `rotated-lpt` (the Triton kernel,
-chunks longest first), `rotated-static` (same kernel, static chunk order: the LPT ablation).
+`dense-triton` (the baselines, full 128-wide bf16 K/V); the rotated Triton kernel with its
+launch orders (`lpt.SCHEDULES`: `rotated-rows`, `rotated-lpt`, `rotated-static`, the no-sort
+ablation) and `rotated-kernel-only` (the kernel alone on records prepared outside the timing:
+the rest is the order/records fusion and the split-K combine).
 Timing: `kvlowrank.bench.time_op` (chained executables, median). Roofline
 (`kvlowrank.bench.finalize`) = bytes / the best dense bandwidth of the same call; bytes = the
 inputs read once plus the bf16 output. `pct_hbm` also states the time against a nominal
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import time
 
 import jax
 import jax.numpy as jnp
@@ -26,22 +29,26 @@ from kvlowrank.bench import environment, finalize, measure_ceilings, rand, time_
 from kvlowrank_kernels.dense import decode_attention
 from kvlowrank_kernels.rotated import ragged_attention
 from kvlowrank_kernels.rotated.shapes import ragged_widths
+from kvlowrank_kernels.rotated.triton_plan import plan
+from kvlowrank_kernels.rotated.triton_ragged import launch_kernel, records
 
 MODELS = {"llama3-8b": dict(n_heads=32, n_kv_heads=8, head_dim=128),
           "llama2-7b": dict(n_heads=32, n_kv_heads=32, head_dim=128)}
 HBM_TBPS = 4.8
 DENSE_OPTS = dict(block_s=64, num_warps=4, num_stages=4, target_programs=528)
 # Candidates of --sweep (first: the default).
-SWEEP = [dict(block_s=64, num_warps=4, num_stages=3, target_chunks=1056),
-         dict(block_s=64, num_warps=4, num_stages=4, target_chunks=1056),
-         dict(block_s=32, num_warps=4, num_stages=4, target_chunks=1056),
-         dict(block_s=128, num_warps=8, num_stages=3, target_chunks=1056),
-         dict(block_s=128, num_warps=4, num_stages=2, target_chunks=1056),
-         dict(block_s=64, num_warps=4, num_stages=3, target_chunks=528),
-         dict(block_s=64, num_warps=4, num_stages=3, target_chunks=2112),
-         dict(block_s=64, num_warps=8, num_stages=3, target_chunks=1056),
-         dict(block_s=32, num_warps=2, num_stages=4, target_chunks=2112),
-         dict(block_s=64, num_warps=4, num_stages=2, target_chunks=4224)]
+SWEEP = [dict(schedule="rows", block_s=64, num_warps=4, num_stages=3, target_chunks=528),
+         dict(schedule="rows", block_s=64, num_warps=4, num_stages=3, target_chunks=264),
+         dict(schedule="rows", block_s=64, num_warps=4, num_stages=3, target_chunks=396),
+         dict(schedule="rows", block_s=64, num_warps=4, num_stages=3, target_chunks=792),
+         dict(schedule="rows", block_s=64, num_warps=4, num_stages=3, target_chunks=1056),
+         dict(schedule="lpt", block_s=64, num_warps=4, num_stages=3, target_chunks=528),
+         dict(schedule="rows", block_s=128, num_warps=4, num_stages=2, target_chunks=528),
+         dict(schedule="rows", block_s=32, num_warps=4, num_stages=4, target_chunks=528),
+         dict(schedule="rows", block_s=64, num_warps=4, num_stages=2, target_chunks=528),
+         dict(schedule="rows", block_s=64, num_warps=8, num_stages=3, target_chunks=528),
+         dict(schedule="rows", block_s=128, num_warps=8, num_stages=2, target_chunks=396)]
+ALT = {"rows": "lpt", "lpt": "rows", "static": "rows"}
 
 
 def widths(m, seed=0):
@@ -108,10 +115,24 @@ def run_config(model, s, b, opts, log, samples):
                      flops=d_fl, seconds=try_time(f, dense, log, f"dense-{impl}", samples)))
   del dense
   inp, w, read, fl = rotated_case(m, s, b, key)
-  for name, sched in (("rotated-lpt", "lpt"), ("rotated-static", "static")):
-    t = try_time(rotated_fn(w, dict(opts, schedule=sched)), inp, log, name, samples)
+  sched = opts.get("schedule", "rows")
+  rows = [(f"rotated-{sched}", opts), (f"rotated-{ALT[sched]}", dict(opts, schedule=ALT[sched])),
+          ("rotated-static", dict(opts, schedule="static"))]
+  for name, o in rows:
+    t = try_time(rotated_fn(w, o), inp, log, name, samples)
     recs.append(dict(model=model, context=s, batch=b, kernel=name, bytes=read, flops=fl,
-                     seconds=t, k_widths=w["k_widths"], v_widths=w["v_widths"], options=opts))
+                     seconds=t, k_widths=w["k_widths"], v_widths=w["v_widths"], options=o))
+  # Where the time goes: the Triton kernel alone, on records prepared outside the timing
+  # (the rest of rotated-<schedule> is the order/records fusion and the split-K combine).
+  p = plan(inp[0].shape, s, w["k_widths"], w["v_widths"], inp[1].dtype,
+           block_s=opts["block_s"], target_chunks=opts.get("target_chunks"))
+  rec = jax.jit(lambda l: records(p, l, sched))(inp[3])
+  kern = jax.jit(lambda q, k, v, r: launch_kernel(q, k, v, r, p, w["scale"],
+                                                  num_warps=opts["num_warps"],
+                                                  num_stages=opts["num_stages"]))
+  recs.append(dict(model=model, context=s, batch=b, kernel="rotated-kernel-only", bytes=read,
+                   flops=fl, seconds=try_time(kern, (*inp[:3], rec), log, "kernel-only", samples),
+                   options=opts))
   for r in recs:
     log(f"  {model} S={s} B={b} {r['kernel']}: "
         f"{r['seconds'] * 1e6 if r['seconds'] else float('nan'):.1f} us")
@@ -119,18 +140,18 @@ def run_config(model, s, b, opts, log, samples):
 
 
 def table(recs):
-  lines = [f"{'model':10} {'ctx':>6} {'B':>2} {'kernel':15} {'us':>8} {'TB/s':>5} "
+  lines = [f"{'model':10} {'ctx':>6} {'B':>2} {'kernel':19} {'us':>8} {'TB/s':>5} "
            f"{'roof_us':>8} {'%roof':>6} {'%4.8TB/s':>8} {'x cudnn':>7} {'x best':>6}"]
   cudnn = {(r["model"], r["context"], r["batch"]): r["seconds"] for r in recs
            if r["kernel"] == "dense-cudnn"}
   for r in recs:
     if not r.get("us"):
-      lines.append(f"{r['model']:10} {r['context']:>6} {r['batch']:>2} {r['kernel']:15} failed")
+      lines.append(f"{r['model']:10} {r['context']:>6} {r['batch']:>2} {r['kernel']:19} failed")
       continue
     c = cudnn.get((r["model"], r["context"], r["batch"]))
     r["speedup_vs_cudnn"] = c / r["seconds"] if c else None
     r["pct_hbm"] = 100.0 * r["bytes"] / (HBM_TBPS * 1e12) / r["seconds"]
-    lines.append(f"{r['model']:10} {r['context']:>6} {r['batch']:>2} {r['kernel']:15} "
+    lines.append(f"{r['model']:10} {r['context']:>6} {r['batch']:>2} {r['kernel']:19} "
                  f"{r['us']:8.1f} {r['achieved_TBps']:5.2f} {r['roofline_us']:8.1f} "
                  f"{r['pct_roofline']:6.1f} {r['pct_hbm']:8.1f} "
                  f"{r['speedup_vs_cudnn'] or float('nan'):7.2f} {r['speedup_vs_dense']:6.2f}")
@@ -146,6 +167,8 @@ def main(argv=None):
   ap.add_argument("--sweep", action="store_true", help="tune the kernel knobs at 16K first")
   ap.add_argument("--options", default=None, help="JSON dict of kernel knobs (all models)")
   ap.add_argument("--samples", type=int, default=30)
+  ap.add_argument("--time_budget", type=float, default=1e9,
+                  help="skip sweeps and configs started after this many seconds")
   args = ap.parse_args(argv)
   if jax.devices()[0].platform != "gpu":
     raise SystemExit("bench_rotated.py needs a GPU")
@@ -156,12 +179,16 @@ def main(argv=None):
               matmul_TFLOPs=ceil.matmul_flops / 1e12)
   log(f"device: {info}")
   out = dict(info=info, options={}, sweep={}, records=[])
+  t0 = time.time()
   for model in args.models.split(","):
     opts = dict(SWEEP[0]) if args.options is None else json.loads(args.options)
-    if args.sweep:
+    if args.sweep and time.time() - t0 < args.time_budget:
       opts, out["sweep"][model] = sweep(model, 16384, args.batch, log, args.samples)
     out["options"][model] = opts
     for s in map(int, args.contexts.split(",")):
+      if time.time() - t0 > args.time_budget:
+        log(f"time budget reached: skipping {model} S={s}")
+        continue
       out["records"] += run_config(model, s, args.batch, opts, log, args.samples)
       with open(args.out, "w", encoding="utf-8") as f:
         json.dump(out, f, indent=1)

@@ -6,7 +6,7 @@ returns (out [B, G, sum v], lse [B, K, G]) with the semantics of
 Implementations:
   "reference"  plain jnp float32 (runs anywhere; prefill uses it too);
   "triton"     the split-K kernel in `triton_ragged`: (request, KV head) tasks cut into chunks
-               of about equal cost, dispatched longest first (LPT, `lpt`); bf16/fp16 caches,
+               along the sequence, launched longest first (LPT, `lpt`); bf16/fp16 caches,
                widths <= 256 (`triton_fit`).
 None picks "triton" on a GPU with jax-triton when the operands fit it (`triton_fit`) or kernel
 knobs are passed, else "reference".

@@ -3,20 +3,28 @@
 FDC §5.3 / ZACK §5.2: decode work is one task per (request, KV head) of cost
 ~ s_kv * (k_h + v_h); sort the tasks longest first and give each in turn to the SM with the
 smallest load so far. Graham's bound: the LPT makespan is at most (4/3 - 1/(3m)) of the optimum
-on m machines.
+on m machines. `lpt_assign` is that textbook greedy.
 
-The kernel (`triton_ragged`) keeps that idea in its dispatch form. Greedy LPT gives the next
+The kernel (`triton_ragged`) keeps the idea in its dispatch form. Greedy LPT gives the next
 longest task to the least-loaded machine; when the estimates are the run times, the
-least-loaded machine is the one that frees up first. So the kernel's grid is the chunk list
-sorted longest first (`chunk_order`, computed under jit from the lengths and the static
-widths), and the GPU's block scheduler, which starts blocks in block-index order on whichever
-SM slot frees up first, is the greedy step. `dispatch` simulates that rule; the tests check that
-it equals `lpt_assign` (the textbook greedy), and check LPT against brute-force optima.
-Why not a persistent kernel with per-program task lists: the greedy step is sequential (one
-argmin over the machines per task); with ~10^3 chunks it costs milliseconds as an XLA while
-loop and tens of microseconds in a one-program Triton kernel, the same order as the attention
-itself (~60-300 us here). Dispatch order costs one sort, and it uses real run times rather
-than estimates.
+least-loaded machine is the one that frees up first. So the kernel's 1-D grid is the chunk
+list in LPT order (computed under jit from the lengths and the static widths), and the GPU's
+block scheduler, which starts blocks in block-index order on whichever SM slot frees up
+first, performs the greedy step with real run times. `dispatch` simulates that rule; the
+tests check that it equals `lpt_assign` on the same order.
+Why not a persistent kernel with per-program task lists: the greedy step is sequential (an
+argmin over the machines per task); for ~10^3 chunks it costs milliseconds as an XLA while
+loop and tens of microseconds in a one-program Triton kernel, as long as the attention
+itself (60-300 us here). The dispatch form costs one small sort.
+
+Orders (`order`; the kernel's `schedule` knob):
+  "lpt"   every chunk by its own cost, valid tokens x (k_h + v_h), longest first;
+  "rows"  LPT over row tasks (b, token range), cost = valid tokens x sum_h (k_h + v_h), each
+          row task's K head chunks in consecutive programs (widest head first). The packed
+          layout puts all heads of a token in one cache row, so the K co-running programs
+          read whole rows between them (DRAM pages and 64-byte sectors shared) instead of
+          one head's 64-192-byte slice of rows spread over the cache;
+  "static" chunk-id order (b, c, h), no sort (an ablation).
 """
 
 from __future__ import annotations
@@ -25,6 +33,8 @@ import heapq
 
 import jax.numpy as jnp
 import numpy as np
+
+SCHEDULES = ("lpt", "rows", "static")
 
 
 def lpt_assign(costs, machines: int):
@@ -65,21 +75,31 @@ def dispatch(costs_in_order, slots: int):
   return slot, finish
 
 
-def chunk_costs(lengths, chunk_b, chunk_start, chunk_tokens, chunk_width):
-  """Estimated cost of each chunk (jnp, traceable): the valid tokens it reads times the bytes
-  per token of its head (k_h + v_h elements).
+def valid_tokens(lengths, n_chunks: int, chunk_tokens: int):
+  """int32 [B, n_chunks]: slots of each (row, chunk) below the row's length (jnp, traceable)."""
+  start = jnp.arange(n_chunks, dtype=jnp.int32)[None, :] * chunk_tokens
+  return jnp.clip(lengths[:, None].astype(jnp.int32) - start, 0, chunk_tokens)
+
+
+def order(schedule: str, lengths, n_chunks: int, chunk_tokens: int, widths):
+  """int32 [B * n_chunks * K]: the chunk ids ((b * n_chunks + c) * K + h) in launch order.
 
   Args:
-    lengths: [B] int32 (traced).
-    chunk_b, chunk_start, chunk_tokens, chunk_width: [T] static int arrays: the chunk's
-      batch row, first slot, slot count and k_h + v_h.
+    schedule: one of SCHEDULES (module docstring).
+    lengths: [B] int (traced); widths: static [K] ints k_h + v_h.
+  Sorts are stable: equal costs keep the static order.
   """
-  valid = jnp.clip(lengths[chunk_b] - chunk_start, 0, chunk_tokens)
-  return valid * chunk_width
-
-
-def chunk_order(lengths, chunk_b, chunk_start, chunk_tokens, chunk_width):
-  """int32 [T]: the chunks longest first (`chunk_costs`; stable, so equal costs keep the
-  static head-major order): the kernel's program i runs chunk order[i]."""
-  cost = chunk_costs(lengths, chunk_b, chunk_start, chunk_tokens, chunk_width)
-  return jnp.argsort(-cost, stable=True).astype(jnp.int32)
+  if schedule not in SCHEDULES:
+    raise ValueError(f"ragged_attention: schedule must be one of {SCHEDULES}, got {schedule!r}")
+  widths = np.asarray(widths, np.int32)
+  k = widths.shape[0]
+  valid = valid_tokens(lengths, n_chunks, chunk_tokens).reshape(-1)          # [B * NC]
+  total = valid.shape[0] * k
+  if schedule == "static":
+    return jnp.arange(total, dtype=jnp.int32)
+  if schedule == "lpt":
+    cost = (valid[:, None] * jnp.asarray(widths)[None, :]).reshape(-1)
+    return jnp.argsort(-cost, stable=True).astype(jnp.int32)
+  rows = jnp.argsort(-valid, stable=True).astype(jnp.int32)
+  heads = np.argsort(-widths, kind="stable").astype(np.int32)
+  return (rows[:, None] * k + jnp.asarray(heads)[None, :]).reshape(-1)

@@ -1,15 +1,13 @@
 """Launch plan of the ragged-head Triton decode kernel (`triton_ragged`), importable without
-Triton: the shape rules `triton_fit` checks, the static chunk tables and the launch geometry
+Triton: the shape rules `triton_fit` checks, the static chunk table and the launch geometry
 that the JAX wrapper and the CPU interpreter check share.
 
-Chunks. Task (b, h) reads lengths[b] tokens of k_h + v_h elements each. It is split along the
-sequence into chunks of `chunk_tokens[h]` slots, sized so that every full chunk costs about
-the same whatever its head's width (FDC §5.2's row-block resizing, B_r^i ~ 1/d_sum^i, applied
-to decode's key chunks): chunk_tokens[h] ~ C / (k_h + v_h) tokens, a multiple of block_s, with
-C set so that a batch at full capacity has about `target_chunks` chunks. Chunk counts are
-static (sized for the capacity S); chunks past a row's length are empty and write lse = -inf.
-Static chunk ids are head-major (h, b, c), so each head's partials are one contiguous slice
-for the split-K combine.
+Chunks. Task (b, h) reads lengths[b] tokens of k_h + v_h elements each. Every task is cut
+along the sequence into `n_chunks` chunks of `chunk_tokens` slots (a multiple of block_s),
+sized so that a batch at full capacity has about `target_chunks` chunks. The chunk size is
+common to all heads, so the K chunks of one (b, token range) read the same rows of the packed
+[B, S, sum k] cache and can run side by side (see `lpt`); chunks past a row's length are
+empty and write lse = -inf. Static chunk ids are (b, c, h): id = (b * n_chunks + c) * K + h.
 """
 
 from __future__ import annotations
@@ -23,10 +21,11 @@ from .reference import check_widths, offsets
 
 KERNEL_DTYPES = ("bfloat16", "float16")
 MAX_WIDTH = 256          # widest head tile (registers: a [16, 256] fp32 accumulator per program)
+MAX_GROUPS = 64          # query heads per KV head (rows of the query tile)
 DEFAULT_BLOCK_S = 64
-# Chunks at full capacity: ~8 per SM slot of the 132 SMs of an H100/H200.
-DEFAULT_TARGET_CHUNKS = 1056
+DEFAULT_TARGET_CHUNKS = 528
 MIN_TILES = 4            # tiles per chunk at least (per-chunk fixed costs stay small)
+RECORD = 8               # int32 fields of a program's record (`records`)
 
 
 def _pow2_at_least(x: int, lo: int = 16) -> int:
@@ -43,8 +42,8 @@ class RaggedPlan:
   k_widths: tuple
   v_widths: tuple
   block_s: int
-  chunk_tokens: tuple         # per KV head
-  n_chunks: tuple             # per KV head (chunks per batch row)
+  chunk_tokens: int
+  n_chunks: int               # chunks per (b, h) task
 
   @property
   def heads(self) -> int:
@@ -52,12 +51,7 @@ class RaggedPlan:
 
   @property
   def total_chunks(self) -> int:
-    return self.batch * sum(self.n_chunks)
-
-  @property
-  def chunk_base(self) -> tuple:
-    """First static chunk id of each head (ids are head-major: (h, b, c))."""
-    return offsets(tuple(self.batch * n for n in self.n_chunks))
+    return self.batch * self.n_chunks * self.heads
 
   @property
   def constexprs(self) -> dict:
@@ -66,32 +60,27 @@ class RaggedPlan:
                 VW=_pow2_at_least(max(self.v_widths)), BLOCK_S=self.block_s)
 
   def head_table(self) -> np.ndarray:
-    """int32 [K, 5]: (k offset, v offset, k width, v width, chunk tokens) per KV head."""
-    return np.asarray([(ko, vo, kw, vw, ct) for ko, vo, kw, vw, ct in zip(
-        offsets(self.k_widths), offsets(self.v_widths), self.k_widths, self.v_widths,
-        self.chunk_tokens)], np.int32)
+    """int32 [K, 4]: (k offset, v offset, k width / 16, v width / 16) per KV head."""
+    return np.asarray([(ko, vo, kw // 16, vw // 16) for ko, vo, kw, vw in zip(
+        offsets(self.k_widths), offsets(self.v_widths), self.k_widths, self.v_widths)],
+                      np.int32)
 
-  def chunk_table(self) -> np.ndarray:
-    """int32 [T, 3]: (batch row, KV head, first slot) of each static chunk id."""
-    rows = [(b, h, c * ct) for h, (n, ct) in enumerate(zip(self.n_chunks, self.chunk_tokens))
-            for b in range(self.batch) for c in range(n)]
-    return np.asarray(rows, np.int32).reshape(-1, 3)
+  def widths(self) -> np.ndarray:
+    """int32 [K]: k_h + v_h (elements read per token)."""
+    return np.asarray(self.k_widths, np.int32) + np.asarray(self.v_widths, np.int32)
 
-  def chunk_cost_terms(self):
-    """(batch row, first slot, chunk tokens, k_h + v_h) of each static chunk: the static
-    inputs of `lpt.chunk_order`."""
-    tab = self.chunk_table()
-    h = tab[:, 1]
-    ct = np.asarray(self.chunk_tokens, np.int32)[h]
-    width = (np.asarray(self.k_widths, np.int32) + np.asarray(self.v_widths, np.int32))[h]
-    return tab[:, 0], tab[:, 2], ct, width
+  def value_columns(self) -> np.ndarray:
+    """int32 [sum v]: where each packed output column sits in the kernel's [K, VW] rows."""
+    vw = self.constexprs["VW"]
+    return np.concatenate([h * vw + np.arange(w) for h, w in enumerate(self.v_widths)]
+                          ).astype(np.int32)
 
 
 def check_fit(q_shape, k_widths, v_widths, dtype, capacity=None, block_s=DEFAULT_BLOCK_S):
   """ValueError naming the field unless the Triton kernel takes these operands."""
   check_widths(k_widths, v_widths)
-  name = np.dtype(dtype).name if not hasattr(dtype, "name") else dtype.name
-  if str(name) not in KERNEL_DTYPES:
+  name = np.dtype(dtype).name
+  if name not in KERNEL_DTYPES:
     raise ValueError(f"triton ragged attention: cache dtype is {name}; the kernel takes "
                      f"{' or '.join(KERNEL_DTYPES)} (fp32 would run its MMAs in TF32)")
   if len(q_shape) != 3 or q_shape[-1] != sum(k_widths):
@@ -101,9 +90,9 @@ def check_fit(q_shape, k_widths, v_widths, dtype, capacity=None, block_s=DEFAULT
     if max(ws) > MAX_WIDTH:
       raise ValueError(f"triton ragged attention: {field} entries must be <= {MAX_WIDTH}, "
                        f"got {max(ws)}")
-  if q_shape[1] > 64:
-    raise ValueError(f"triton ragged attention: at most 64 query heads per KV head, got "
-                     f"{q_shape[1]}")
+  if q_shape[1] > MAX_GROUPS:
+    raise ValueError(f"triton ragged attention: at most {MAX_GROUPS} query heads per KV head "
+                     f"(q_rot's G), got {q_shape[1]}")
   if block_s < 16 or block_s & (block_s - 1):
     raise ValueError(f"triton ragged attention: block_s must be a power of 2 >= 16, got {block_s}")
   if capacity is not None and capacity * max(sum(k_widths), sum(v_widths)) >= 2 ** 31:
@@ -115,31 +104,25 @@ def plan(q_shape, capacity, k_widths, v_widths, dtype, *, block_s=DEFAULT_BLOCK_
   """The static plan; ValueError (`check_fit`) for operands the kernel does not take.
 
   Args:
-    q_shape: (B, G, sum k); capacity: cache slots S.
+    q_shape: (B, G, sum k); capacity: cache slots S; dtype: the cache dtype.
     block_s: tokens per tile; target_chunks: chunks to aim for at full capacity (default
-      DEFAULT_TARGET_CHUNKS); chunk_tokens: explicit per-head (tuple) or common (int) chunk
-      size in tokens, a multiple of block_s (sweeps, tests).
+      DEFAULT_TARGET_CHUNKS); chunk_tokens: explicit chunk size, a multiple of block_s.
   """
   k_widths, v_widths = tuple(int(w) for w in k_widths), tuple(int(w) for w in v_widths)
   check_fit(q_shape, k_widths, v_widths, dtype, capacity, block_s)
   b, g = int(q_shape[0]), int(q_shape[1])
   tiles = max(1, math.ceil(capacity / block_s))
-  widths = [kw + vw for kw, vw in zip(k_widths, v_widths)]
   if chunk_tokens is None:
-    target = target_chunks or DEFAULT_TARGET_CHUNKS
+    target = DEFAULT_TARGET_CHUNKS if target_chunks is None else int(target_chunks)
     if target < 1:
       raise ValueError(f"triton ragged attention: target_chunks must be >= 1, got {target}")
-    # Cost per chunk C so that B * sum_h S * w_h / C ~ target.
-    per_chunk = b * tiles * block_s * sum(widths) / target
-    ct = []
-    for w in widths:
-      n_tiles = max(1, round(per_chunk / w / block_s))
-      ct.append(block_s * min(tiles, max(min(MIN_TILES, tiles), n_tiles)))
+    n = max(1, min(math.ceil(target / (b * len(k_widths))), max(1, tiles // MIN_TILES)))
+    ct = math.ceil(tiles / n) * block_s
   else:
-    ct = list(chunk_tokens) if isinstance(chunk_tokens, (tuple, list)) else [int(chunk_tokens)] * len(widths)
-    if len(ct) != len(widths) or any(c < block_s or c % block_s for c in ct):
-      raise ValueError(f"triton ragged attention: chunk_tokens must be multiples of block_s "
-                       f"({block_s}), one per KV head or one for all, got {chunk_tokens}")
-  n_chunks = tuple(max(1, math.ceil(capacity / c)) for c in ct)
+    ct = int(chunk_tokens)
+    if ct < block_s or ct % block_s:
+      raise ValueError(f"triton ragged attention: chunk_tokens must be a positive multiple of "
+                       f"block_s ({block_s}), got {chunk_tokens}")
   return RaggedPlan(batch=b, capacity=int(capacity), groups=g, k_widths=k_widths,
-                    v_widths=v_widths, block_s=block_s, chunk_tokens=tuple(ct), n_chunks=n_chunks)
+                    v_widths=v_widths, block_s=block_s, chunk_tokens=ct,
+                    n_chunks=max(1, math.ceil(capacity / ct)))
