@@ -37,17 +37,18 @@ MODELS = {"llama3-8b": dict(n_heads=32, n_kv_heads=8, head_dim=128),
 HBM_TBPS = 4.8
 DENSE_OPTS = dict(block_s=64, num_warps=4, num_stages=4, target_programs=528)
 # Candidates of --sweep (first: the default).
-SWEEP = [dict(schedule="rows", block_s=64, num_warps=4, num_stages=3, target_chunks=528),
-         dict(schedule="rows", block_s=64, num_warps=4, num_stages=3, target_chunks=264),
-         dict(schedule="rows", block_s=64, num_warps=4, num_stages=3, target_chunks=396),
-         dict(schedule="rows", block_s=64, num_warps=4, num_stages=3, target_chunks=792),
-         dict(schedule="rows", block_s=64, num_warps=4, num_stages=3, target_chunks=1056),
-         dict(schedule="lpt", block_s=64, num_warps=4, num_stages=3, target_chunks=528),
-         dict(schedule="rows", block_s=128, num_warps=4, num_stages=2, target_chunks=528),
-         dict(schedule="rows", block_s=32, num_warps=4, num_stages=4, target_chunks=528),
-         dict(schedule="rows", block_s=64, num_warps=4, num_stages=2, target_chunks=528),
-         dict(schedule="rows", block_s=64, num_warps=8, num_stages=3, target_chunks=528),
-         dict(schedule="rows", block_s=128, num_warps=8, num_stages=2, target_chunks=396)]
+SWEEP = [dict(schedule="rows", group_width=256, block_s=64, num_warps=4, num_stages=2, target_chunks=528),
+         dict(schedule="rows", group_width=256, block_s=64, num_warps=4, num_stages=2, target_chunks=396),
+         dict(schedule="rows", group_width=256, block_s=64, num_warps=4, num_stages=2, target_chunks=792),
+         dict(schedule="rows", group_width=256, block_s=64, num_warps=4, num_stages=2, target_chunks=1056),
+         dict(schedule="rows", group_width=256, block_s=32, num_warps=4, num_stages=3, target_chunks=528),
+         dict(schedule="rows", group_width=256, block_s=32, num_warps=4, num_stages=4, target_chunks=528),
+         dict(schedule="rows", group_width=256, block_s=64, num_warps=8, num_stages=2, target_chunks=528),
+         dict(schedule="rows", group_width=256, block_s=128, num_warps=8, num_stages=2, target_chunks=528),
+         dict(schedule="rows", group_width=128, block_s=64, num_warps=4, num_stages=2, target_chunks=528),
+         dict(schedule="rows", group_width=128, block_s=64, num_warps=4, num_stages=3, target_chunks=528),
+         dict(schedule="lpt", group_width=256, block_s=64, num_warps=4, num_stages=2, target_chunks=528),
+         dict(schedule="rows", group_width=16, block_s=64, num_warps=4, num_stages=3, target_chunks=528)]
 ALT = {"rows": "lpt", "lpt": "rows", "static": "rows"}
 
 
@@ -125,7 +126,8 @@ def run_config(model, s, b, opts, log, samples):
   # Where the time goes: the Triton kernel alone, on records prepared outside the timing
   # (the rest of rotated-<schedule> is the order/records fusion and the split-K combine).
   p = plan(inp[0].shape, s, w["k_widths"], w["v_widths"], inp[1].dtype,
-           block_s=opts["block_s"], target_chunks=opts.get("target_chunks"))
+           block_s=opts["block_s"], target_chunks=opts.get("target_chunks"),
+           group_width=opts.get("group_width", 256))
   rec = jax.jit(lambda l: records(p, l, sched))(inp[3])
   kern = jax.jit(lambda q, k, v, r: launch_kernel(q, k, v, r, p, w["scale"],
                                                   num_warps=opts["num_warps"],

@@ -68,7 +68,9 @@ def test_ragged_triton_matches_reference(name, kv_heads, groups, capacity):
 @pytest.mark.parametrize("opts", [dict(block_s=32, num_warps=4, num_stages=4),
                                   dict(block_s=128, num_warps=8, num_stages=2,
                                        target_chunks=528, schedule="static"),
-                                  dict(block_s=64, chunk_tokens=1024, num_stages=2)])
+                                  dict(block_s=64, chunk_tokens=1024, num_stages=3,
+                                       schedule="lpt", group_width=128),
+                                  dict(group_width=16, num_stages=3)])
 def test_ragged_triton_knobs(opts):
   shape, args = problem(8, 4, 8192, seed=5)
   w = dict(k_widths=shape.k_widths, v_widths=shape.v_widths, scale=shape.scale)

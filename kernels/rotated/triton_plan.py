@@ -2,12 +2,21 @@
 Triton: the shape rules `triton_fit` checks, the static chunk table and the launch geometry
 that the JAX wrapper and the CPU interpreter check share.
 
-Chunks. Task (b, h) reads lengths[b] tokens of k_h + v_h elements each. Every task is cut
-along the sequence into `n_chunks` chunks of `chunk_tokens` slots (a multiple of block_s),
-sized so that a batch at full capacity has about `target_chunks` chunks. The chunk size is
-common to all heads, so the K chunks of one (b, token range) read the same rows of the packed
-[B, S, sum k] cache and can run side by side (see `lpt`); chunks past a row's length are
-empty and write lse = -inf. Static chunk ids are (b, c, h): id = (b * n_chunks + c) * K + h.
+Head groups. The MMA needs 16 query rows; a KV head has G (1 for MHA, 4 for Llama-3). So a
+program takes a group of consecutive KV heads, up to 16 // G of them and `group_width` columns
+of keys and of values, as one block-diagonal problem: query row j * G + g holds head
+(h0 + j)'s query g in that head's columns of the group's [koff_h0, koff_h0 + sum k) slice and
+zeros elsewhere, so one [rows, group slice] x [group slice, tokens] MMA gives every head's
+scores and one P x V MMA every head's output (each row keeps its own head's columns). The
+group's slice of a cache row is contiguous (256-512 bytes instead of one head's 64-192), the
+16 rows are used, and nothing is padded in memory.
+
+Chunks. Task (b, group) reads lengths[b] tokens of sum_h (k_h + v_h) elements each. Every
+task is cut along the sequence into `n_chunks` chunks of `chunk_tokens` slots (a multiple of
+block_s), sized so that a batch at full capacity has about `target_chunks` chunks. The chunk
+size is common to all groups, so the chunks of one (b, token range) read the same rows of the
+packed cache and can run side by side (`lpt`); chunks past a row's length are empty and write
+lse = -inf. Static chunk ids are (b, c, group): id = (b * n_chunks + c) * n_groups + group.
 """
 
 from __future__ import annotations
@@ -20,16 +29,33 @@ import numpy as np
 from .reference import check_widths, offsets
 
 KERNEL_DTYPES = ("bfloat16", "float16")
-MAX_WIDTH = 256          # widest head tile (registers: a [16, 256] fp32 accumulator per program)
+MAX_WIDTH = 256          # widest tile (registers: a [16, 256] fp32 accumulator per program)
 MAX_GROUPS = 64          # query heads per KV head (rows of the query tile)
 DEFAULT_BLOCK_S = 64
 DEFAULT_TARGET_CHUNKS = 528
+DEFAULT_GROUP_WIDTH = 256  # columns of keys (and of values) per program at most
+MMA_ROWS = 16
 MIN_TILES = 4            # tiles per chunk at least (per-chunk fixed costs stay small)
-RECORD = 8               # int32 fields of a program's record (`records`)
+RECORD = 9               # int32 fields of a program's record (`triton_ragged.records`)
 
 
 def _pow2_at_least(x: int, lo: int = 16) -> int:
   return max(lo, 1 << (int(x) - 1).bit_length())
+
+
+def head_groups(k_widths, v_widths, groups: int, group_width: int = DEFAULT_GROUP_WIDTH):
+  """Consecutive KV heads packed greedily: at most max(1, 16 // G) heads and `group_width`
+  key (and value) columns per group; a head wider than group_width is a group of its own."""
+  per = max(1, MMA_ROWS // groups)
+  out, cur, kw, vw = [], [], 0, 0
+  for h, (k, v) in enumerate(zip(k_widths, v_widths)):
+    if cur and (len(cur) == per or kw + k > group_width or vw + v > group_width):
+      out.append(tuple(cur))
+      cur, kw, vw = [], 0, 0
+    cur.append(h)
+    kw, vw = kw + k, vw + v
+  out.append(tuple(cur))
+  return tuple(out)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,37 +69,67 @@ class RaggedPlan:
   v_widths: tuple
   block_s: int
   chunk_tokens: int
-  n_chunks: int               # chunks per (b, h) task
+  n_chunks: int               # chunks per (b, head group) task
+  head_groups: tuple          # tuples of consecutive KV heads (`head_groups`)
 
   @property
-  def heads(self) -> int:
-    return len(self.k_widths)
+  def n_groups(self) -> int:
+    return len(self.head_groups)
 
   @property
   def total_chunks(self) -> int:
-    return self.batch * self.n_chunks * self.heads
+    return self.batch * self.n_chunks * self.n_groups
+
+  def _group_sums(self, widths):
+    return [sum(widths[h] for h in grp) for grp in self.head_groups]
 
   @property
   def constexprs(self) -> dict:
-    return dict(G=self.groups, GP=_pow2_at_least(self.groups), SK=sum(self.k_widths),
-                SV=sum(self.v_widths), KW=_pow2_at_least(max(self.k_widths)),
-                VW=_pow2_at_least(max(self.v_widths)), BLOCK_S=self.block_s)
+    rows = max(len(grp) for grp in self.head_groups) * self.groups
+    return dict(G=self.groups, GP=_pow2_at_least(rows), SK=sum(self.k_widths),
+                SV=sum(self.v_widths), KW=_pow2_at_least(max(self._group_sums(self.k_widths))),
+                VW=_pow2_at_least(max(self._group_sums(self.v_widths))), BLOCK_S=self.block_s)
 
-  def head_table(self) -> np.ndarray:
-    """int32 [K, 4]: (k offset, v offset, k width / 16, v width / 16) per KV head."""
-    return np.asarray([(ko, vo, kw // 16, vw // 16) for ko, vo, kw, vw in zip(
-        offsets(self.k_widths), offsets(self.v_widths), self.k_widths, self.v_widths)],
-                      np.int32)
+  def group_table(self) -> np.ndarray:
+    """int32 [n_groups, 5]: (k offset, v offset, k width / 16, v width / 16, group index)."""
+    ko, vo = offsets(self.k_widths), offsets(self.v_widths)
+    return np.asarray([(ko[grp[0]], vo[grp[0]], kw // 16, vw // 16, i) for i, (grp, kw, vw) in
+                       enumerate(zip(self.head_groups, self._group_sums(self.k_widths),
+                                     self._group_sums(self.v_widths)))], np.int32)
+
+  def row_table(self) -> np.ndarray:
+    """int32 [n_groups, GP, 2]: each query row's key columns [start, end) / 16 in its group's
+    slice (row j * G + g: head j of the group; rows past the group's heads: empty)."""
+    gp = self.constexprs["GP"]
+    ko = offsets(self.k_widths)
+    tab = np.zeros((self.n_groups, gp, 2), np.int32)
+    for i, grp in enumerate(self.head_groups):
+      for j, h in enumerate(grp):
+        lo = (ko[h] - ko[grp[0]]) // 16
+        tab[i, j * self.groups:(j + 1) * self.groups] = (lo, lo + self.k_widths[h] // 16)
+    return tab
 
   def widths(self) -> np.ndarray:
-    """int32 [K]: k_h + v_h (elements read per token)."""
-    return np.asarray(self.k_widths, np.int32) + np.asarray(self.v_widths, np.int32)
+    """int32 [n_groups]: sum over the group of k_h + v_h (elements read per token)."""
+    return (np.asarray(self._group_sums(self.k_widths), np.int32)
+            + np.asarray(self._group_sums(self.v_widths), np.int32))
 
-  def value_columns(self) -> np.ndarray:
-    """int32 [sum v]: where each packed output column sits in the kernel's [K, VW] rows."""
-    vw = self.constexprs["VW"]
-    return np.concatenate([h * vw + np.arange(w) for h, w in enumerate(self.v_widths)]
-                          ).astype(np.int32)
+  def output_index(self):
+    """Static gathers from the combined per-program rows: (value [G, sum v] into the flat
+    [n_groups * GP * VW] outputs of one batch row, lse [K, G] into its [n_groups * GP])."""
+    c = self.constexprs
+    gp, vwt, g = c["GP"], c["VW"], self.groups
+    vo = offsets(self.v_widths)
+    val = np.zeros((g, sum(self.v_widths)), np.int32)
+    lse = np.zeros((len(self.k_widths), g), np.int32)
+    for i, grp in enumerate(self.head_groups):
+      for j, h in enumerate(grp):
+        for q in range(g):
+          row = i * gp + j * g + q
+          lse[h, q] = row
+          val[q, vo[h]:vo[h] + self.v_widths[h]] = (row * vwt + vo[h] - vo[grp[0]]
+                                                    + np.arange(self.v_widths[h]))
+    return val, lse
 
 
 def check_fit(q_shape, k_widths, v_widths, dtype, capacity=None, block_s=DEFAULT_BLOCK_S):
@@ -100,23 +156,29 @@ def check_fit(q_shape, k_widths, v_widths, dtype, capacity=None, block_s=DEFAULT
 
 
 def plan(q_shape, capacity, k_widths, v_widths, dtype, *, block_s=DEFAULT_BLOCK_S,
-         target_chunks=None, chunk_tokens=None) -> RaggedPlan:
+         target_chunks=None, chunk_tokens=None, group_width=DEFAULT_GROUP_WIDTH) -> RaggedPlan:
   """The static plan; ValueError (`check_fit`) for operands the kernel does not take.
 
   Args:
     q_shape: (B, G, sum k); capacity: cache slots S; dtype: the cache dtype.
     block_s: tokens per tile; target_chunks: chunks to aim for at full capacity (default
-      DEFAULT_TARGET_CHUNKS); chunk_tokens: explicit chunk size, a multiple of block_s.
+      DEFAULT_TARGET_CHUNKS); chunk_tokens: explicit chunk size, a multiple of block_s;
+    group_width: key (and value) columns per head group at most (`head_groups`; 16 gives
+      one head per program).
   """
   k_widths, v_widths = tuple(int(w) for w in k_widths), tuple(int(w) for w in v_widths)
   check_fit(q_shape, k_widths, v_widths, dtype, capacity, block_s)
   b, g = int(q_shape[0]), int(q_shape[1])
+  if group_width < 16 or group_width > MAX_WIDTH:
+    raise ValueError(f"triton ragged attention: group_width must be in [16, {MAX_WIDTH}], "
+                     f"got {group_width}")
+  grps = head_groups(k_widths, v_widths, g, group_width)
   tiles = max(1, math.ceil(capacity / block_s))
   if chunk_tokens is None:
     target = DEFAULT_TARGET_CHUNKS if target_chunks is None else int(target_chunks)
     if target < 1:
       raise ValueError(f"triton ragged attention: target_chunks must be >= 1, got {target}")
-    n = max(1, min(math.ceil(target / (b * len(k_widths))), max(1, tiles // MIN_TILES)))
+    n = max(1, min(math.ceil(target / (b * len(grps))), max(1, tiles // MIN_TILES)))
     ct = math.ceil(tiles / n) * block_s
   else:
     ct = int(chunk_tokens)
@@ -125,4 +187,4 @@ def plan(q_shape, capacity, k_widths, v_widths, dtype, *, block_s=DEFAULT_BLOCK_
                        f"block_s ({block_s}), got {chunk_tokens}")
   return RaggedPlan(batch=b, capacity=int(capacity), groups=g, k_widths=k_widths,
                     v_widths=v_widths, block_s=block_s, chunk_tokens=ct,
-                    n_chunks=max(1, math.ceil(capacity / ct)))
+                    n_chunks=max(1, math.ceil(capacity / ct)), head_groups=grps)
