@@ -37,18 +37,17 @@ MODELS = {"llama3-8b": dict(n_heads=32, n_kv_heads=8, head_dim=128),
 HBM_TBPS = 4.8
 DENSE_OPTS = dict(block_s=64, num_warps=4, num_stages=4, target_programs=528)
 # Candidates of --sweep (first: the default).
-SWEEP = [dict(schedule="rows", group_width=256, block_s=64, num_warps=4, num_stages=2, target_chunks=528),
+# Candidates of --sweep (first: the default). target_chunks ~ SM slots: 3 programs per SM at
+# 75 KB of shared memory (block_s 64, 2 stages or block_s 32, 3 stages, 256-column tiles), 5 at
+# 128-column tiles, 1 at 141 KB.
+SWEEP = [dict(schedule="lpt", group_width=256, block_s=64, num_warps=4, num_stages=2, target_chunks=396),
+         dict(schedule="lpt", group_width=256, block_s=64, num_warps=4, num_stages=2, target_chunks=264),
+         dict(schedule="lpt", group_width=256, block_s=64, num_warps=4, num_stages=2, target_chunks=792),
+         dict(schedule="lpt", group_width=256, block_s=32, num_warps=4, num_stages=3, target_chunks=396),
          dict(schedule="rows", group_width=256, block_s=64, num_warps=4, num_stages=2, target_chunks=396),
-         dict(schedule="rows", group_width=256, block_s=64, num_warps=4, num_stages=2, target_chunks=792),
-         dict(schedule="rows", group_width=256, block_s=64, num_warps=4, num_stages=2, target_chunks=1056),
-         dict(schedule="rows", group_width=256, block_s=32, num_warps=4, num_stages=3, target_chunks=528),
-         dict(schedule="rows", group_width=256, block_s=32, num_warps=4, num_stages=4, target_chunks=528),
-         dict(schedule="rows", group_width=256, block_s=64, num_warps=8, num_stages=2, target_chunks=528),
-         dict(schedule="rows", group_width=256, block_s=128, num_warps=8, num_stages=2, target_chunks=528),
-         dict(schedule="rows", group_width=128, block_s=64, num_warps=4, num_stages=2, target_chunks=528),
-         dict(schedule="rows", group_width=128, block_s=64, num_warps=4, num_stages=3, target_chunks=528),
-         dict(schedule="lpt", group_width=256, block_s=64, num_warps=4, num_stages=2, target_chunks=528),
-         dict(schedule="rows", group_width=16, block_s=64, num_warps=4, num_stages=3, target_chunks=528)]
+         dict(schedule="lpt", group_width=128, block_s=64, num_warps=4, num_stages=2, target_chunks=660),
+         dict(schedule="lpt", group_width=256, block_s=64, num_warps=4, num_stages=3, target_chunks=132),
+         dict(schedule="lpt", group_width=256, block_s=128, num_warps=8, num_stages=2, target_chunks=132)]
 ALT = {"rows": "lpt", "lpt": "rows", "static": "rows"}
 
 
@@ -116,7 +115,7 @@ def run_config(model, s, b, opts, log, samples):
                      flops=d_fl, seconds=try_time(f, dense, log, f"dense-{impl}", samples)))
   del dense
   inp, w, read, fl = rotated_case(m, s, b, key)
-  sched = opts.get("schedule", "rows")
+  sched = opts.get("schedule", "lpt")
   rows = [(f"rotated-{sched}", opts), (f"rotated-{ALT[sched]}", dict(opts, schedule=ALT[sched])),
           ("rotated-static", dict(opts, schedule="static"))]
   for name, o in rows:

@@ -17,14 +17,17 @@ argmin over the machines per task); for ~10^3 chunks it costs milliseconds as an
 loop and tens of microseconds in a one-program Triton kernel, as long as the attention
 itself (60-300 us here). The dispatch form costs one small sort.
 
+The kernel's tasks are (request, KV head group) (`triton_plan`: heads packed into the MMA's
+16 query rows), of cost ~ s_kv * sum over the group of (k_h + v_h); each task is cut into
+chunks whose size is inversely proportional to that width, so full chunks cost the same
+whichever group they belong to (FDC §5.2's row-block resizing, applied to decode's chunks).
+
 Orders (`order`; the kernel's `schedule` knob):
-  "lpt"   every chunk by its own cost, valid tokens x (k_h + v_h), longest first;
-  "rows"  LPT over row tasks (b, token range), cost = valid tokens x sum_h (k_h + v_h), each
-          row task's K head chunks in consecutive programs (widest head first). The packed
-          layout puts all heads of a token in one cache row, so the K co-running programs
-          read whole rows between them (DRAM pages and 64-byte sectors shared) instead of
-          one head's 64-192-byte slice of rows spread over the cache;
-  "static" chunk-id order (b, c, h), no sort (an ablation).
+  "lpt"    every chunk by its own cost, valid tokens x group width, longest first;
+  "rows"   LPT over row tasks (b, c), cost = the sum of their groups' chunk costs, each row
+           task's group chunks in consecutive programs (widest group first): co-running
+           programs then read neighbouring slices of the same cache rows;
+  "static" chunk-id order (b, c, group), no sort (an ablation).
 """
 
 from __future__ import annotations
@@ -75,31 +78,34 @@ def dispatch(costs_in_order, slots: int):
   return slot, finish
 
 
-def valid_tokens(lengths, n_chunks: int, chunk_tokens: int):
-  """int32 [B, n_chunks]: slots of each (row, chunk) below the row's length (jnp, traceable)."""
-  start = jnp.arange(n_chunks, dtype=jnp.int32)[None, :] * chunk_tokens
-  return jnp.clip(lengths[:, None].astype(jnp.int32) - start, 0, chunk_tokens)
+def valid_tokens(lengths, n_chunks: int, chunk_tokens):
+  """int32 [B, n_chunks, NG]: slots of chunk c of each (row, head group) below the row's length
+  (jnp, traceable); chunk_tokens: static [NG] chunk sizes. Chunks past the capacity (groups
+  with larger chunks have fewer) get 0."""
+  ct = jnp.asarray(np.asarray(chunk_tokens, np.int32))[None, None, :]
+  start = jnp.arange(n_chunks, dtype=jnp.int32)[None, :, None] * ct
+  return jnp.clip(lengths.astype(jnp.int32)[:, None, None] - start, 0, ct)
 
 
-def order(schedule: str, lengths, n_chunks: int, chunk_tokens: int, widths):
-  """int32 [B * n_chunks * K]: the chunk ids ((b * n_chunks + c) * K + h) in launch order.
+def order(schedule: str, lengths, n_chunks: int, chunk_tokens, widths):
+  """int32 [B * n_chunks * NG]: the chunk ids ((b * n_chunks + c) * NG + group) in launch order.
 
   Args:
     schedule: one of SCHEDULES (module docstring).
-    lengths: [B] int (traced); widths: static [K] ints k_h + v_h.
+    lengths: [B] int (traced); chunk_tokens, widths: static [NG] ints (chunk size and
+      elements read per token of each head group).
   Sorts are stable: equal costs keep the static order.
   """
   if schedule not in SCHEDULES:
     raise ValueError(f"ragged_attention: schedule must be one of {SCHEDULES}, got {schedule!r}")
   widths = np.asarray(widths, np.int32)
-  k = widths.shape[0]
-  valid = valid_tokens(lengths, n_chunks, chunk_tokens).reshape(-1)          # [B * NC]
-  total = valid.shape[0] * k
+  ng = widths.shape[0]
+  cost = valid_tokens(lengths, n_chunks, chunk_tokens) * jnp.asarray(widths)   # [B, NC, NG]
+  total = cost.size
   if schedule == "static":
     return jnp.arange(total, dtype=jnp.int32)
   if schedule == "lpt":
-    cost = (valid[:, None] * jnp.asarray(widths)[None, :]).reshape(-1)
-    return jnp.argsort(-cost, stable=True).astype(jnp.int32)
-  rows = jnp.argsort(-valid, stable=True).astype(jnp.int32)
-  heads = np.argsort(-widths, kind="stable").astype(np.int32)
-  return (rows[:, None] * k + jnp.asarray(heads)[None, :]).reshape(-1)
+    return jnp.argsort(-cost.reshape(-1), stable=True).astype(jnp.int32)
+  rows = jnp.argsort(-jnp.sum(cost, axis=-1).reshape(-1), stable=True).astype(jnp.int32)
+  grps = np.argsort(-widths, kind="stable").astype(np.int32)
+  return (rows[:, None] * ng + jnp.asarray(grps)[None, :]).reshape(-1)

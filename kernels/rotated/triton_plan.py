@@ -11,12 +11,13 @@ scores and one P x V MMA every head's output (each row keeps its own head's colu
 group's slice of a cache row is contiguous (256-512 bytes instead of one head's 64-192), the
 16 rows are used, and nothing is padded in memory.
 
-Chunks. Task (b, group) reads lengths[b] tokens of sum_h (k_h + v_h) elements each. Every
-task is cut along the sequence into `n_chunks` chunks of `chunk_tokens` slots (a multiple of
-block_s), sized so that a batch at full capacity has about `target_chunks` chunks. The chunk
-size is common to all groups, so the chunks of one (b, token range) read the same rows of the
-packed cache and can run side by side (`lpt`); chunks past a row's length are empty and write
-lse = -inf. Static chunk ids are (b, c, group): id = (b * n_chunks + c) * n_groups + group.
+Chunks. Task (b, group) reads lengths[b] tokens of w_group = sum_h (k_h + v_h) elements each.
+Every task is cut along the sequence into chunks of chunk_tokens[group] slots (a multiple of
+block_s) ~ C / w_group, so full chunks cost the same in every group (FDC §5.2's row-block
+resizing applied to decode's chunks), with C set so that a batch at full capacity has about
+`target_chunks` chunks. Static chunk ids are (b, c, group): id = (b * n_chunks + c) *
+n_groups + group, with n_chunks the largest group's count; chunks past a row's length (or
+past the capacity, in groups with larger chunks) are empty and write lse = -inf.
 """
 
 from __future__ import annotations
@@ -32,7 +33,9 @@ KERNEL_DTYPES = ("bfloat16", "float16")
 MAX_WIDTH = 256          # widest tile (registers: a [16, 256] fp32 accumulator per program)
 MAX_GROUPS = 64          # query heads per KV head (rows of the query tile)
 DEFAULT_BLOCK_S = 64
-DEFAULT_TARGET_CHUNKS = 528
+# Chunks at full capacity at most: 3 programs per SM (75 KB of shared memory at the default
+# knobs) on the 132 SMs of an H100/H200, i.e. one wave of equal-cost chunks.
+DEFAULT_TARGET_CHUNKS = 396
 DEFAULT_GROUP_WIDTH = 256  # columns of keys (and of values) per program at most
 MMA_ROWS = 16
 MIN_TILES = 4            # tiles per chunk at least (per-chunk fixed costs stay small)
@@ -68,8 +71,8 @@ class RaggedPlan:
   k_widths: tuple
   v_widths: tuple
   block_s: int
-  chunk_tokens: int
-  n_chunks: int               # chunks per (b, head group) task
+  chunk_tokens: tuple         # per head group
+  n_chunks: int               # chunk ids per (b, head group) task (the largest group's count)
   head_groups: tuple          # tuples of consecutive KV heads (`head_groups`)
 
   @property
@@ -162,7 +165,8 @@ def plan(q_shape, capacity, k_widths, v_widths, dtype, *, block_s=DEFAULT_BLOCK_
   Args:
     q_shape: (B, G, sum k); capacity: cache slots S; dtype: the cache dtype.
     block_s: tokens per tile; target_chunks: chunks to aim for at full capacity (default
-      DEFAULT_TARGET_CHUNKS); chunk_tokens: explicit chunk size, a multiple of block_s;
+      DEFAULT_TARGET_CHUNKS); chunk_tokens: explicit chunk size for every group, a multiple
+      of block_s;
     group_width: key (and value) columns per head group at most (`head_groups`; 16 gives
       one head per program).
   """
@@ -174,17 +178,26 @@ def plan(q_shape, capacity, k_widths, v_widths, dtype, *, block_s=DEFAULT_BLOCK_
                      f"got {group_width}")
   grps = head_groups(k_widths, v_widths, g, group_width)
   tiles = max(1, math.ceil(capacity / block_s))
+  widths = [sum(k_widths[h] + v_widths[h] for h in grp) for grp in grps]
   if chunk_tokens is None:
     target = DEFAULT_TARGET_CHUNKS if target_chunks is None else int(target_chunks)
     if target < 1:
       raise ValueError(f"triton ragged attention: target_chunks must be >= 1, got {target}")
-    n = max(1, min(math.ceil(target / (b * len(grps))), max(1, tiles // MIN_TILES)))
-    ct = math.ceil(tiles / n) * block_s
+    # Tiles per chunk ~ C / w_group with sum_group B * tiles * w_group / C ~ target chunks;
+    # C grows until the chunks at full capacity are at most `target` (the chunks cost the
+    # same, so a target of k x the SM slots makes k full waves, not k plus a sliver).
+    per_chunk = b * tiles * sum(widths) / target
+    while True:
+      ct = tuple(block_s * min(tiles, max(min(MIN_TILES, tiles), round(per_chunk / w)))
+                 for w in widths)
+      if b * sum(math.ceil(capacity / c) for c in ct) <= target or min(ct) >= tiles * block_s:
+        break
+      per_chunk *= 1.02
   else:
-    ct = int(chunk_tokens)
-    if ct < block_s or ct % block_s:
+    if int(chunk_tokens) < block_s or int(chunk_tokens) % block_s:
       raise ValueError(f"triton ragged attention: chunk_tokens must be a positive multiple of "
                        f"block_s ({block_s}), got {chunk_tokens}")
+    ct = (int(chunk_tokens),) * len(grps)
   return RaggedPlan(batch=b, capacity=int(capacity), groups=g, k_widths=k_widths,
                     v_widths=v_widths, block_s=block_s, chunk_tokens=ct,
-                    n_chunks=max(1, math.ceil(capacity / ct)), head_groups=grps)
+                    n_chunks=max(math.ceil(capacity / c) for c in ct), head_groups=grps)

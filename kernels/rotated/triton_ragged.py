@@ -109,9 +109,11 @@ def records(p, lengths, schedule):
   ids = lpt.order(schedule, lengths, p.n_chunks, p.chunk_tokens, p.widths())
   bc = ids // p.n_groups
   b = bc // p.n_chunks
-  start = (bc % p.n_chunks) * p.chunk_tokens
-  end = jnp.clip(lengths.astype(jnp.int32)[b], start, start + p.chunk_tokens)
-  grp = jnp.asarray(p.group_table())[ids % p.n_groups]                   # [T, 5]
+  g = ids % p.n_groups
+  ct = jnp.asarray(np.asarray(p.chunk_tokens, np.int32))[g]
+  start = (bc % p.n_chunks) * ct
+  end = jnp.clip(lengths.astype(jnp.int32)[b], start, start + ct)
+  grp = jnp.asarray(p.group_table())[g]                                  # [T, 5]
   return jnp.concatenate([jnp.stack([ids, b, start, end], axis=1), grp], axis=1)
 
 
@@ -131,7 +133,7 @@ def combine_heads(o, lse, p, out_dtype):
 
 def ragged_attention_triton(q_rot, k_rot, v_rot, lengths, *, k_widths, v_widths, scale,
                             out_dtype=None, block_s=DEFAULT_BLOCK_S, target_chunks=None,
-                            chunk_tokens=None, group_width=DEFAULT_GROUP_WIDTH, schedule="rows",
+                            chunk_tokens=None, group_width=DEFAULT_GROUP_WIDTH, schedule="lpt",
                             num_warps=4, num_stages=2, poison=False, return_partials=False):
   """Same contract as `reference.ragged_attention_reference` (bf16/fp16 caches; the query is
   cast to the cache dtype).
@@ -139,8 +141,8 @@ def ragged_attention_triton(q_rot, k_rot, v_rot, lengths, *, k_widths, v_widths,
   Extra Args:
     block_s, target_chunks, chunk_tokens, group_width: chunking and head groups
       (`triton_plan.plan`).
-    schedule: launch order of the chunks, one of `lpt.SCHEDULES` ("rows": LPT over row
-      tasks; "lpt": LPT over single chunks; "static": no sort).
+    schedule: launch order of the chunks, one of `lpt.SCHEDULES` ("lpt": chunks longest
+      first; "rows": LPT over row tasks; "static": no sort).
     num_warps, num_stages: Triton compile options.
     poison: NaN-fill the partial buffers first (tests: every element must be written).
     return_partials: also return the raw (o, lse) partials.
