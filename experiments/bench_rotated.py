@@ -36,18 +36,23 @@ MODELS = {"llama3-8b": dict(n_heads=32, n_kv_heads=8, head_dim=128),
           "llama2-7b": dict(n_heads=32, n_kv_heads=32, head_dim=128)}
 HBM_TBPS = 4.8
 DENSE_OPTS = dict(block_s=64, num_warps=4, num_stages=4, target_programs=528)
-# Candidates of --sweep (first: the default).
-# Candidates of --sweep (first: the default). target_chunks ~ SM slots: 3 programs per SM at
-# 75 KB of shared memory (block_s 64, 2 stages or block_s 32, 3 stages, 256-column tiles), 5 at
-# 128-column tiles, 1 at 141 KB.
-SWEEP = [dict(schedule="lpt", group_width=256, block_s=64, num_warps=4, num_stages=2, target_chunks=396),
-         dict(schedule="lpt", group_width=256, block_s=64, num_warps=4, num_stages=2, target_chunks=264),
-         dict(schedule="lpt", group_width=256, block_s=64, num_warps=4, num_stages=2, target_chunks=792),
-         dict(schedule="lpt", group_width=256, block_s=32, num_warps=4, num_stages=3, target_chunks=396),
+# Measured winners (H200, 16K, batch 8; results/rotated_kernel.md, run 3 of 2026-11-25); the
+# library default (target_chunks=792) was within 2-10% of both.
+DEFAULT_OPTIONS = {
+    "llama3-8b": dict(schedule="rows", group_width=256, block_s=64, num_warps=4, num_stages=2,
+                      target_chunks=396),
+    "llama2-7b": dict(schedule="rows", group_width=256, block_s=64, num_warps=4, num_stages=2,
+                      target_chunks=1056)}
+# Candidates of --sweep (first: the library default). 75 KB of shared memory per program at
+# 256-column tiles with block_s 64 / 2 stages or block_s 32 / 3 stages: 3 programs per SM.
+SWEEP = [dict(schedule="rows", group_width=256, block_s=64, num_warps=4, num_stages=2, target_chunks=792),
          dict(schedule="rows", group_width=256, block_s=64, num_warps=4, num_stages=2, target_chunks=396),
-         dict(schedule="lpt", group_width=128, block_s=64, num_warps=4, num_stages=2, target_chunks=660),
-         dict(schedule="lpt", group_width=256, block_s=64, num_warps=4, num_stages=3, target_chunks=132),
-         dict(schedule="lpt", group_width=256, block_s=128, num_warps=8, num_stages=2, target_chunks=132)]
+         dict(schedule="rows", group_width=256, block_s=64, num_warps=4, num_stages=2, target_chunks=1056),
+         dict(schedule="lpt", group_width=256, block_s=64, num_warps=4, num_stages=2, target_chunks=792),
+         dict(schedule="rows", group_width=256, block_s=32, num_warps=4, num_stages=3, target_chunks=792),
+         dict(schedule="lpt", group_width=256, block_s=64, num_warps=4, num_stages=2, target_chunks=396, equal_cost_chunks=True),
+         dict(schedule="rows", group_width=128, block_s=64, num_warps=4, num_stages=2, target_chunks=792),
+         dict(schedule="rows", group_width=16, block_s=64, num_warps=4, num_stages=3, target_chunks=792)]
 ALT = {"rows": "lpt", "lpt": "rows", "static": "rows"}
 
 
@@ -115,7 +120,7 @@ def run_config(model, s, b, opts, log, samples):
                      flops=d_fl, seconds=try_time(f, dense, log, f"dense-{impl}", samples)))
   del dense
   inp, w, read, fl = rotated_case(m, s, b, key)
-  sched = opts.get("schedule", "lpt")
+  sched = opts.get("schedule", "rows")
   rows = [(f"rotated-{sched}", opts), (f"rotated-{ALT[sched]}", dict(opts, schedule=ALT[sched])),
           ("rotated-static", dict(opts, schedule="static"))]
   for name, o in rows:
@@ -126,7 +131,8 @@ def run_config(model, s, b, opts, log, samples):
   # (the rest of rotated-<schedule> is the order/records fusion and the split-K combine).
   p = plan(inp[0].shape, s, w["k_widths"], w["v_widths"], inp[1].dtype,
            block_s=opts["block_s"], target_chunks=opts.get("target_chunks"),
-           group_width=opts.get("group_width", 256))
+           group_width=opts.get("group_width", 256),
+           equal_cost_chunks=opts.get("equal_cost_chunks", False))
   rec = jax.jit(lambda l: records(p, l, sched))(inp[3])
   kern = jax.jit(lambda q, k, v, r: launch_kernel(q, k, v, r, p, w["scale"],
                                                   num_warps=opts["num_warps"],
@@ -182,7 +188,7 @@ def main(argv=None):
   out = dict(info=info, options={}, sweep={}, records=[])
   t0 = time.time()
   for model in args.models.split(","):
-    opts = dict(SWEEP[0]) if args.options is None else json.loads(args.options)
+    opts = dict(DEFAULT_OPTIONS[model]) if args.options is None else json.loads(args.options)
     if args.sweep and time.time() - t0 < args.time_budget:
       opts, out["sweep"][model] = sweep(model, 16384, args.batch, log, args.samples)
     out["options"][model] = opts

@@ -11,13 +11,16 @@ scores and one P x V MMA every head's output (each row keeps its own head's colu
 group's slice of a cache row is contiguous (256-512 bytes instead of one head's 64-192), the
 16 rows are used, and nothing is padded in memory.
 
-Chunks. Task (b, group) reads lengths[b] tokens of w_group = sum_h (k_h + v_h) elements each.
-Every task is cut along the sequence into chunks of chunk_tokens[group] slots (a multiple of
-block_s) ~ C / w_group, so full chunks cost the same in every group (FDC §5.2's row-block
-resizing applied to decode's chunks), with C set so that a batch at full capacity has about
-`target_chunks` chunks. Static chunk ids are (b, c, group): id = (b * n_chunks + c) *
-n_groups + group, with n_chunks the largest group's count; chunks past a row's length (or
-past the capacity, in groups with larger chunks) are empty and write lse = -inf.
+Chunks. Task (b, group) reads lengths[b] tokens of w_group = sum_h (k_h + v_h) elements each
+and is cut along the sequence into chunks. Default: one chunk size for every group,
+n_chunks = ceil(target_chunks / (B * n_groups)) chunks per task at full capacity, so the groups'
+chunks of one (b, token range) read the same cache rows (`lpt`'s "rows" order runs them side
+by side). `equal_cost_chunks=True`: chunk_tokens[group] ~ C / w_group, so full chunks cost the
+same in every group (FDC §5.2's row-block resizing applied to decode's chunks), with at most
+`target_chunks` chunks at full capacity; measured slower on the H200 (results/rotated_kernel.md),
+so it is an option, not the default. Static chunk ids are (b, c, group): id =
+(b * n_chunks + c) * n_groups + group, n_chunks the largest group's count; chunks past a row's
+length (or past the capacity, in groups with larger chunks) are empty and write lse = -inf.
 """
 
 from __future__ import annotations
@@ -33,9 +36,9 @@ KERNEL_DTYPES = ("bfloat16", "float16")
 MAX_WIDTH = 256          # widest tile (registers: a [16, 256] fp32 accumulator per program)
 MAX_GROUPS = 64          # query heads per KV head (rows of the query tile)
 DEFAULT_BLOCK_S = 64
-# Chunks at full capacity at most: 3 programs per SM (75 KB of shared memory at the default
-# knobs) on the 132 SMs of an H100/H200, i.e. one wave of equal-cost chunks.
-DEFAULT_TARGET_CHUNKS = 396
+# Chunks at full capacity. The H200 sweeps (results/rotated_kernel.md) liked 396 for a
+# Llama-3-8B layer and 1056 for a Llama-2-7B one at 16K, batch 8; 792 was within 2-10% of both.
+DEFAULT_TARGET_CHUNKS = 792
 DEFAULT_GROUP_WIDTH = 256  # columns of keys (and of values) per program at most
 MMA_ROWS = 16
 MIN_TILES = 4            # tiles per chunk at least (per-chunk fixed costs stay small)
@@ -159,7 +162,8 @@ def check_fit(q_shape, k_widths, v_widths, dtype, capacity=None, block_s=DEFAULT
 
 
 def plan(q_shape, capacity, k_widths, v_widths, dtype, *, block_s=DEFAULT_BLOCK_S,
-         target_chunks=None, chunk_tokens=None, group_width=DEFAULT_GROUP_WIDTH) -> RaggedPlan:
+         target_chunks=None, chunk_tokens=None, group_width=DEFAULT_GROUP_WIDTH,
+         equal_cost_chunks=False) -> RaggedPlan:
   """The static plan; ValueError (`check_fit`) for operands the kernel does not take.
 
   Args:
@@ -168,7 +172,8 @@ def plan(q_shape, capacity, k_widths, v_widths, dtype, *, block_s=DEFAULT_BLOCK_
       DEFAULT_TARGET_CHUNKS); chunk_tokens: explicit chunk size for every group, a multiple
       of block_s;
     group_width: key (and value) columns per head group at most (`head_groups`; 16 gives
-      one head per program).
+      one head per program);
+    equal_cost_chunks: chunk sizes ~ 1 / group width (module docstring).
   """
   k_widths, v_widths = tuple(int(w) for w in k_widths), tuple(int(w) for w in v_widths)
   check_fit(q_shape, k_widths, v_widths, dtype, capacity, block_s)
@@ -183,11 +188,14 @@ def plan(q_shape, capacity, k_widths, v_widths, dtype, *, block_s=DEFAULT_BLOCK_
     target = DEFAULT_TARGET_CHUNKS if target_chunks is None else int(target_chunks)
     if target < 1:
       raise ValueError(f"triton ragged attention: target_chunks must be >= 1, got {target}")
+    if not equal_cost_chunks:
+      n = max(1, min(math.ceil(target / (b * len(grps))), max(1, tiles // MIN_TILES)))
+      ct = (math.ceil(tiles / n) * block_s,) * len(grps)
     # Tiles per chunk ~ C / w_group with sum_group B * tiles * w_group / C ~ target chunks;
     # C grows until the chunks at full capacity are at most `target` (the chunks cost the
     # same, so a target of k x the SM slots makes k full waves, not k plus a sliver).
     per_chunk = b * tiles * sum(widths) / target
-    while True:
+    while equal_cost_chunks:
       ct = tuple(block_s * min(tiles, max(min(MIN_TILES, tiles), round(per_chunk / w)))
                  for w in widths)
       if b * sum(math.ceil(capacity / c) for c in ct) <= target or min(ct) >= tiles * block_s:
