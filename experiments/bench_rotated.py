@@ -45,14 +45,12 @@ DEFAULT_OPTIONS = {
                       target_chunks=1056)}
 # Candidates of --sweep (first: the library default). 75 KB of shared memory per program at
 # 256-column tiles with block_s 64 / 2 stages or block_s 32 / 3 stages: 3 programs per SM.
-SWEEP = [dict(schedule="rows", group_width=256, block_s=64, num_warps=4, num_stages=2, target_chunks=792),
-         dict(schedule="rows", group_width=256, block_s=64, num_warps=4, num_stages=2, target_chunks=396),
-         dict(schedule="rows", group_width=256, block_s=64, num_warps=4, num_stages=2, target_chunks=1056),
-         dict(schedule="lpt", group_width=256, block_s=64, num_warps=4, num_stages=2, target_chunks=792),
-         dict(schedule="rows", group_width=256, block_s=32, num_warps=4, num_stages=3, target_chunks=792),
-         dict(schedule="lpt", group_width=256, block_s=64, num_warps=4, num_stages=2, target_chunks=396, equal_cost_chunks=True),
-         dict(schedule="rows", group_width=128, block_s=64, num_warps=4, num_stages=2, target_chunks=792),
-         dict(schedule="rows", group_width=16, block_s=64, num_warps=4, num_stages=3, target_chunks=792)]
+_BASE = dict(schedule="rows", group_width=256, block_s=64, num_warps=4, num_stages=2,
+             target_chunks=792)
+SWEEP = [_BASE, dict(_BASE, target_chunks=396), dict(_BASE, target_chunks=1056),
+         dict(_BASE, schedule="lpt"), dict(_BASE, block_s=32, num_stages=3),
+         dict(_BASE, equal_cost_chunks=True, schedule="lpt", target_chunks=396),
+         dict(_BASE, group_width=128), dict(_BASE, group_width=16, num_stages=3)]
 ALT = {"rows": "lpt", "lpt": "rows", "static": "rows"}
 
 

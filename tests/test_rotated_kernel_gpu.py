@@ -29,7 +29,7 @@ def close(out, ref, atol, rtol, what):
   assert out.shape == ref.shape, (what, out.shape, ref.shape)
   assert not np.isnan(out).any(), f"{what}: NaN"
   both_inf = np.isinf(out) & np.isinf(ref) & (np.sign(out) == np.sign(ref))
-  err = np.where(both_inf, 0.0, np.abs(np.where(both_inf, 0.0, out) - np.where(both_inf, 0.0, ref)))
+  err = np.abs(np.where(both_inf, 0.0, out) - np.where(both_inf, 0.0, ref))
   bad = err > atol + rtol * np.abs(np.where(both_inf, 0.0, ref))
   assert not bad.any(), f"{what}: {bad.sum()} of {bad.size} off, max err {err.max():.3g}"
 
@@ -61,7 +61,8 @@ def test_ragged_triton_matches_reference(name, kv_heads, groups, capacity):
   close(out, ref, 2e-2, 2e-2, f"{name} out")
   close(lse, ref_lse, 2e-2, 1e-3, f"{name} lse")
   again = run()
-  for x, y in zip(jax.tree_util.tree_leaves((out, lse, partials)), jax.tree_util.tree_leaves(again)):
+  leaves = jax.tree_util.tree_leaves
+  for x, y in zip(leaves((out, lse, partials)), leaves(again)):
     assert np.array_equal(np.asarray(x), np.asarray(y), equal_nan=True), f"{name}: not bitwise"
 
 

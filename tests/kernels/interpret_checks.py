@@ -227,17 +227,18 @@ def check_xquant():
                  f"xquant dequant_matmul {bits}b {axis}")
 
 
-
 def check_rotated():
   """Ragged-head rotated-cache kernel (kvlowrank_kernels.rotated): every test shape (GQA 1/4/8,
   per-head widths 16-64, tile widths a power of two or not), ragged lengths (1, full,
-  non-tile-multiples, 0), several chunkings, every launch order, bf16 and fp16; every partial NaN-poisoned first. Then a negative control (one
+  non-tile-multiples, 0), several chunkings and head-group widths, equal-cost chunks, every
+  launch order, bf16 and fp16; every partial NaN-poisoned first. Then a negative control (one
   corrupted key slot of one head must break the agreement)."""
   from kvlowrank_kernels.dense import shapes as ds  # pylint: disable=import-outside-toplevel
   from kvlowrank_kernels.rotated import shapes as rs  # pylint: disable=import-outside-toplevel
-  from kvlowrank_kernels.rotated.reference import ragged_attention_reference  # pylint: disable=import-outside-toplevel
-  from kvlowrank_kernels.rotated.triton_ragged import ragged_attention_triton  # pylint: disable=import-outside-toplevel
-  options = (dict(block_s=16), dict(block_s=16, chunk_tokens=32, schedule="static", group_width=16),
+  from kvlowrank_kernels.rotated.reference import ragged_attention_reference  # pylint: disable=C0415
+  from kvlowrank_kernels.rotated.triton_ragged import ragged_attention_triton  # pylint: disable=C0415
+  options = (dict(block_s=16),
+             dict(block_s=16, chunk_tokens=32, schedule="static", group_width=16),
              dict(block_s=16, target_chunks=20, equal_cost_chunks=True, group_width=16),
              dict(block_s=32, target_chunks=5, schedule="lpt", group_width=64),
              dict(block_s=16, num_stages=1, group_width=128))

@@ -1,7 +1,8 @@
 """CPU checks of the ragged-head rotated-cache decode attention (`kvlowrank_kernels.rotated`):
 the jnp reference against a float64 numpy oracle, the LPT scheduling against brute force, the
 kernel's launch orders and plan, and the dispatcher. The Triton kernel itself runs under the
-interpreter (`interpret_checks.check_rotated`) and on the GPU (`tests/test_rotated_kernel_gpu.py`)."""
+interpreter (`interpret_checks.check_rotated`) and on the GPU
+(`tests/test_rotated_kernel_gpu.py`)."""
 
 import itertools
 
