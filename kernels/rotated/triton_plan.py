@@ -37,7 +37,8 @@ MAX_WIDTH = 256          # widest tile (registers: a [16, 256] fp32 accumulator 
 MAX_GROUPS = 64          # query heads per KV head (rows of the query tile)
 DEFAULT_BLOCK_S = 64
 # Chunks at full capacity. The H200 sweeps (results/rotated_kernel.md) liked 396 for a
-# Llama-3-8B layer and 1056 for a Llama-2-7B one at 16K, batch 8; 792 was within 2-10% of both.
+# Llama-3-8B layer and 1056 for a Llama-2-7B one at 16K, batch 8; 792 was within 2-11% of
+# both.
 DEFAULT_TARGET_CHUNKS = 792
 DEFAULT_GROUP_WIDTH = 256  # columns of keys (and of values) per program at most
 MMA_ROWS = 16

@@ -106,13 +106,15 @@ def records(p, lengths, schedule):
   row's length), k offset, v offset, k width / 16, v width / 16, head group) in the
   `lpt.order(schedule)` launch order. Built under jit in one small XLA fusion so the
   kernel's prologue is one round trip to memory."""
+  # Lengths past the capacity attend every slot (as the reference): never read past a row.
+  lengths = jnp.clip(lengths.astype(jnp.int32), 0, p.capacity)
   ids = lpt.order(schedule, lengths, p.n_chunks, p.chunk_tokens, p.widths())
   bc = ids // p.n_groups
   b = bc // p.n_chunks
   g = ids % p.n_groups
   ct = jnp.asarray(np.asarray(p.chunk_tokens, np.int32))[g]
   start = (bc % p.n_chunks) * ct
-  end = jnp.clip(lengths.astype(jnp.int32)[b], start, start + ct)
+  end = jnp.clip(lengths[b], start, start + ct)
   grp = jnp.asarray(p.group_table())[g]                                  # [T, 5]
   return jnp.concatenate([jnp.stack([ids, b, start, end], axis=1), grp], axis=1)
 
