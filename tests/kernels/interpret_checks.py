@@ -227,6 +227,53 @@ def check_xquant():
                  f"xquant dequant_matmul {bits}b {axis}")
 
 
+def check_rotated():
+  """Ragged-head rotated-cache kernel (kvlowrank_kernels.rotated): every test shape (GQA 1/4/8,
+  per-head widths 16-64, tile widths a power of two or not), ragged lengths (1, full,
+  non-tile-multiples, 0), several chunkings and head-group widths, equal-cost chunks, every
+  launch order, bf16 and fp16; every partial NaN-poisoned first. Then a negative control (one
+  corrupted key slot of one head must break the agreement)."""
+  from kvlowrank_kernels.dense import shapes as ds  # pylint: disable=import-outside-toplevel
+  from kvlowrank_kernels.rotated import shapes as rs  # pylint: disable=import-outside-toplevel
+  from kvlowrank_kernels.rotated.reference import ragged_attention_reference  # pylint: disable=C0415
+  from kvlowrank_kernels.rotated.triton_ragged import ragged_attention_triton  # pylint: disable=C0415
+  options = (dict(block_s=16),
+             dict(block_s=16, chunk_tokens=32, schedule="static", group_width=16),
+             dict(block_s=16, target_chunks=20, equal_cost_chunks=True, group_width=16),
+             dict(block_s=32, target_chunks=5, schedule="lpt", group_width=64),
+             dict(block_s=16, num_stages=1, group_width=128))
+  for i, shape in enumerate(rs.TEST_SHAPES):
+    lens = ds.ragged_lengths(shape.batch, shape.capacity, np.random.default_rng(700 + i))
+    if i == 0:
+      lens[0] = 0  # an empty row: output 0, lse -inf
+    if i == 1:
+      lens[0] = shape.capacity + 50  # past the capacity: every slot, nothing read beyond
+    w = dict(k_widths=shape.k_widths, v_widths=shape.v_widths, scale=shape.scale)
+    for dt in (jnp.bfloat16, jnp.float16)[:2 if i == 0 else 1]:
+      args = rs.make_inputs(shape, jax.random.key(700 + i), dtype=dt, lengths=lens)
+      ref, ref_lse = ragged_attention_reference(*args, out_dtype=F32, **w)
+      for opts in options:
+        with interpreted_launch():
+          out, lse = ragged_attention_triton(*args, out_dtype=F32, poison=True, **w, **opts)
+        tag = f"rotated[{i}] {jnp.dtype(dt).name} {opts}"
+        assert_close(out, ref, 1e-2, 1e-2, f"{tag} out")
+        assert_close(lse, ref_lse, 1e-2, 1e-3, f"{tag} lse")
+  # Negative control: head 1's key at slot 3 of row 1 (attended) scaled.
+  shape = rs.TEST_SHAPES[0]
+  w = dict(k_widths=shape.k_widths, v_widths=shape.v_widths, scale=shape.scale)
+  q, k, v, lens = rs.make_inputs(shape, jax.random.key(799))
+  ref, _ = ragged_attention_reference(q, k, v, lens, out_dtype=F32, **w)
+  ko = shape.k_widths[0]
+  with interpreted_launch():
+    out, _ = ragged_attention_triton(q, k.at[1, 3, ko:ko + shape.k_widths[1]].multiply(40.0), v,
+                                     lens, out_dtype=F32, block_s=16, **w)
+  try:
+    assert_close(out, ref, 1e-2, 1e-2, "rotated corrupted key slot")
+  except AssertionError as e:
+    print(f"negative control failed as it must: {e}")
+  else:
+    raise AssertionError("rotated: a corrupted key slot went unnoticed")
+
 CHECKS = {name[len("check_"):]: fn for name, fn in dict(globals()).items()
           if name.startswith("check_") and callable(fn)}
 

@@ -1,0 +1,78 @@
+"""Ragged-head decode attention over a rotated (FDC / ZACK) cache: per-KV-head kept widths.
+
+`ragged_attention(q_rot, k_rot, v_rot, lengths, k_widths=..., v_widths=..., scale=...)`
+returns (out [B, G, sum v], lse [B, K, G]) with the semantics of
+`reference.ragged_attention_reference` (the operand contract is in its docstring).
+Implementations:
+  "reference"  plain jnp float32 (runs anywhere; prefill uses it too);
+  "triton"     the split-K kernel in `triton_ragged`: (request, KV head) tasks cut into chunks
+               along the sequence, launched longest first (LPT, `lpt`); bf16/fp16 caches,
+               widths <= 256 (`triton_fit`).
+None picks "triton" on a GPU with jax-triton when the operands fit it (`triton_fit`) or kernel
+knobs are passed, else "reference".
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import jax.numpy as jnp
+
+from ..common import triton_backend
+from .reference import check_inputs, ragged_attention_reference
+
+IMPLEMENTATIONS = ("reference", "triton")
+
+
+def triton_fit(q_shape, k_widths, v_widths, dtype, capacity=None) -> str | None:
+  """None when the Triton kernel takes these operands with its default knobs, else why not
+  (one line). Pure shape/dtype checks (`triton_plan.check_fit`): no device, no Triton.
+
+  Args:
+    q_shape: (B, G, sum(k_widths)); dtype: the cache dtype (bf16 or fp16);
+    capacity: cache slots S, if known (int32 indexing bound).
+  """
+  from .triton_plan import check_fit  # pylint: disable=import-outside-toplevel
+  try:
+    check_fit(tuple(q_shape), tuple(k_widths), tuple(v_widths), jnp.dtype(dtype), capacity)
+  except ValueError as e:
+    return str(e)
+  return None
+
+
+def resolve_implementation(implementation=None, *, args=None, options=None) -> str:
+  """The implementation `ragged_attention` runs: `implementation` if it can run here (GPU
+  kernels fall back to "reference" without a GPU or jax-triton); for None, "triton" where it
+  can run and `args` = (q_shape, k_widths, v_widths, dtype, capacity) fit it or `options`
+  (kernel knobs) are passed, else "reference"."""
+  impl = triton_backend.resolve(implementation, known=IMPLEMENTATIONS, default_gpu="triton",
+                                needs_gpu=("triton",), needs_triton=("triton",),
+                                op="ragged_attention")
+  if (implementation is None and impl == "triton" and args is not None and not options
+      and triton_fit(*args) is not None):
+    return "reference"
+  return impl
+
+
+def ragged_attention(q_rot, k_rot, v_rot, lengths, *, k_widths, v_widths, scale,
+                     out_dtype=None, implementation=None, **knobs):
+  """Ragged-head decode attention; see `reference.ragged_attention_reference`.
+
+  Args:
+    implementation: None (see `resolve_implementation`) | "reference" | "triton".
+    **knobs: Triton kernel options (block_s, target_chunks, chunk_tokens, schedule,
+      num_warps, num_stages, poison, return_partials; `triton_ragged.ragged_attention_triton`).
+  """
+  check_inputs(q_rot, k_rot, v_rot, lengths, k_widths, v_widths)
+  impl = resolve_implementation(
+      implementation, args=(q_rot.shape, k_widths, v_widths, k_rot.dtype, k_rot.shape[1]),
+      options=knobs)
+  if implementation not in (None, impl):
+    warnings.warn(f"ragged_attention: {implementation!r} unavailable here, running {impl!r}")
+  if impl == "reference":
+    return ragged_attention_reference(q_rot, k_rot, v_rot, lengths, k_widths=k_widths,
+                                      v_widths=v_widths, scale=scale, out_dtype=out_dtype)
+  from .triton_ragged import ragged_attention_triton  # pylint: disable=import-outside-toplevel
+  return ragged_attention_triton(q_rot, k_rot, v_rot, lengths, k_widths=tuple(k_widths),
+                                 v_widths=tuple(v_widths), scale=scale, out_dtype=out_dtype,
+                                 **knobs)
