@@ -16,13 +16,16 @@ at the end.
 Methods (get_sweep): dense (bf16), KIVI-2 and KIVI-4 (G = 32, R = 128: the last 128
 tokens stay exact, so depth 100% sits in KIVI's exact window), Palu-50% (G-LRD, Fisher
 ranks, whitened SVD, bf16 latents; calibrated on WikiText-2 validation, cached in the
-workdir) and XQuant-2 (GQA latent path, groups of 64), as in configs/main.py. A method
-that lands later is one more point: {"method": "<name>", "longctx.label": "..."} with
-its section added below.
+workdir) and XQuant-2 (GQA latent path, groups of 64), as in configs/main.py. Any
+other registered method (kvlowrank.methods, e.g. one that lands later) runs with
+`:methods=dense+<name>` at its spec's defaults (or add its section below and a point
+to _METHODS).
 
-Args after `:`: model, tasks (passkey+needle, +longbench, +ruler; joined by "+"),
+Args after `:`: model, methods ("" = the five above; else "+"-joined labels of
+_METHODS or registered method names), tasks (passkey+needle, +longbench, +ruler; joined by "+"),
 samples (prompts per cell), cpu (the sizing measured on the 2-core CPU box: depths
-0/50/100% at 1K, 2K and 4K, 50% at 8K; 1 prompt per cell), smoke (stories260K,
+0/50/100% at 1K and 2K, 50% at 4K and 8K; 1 prompt per cell; contexts run in the
+order 1K, 8K, 2K, 4K), smoke (stories260K,
 contexts 256/512, dense and KIVI-2; seconds).
 Contexts count prompt + max_new_tokens (12): SmolLM2-135M-Instruct's window is 8192
 (llama.context_length of its GGUF), so 8K fills it exactly.
@@ -44,9 +47,13 @@ _METHODS = [
 ]
 
 
+def _args(arg):
+  return parse_arg(arg, model="smollm2", methods="", tasks="passkey+needle", samples=1,
+                   cpu=False, smoke=False)
+
+
 def get_config(arg=None):
-  arg = parse_arg(arg, model="smollm2", tasks="passkey+needle", samples=1, cpu=False,
-                  smoke=False)
+  arg = _args(arg)
   c = base_config()
   c.model.path = arg.model
   c.method = "dense"
@@ -68,8 +75,11 @@ def get_config(arg=None):
       longbench=("narrativeqa", "qasper", "hotpotqa", "passage_retrieval_en"),
       ruler="4096", hf_samples=20, hf_revision=""))
   if arg.cpu:
+    # Run order = this order (every method at a context before the next): the range's
+    # ends first. 50% only at 4K and 8K (an 8K prefill is ~1 min of this CPU).
+    c.longctx.contexts = (1024, 8192, 2048, 4096)
     c.longctx.depths = (0.0, 0.5, 1.0)
-    c.longctx.depth_overrides = ((8192, (0.5,)),)
+    c.longctx.depth_overrides = ((4096, (0.5,)), (8192, (0.5,)))
   if arg.smoke:
     apply_smoke(c)                 # stories260K (512-token window), KIVI G = 8, R = 32
     c.palu.rank_multiple = 8
@@ -83,6 +93,8 @@ def get_config(arg=None):
 
 
 def get_sweep(arg=None):
-  arg = parse_arg(arg, model="smollm2", tasks="passkey+needle", samples=1, cpu=False,
-                  smoke=False)
-  return _METHODS[:2] if arg.smoke else list(_METHODS)
+  arg = _args(arg)
+  if not arg.methods:
+    return _METHODS[:2] if arg.smoke else list(_METHODS)
+  known = {p["longctx.label"]: p for p in _METHODS}
+  return [known.get(m, {"method": m, "longctx.label": m}) for m in arg.methods.split("+")]

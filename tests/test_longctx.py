@@ -103,6 +103,12 @@ def test_config_errors_name_the_field(tmp_path):
     longctx.run(_smoke_config(contexts=(256, 1024)), tmp_path, [{}])
   with pytest.raises(ValueError, match="point 0 .*KiviSpec.bits"):
     longctx.run(_smoke_config(), tmp_path, [{"method": "kivi", "kivi.bits": 5}])
+  # Methods by registry name: an unregistered one is refused before any work.
+  from kvlowrank.experiment.sweep import load_points  # pylint: disable=g-import-not-at-top
+  pts = load_points(f"{CONFIG}:methods=KIVI-2+nosuch")
+  assert pts[1] == {"method": "nosuch", "longctx.label": "nosuch"}
+  with pytest.raises(ValueError, match="point 1 .*unknown config.method 'nosuch'"):
+    longctx.run(_smoke_config(), tmp_path, pts)
   assert not (tmp_path / records.RESULTS).exists()
   assert json.dumps(longctx.LongCtxSpec(depth_overrides=((4096, (0.5,)),)).depths_at(4096)
                     ) == "[0.5]"

@@ -8,9 +8,9 @@ for every method of a sweep, through each method's real decode path, resumably.
      samples are fetched (one clear error when the hub is unreachable);
   2. the model is loaded once; every point's method is checked against it and every
      context against the model's max_seq_len, before any calibration;
-  3. per point: the method's parameters (calibrated and cached in workdir/calib/ exactly
-     as kvlowrank.experiment.evaluate does), then for every (task, context, depth,
-     sample): the prompt is prefilled into a fresh cache of the method and the answer
+  3. context by context (in the config's order), every point's method: its parameters
+     (calibrated and cached in workdir/calib/ exactly as kvlowrank.experiment.evaluate
+     does), then for every (task, depth, sample): the prompt is prefilled into a fresh cache of the method and the answer
      decoded greedily by kvlowrank.generate.generate (one prefill call, then decode
      steps through the cache's decode path), scored, and appended as one record to
      workdir/results.jsonl;
@@ -195,66 +195,71 @@ def run(config, workdir, points: Sequence[dict], *, results_name: str = records.
   results = workdir / results_name
   done = records.done_keys(results)
   show = bool(config.progress) if progress is None else progress
-  ran = skipped = 0
-  for (point, cfg, lc), exp in zip(resolved, exps):
+  hf_by_id = {(t, s.name, s.index): s for (t, _, _), ss in hf_samples.items() for s in ss}
+  work, methods_of = [], []
+  for p, ((point, cfg, lc), exp) in enumerate(zip(resolved, exps)):
     method = get_method(exp.method)
     bits = method.bits_label(exp.method_spec, exp.jnp_cache_dtype)
     label = lc.label or (exp.method if exp.method == "dense" else f"{exp.method}-{bits}")
-    todo = []
+    methods_of.append((point, cfg, lc, exp, method, bits, label))
     for task, c, d, i in _grid(lc):
-      key = sample_key(cfg, lc, task, c, d, i)
-      todo.append((key, task, c, d, i))
+      work.append((lc.contexts.index(c), p, sample_key(cfg, lc, task, c, d, i), task, c, d, i))
     for (task, _, _), samples in hf_samples.items():
       if task in lc.tasks:
-        todo += [(sample_key(cfg, lc, task, 0, s.name, s.index), task, 0, s.name, s.index)
-                 for s in samples]
-    pending = [t for t in todo if t[0] not in done]
-    skipped += len(todo) - len(pending)
-    if not pending:
-      continue
-    params, _ = evaluate.calibrated_params(cfg, exp, model, workdir)
-    bar = None
-    if show:
-      from tqdm.auto import tqdm  # pylint: disable=g-import-not-at-top
-      bar = tqdm(total=len(pending), desc=f"longctx {label}", unit="prompt")
-    hf_by_id = {(t, s.name, s.index): s for (t, _, _), ss in hf_samples.items() for s in ss}
-    for key, task, c, d, i in pending:
-      start = time.perf_counter()
-      if task in SYNTHETIC:
-        s = _synthetic(tok, task, c, d, i, lc)
-        tokens, answers, max_new, budget = s.tokens, (s.answer,), s.max_new_tokens, c
-        extra = {"depth": d, "depth_actual": s.depth_actual, "needle_start": s.needle_start,
-                 "prompt_tokens": len(s.tokens)}
-      else:
-        hs = hf_by_id[(task, d, i)]
-        budget = min(max(lc.contexts), model.spec.max_seq_len)
-        tokens, max_new = hf_tasks.prompt_ids(tok, hs, budget)
-        answers = hs.answers
-        extra = {"subset": d, "prompt_tokens": len(tokens), "depth": None,
-                 "revision": hs.revision}
-      res = generate(params, model.spec, [list(tokens)], max_new_tokens=max_new,
-                     cache_method=method.cache, cache_spec=exp.method_spec,
-                     cache_dtype=exp.jnp_cache_dtype, eos_ids=tok.eos_ids or (),
-                     capacity=len(tokens) + max_new)
-      text = tok.decode(list(res.tokens[0]))
-      score = (exact_match(text, answers[0]) if task in SYNTHETIC
-               else hf_tasks.score(task, d, text, answers))
-      rec = {"key": key, "label": label, "method": exp.method, "bits": bits, "task": task,
-             "context": c if task in SYNTHETIC else budget, "index": i,
-             "answer": answers[0], "generated": text, "score": score, **extra,
-             "seconds": time.perf_counter() - start, "point": point,
-             "time": datetime.datetime.now(datetime.timezone.utc).isoformat(
-                 timespec="seconds"),
-             "versions": {"jax": jax.__version__, "backend": jax.default_backend()}}
-      records.append(results, rec)
-      done.add(key)
-      ran += 1
-      log.info("%s %s ctx=%s depth=%s: %r vs %r -> %s (%.1f s)", label, task, c, d, text,
-               answers[0], score, rec["seconds"])
-      if bar is not None:
-        bar.update(1)
+        work += [(len(lc.contexts), p, sample_key(cfg, lc, task, 0, s.name, s.index), task,
+                  0, s.name, s.index) for s in samples]
+  # Context-major: every method at one context (in the order the config lists them)
+  # before the next, so an interrupted run has comparable cells for every method.
+  work.sort(key=lambda w: (w[0], w[1]))
+  pending = [w for w in work if w[2] not in done]
+  ran, skipped = 0, len(work) - len(pending)
+  bar = None
+  if show and pending:
+    from tqdm.auto import tqdm  # pylint: disable=g-import-not-at-top
+    bar = tqdm(total=len(pending), desc="longctx", unit="prompt")
+  params_of: dict[int, Any] = {}
+  for _, p, key, task, c, d, i in pending:
+    point, cfg, lc, exp, method, bits, label = methods_of[p]
+    if p not in params_of:
+      params_of[p], _ = evaluate.calibrated_params(cfg, exp, model, workdir)
+    params = params_of[p]
+    start = time.perf_counter()
+    if task in SYNTHETIC:
+      s = _synthetic(tok, task, c, d, i, lc)
+      tokens, answers, max_new, budget = s.tokens, (s.answer,), s.max_new_tokens, c
+      extra = {"depth": d, "depth_actual": s.depth_actual, "needle_start": s.needle_start,
+               "prompt_tokens": len(s.tokens)}
+    else:
+      hs = hf_by_id[(task, d, i)]
+      budget = min(max(lc.contexts), model.spec.max_seq_len)
+      tokens, max_new = hf_tasks.prompt_ids(tok, hs, budget)
+      answers = hs.answers
+      extra = {"subset": d, "prompt_tokens": len(tokens), "depth": None,
+               "revision": hs.revision}
+    res = generate(params, model.spec, [list(tokens)], max_new_tokens=max_new,
+                   cache_method=method.cache, cache_spec=exp.method_spec,
+                   cache_dtype=exp.jnp_cache_dtype, eos_ids=tok.eos_ids or (),
+                   capacity=len(tokens) + max_new)
+    text = tok.decode(list(res.tokens[0]))
+    score = (exact_match(text, answers[0]) if task in SYNTHETIC
+             else hf_tasks.score(task, d, text, answers))
+    rec = {"key": key, "label": label, "method": exp.method, "bits": bits, "task": task,
+           "context": c if task in SYNTHETIC else budget, "index": i,
+           "answer": answers[0], "generated": text, "score": score, **extra,
+           "seconds": time.perf_counter() - start, "point": point,
+           "time": datetime.datetime.now(datetime.timezone.utc).isoformat(
+               timespec="seconds"),
+           "versions": {"jax": jax.__version__, "backend": jax.default_backend()}}
+    records.append(results, rec)
+    done.add(key)
+    ran += 1
+    log.info("%s %s ctx=%s depth=%s: %r vs %r -> %s (%.1f s)", label, task, c, d, text,
+             answers[0], score, rec["seconds"])
     if bar is not None:
-      bar.close()
+      bar.set_postfix_str(f"{label} {task} {c}")
+      bar.update(1)
+  if bar is not None:
+    bar.close()
   summary: dict[str, Any] = {"ran": ran, "skipped": skipped, "results": str(results)}
   if config.write_report:
     summary.update(longctx_report.write(workdir, results_name=results_name))

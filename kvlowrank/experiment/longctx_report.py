@@ -104,8 +104,9 @@ def plots(recs: list[dict], workdir: Path) -> list[str]:
   for ax, task in zip(axes[0], tasks):
     rs = [r for r in recs if r["task"] == task]
     ctxs = sorted({r["context"] for r in rs})
-    for lab in labels:
-      ax.plot(ctxs, [accuracy(rs, lab, task, c) for c in ctxs], marker="o", label=lab)
+    for k, lab in enumerate(labels):  # distinct markers/dashes: equal lines stay visible
+      ax.plot(ctxs, [accuracy(rs, lab, task, c) for c in ctxs], marker="osD^vP*X"[k % 8],
+              linestyle=("-", "--", ":", "-.")[k % 4], markersize=8 - (k % 4), label=lab)
     ax.set_xscale("log", base=2)
     ax.set_xticks(ctxs, [str(c) for c in ctxs])
     ax.set_ylim(-0.05, 1.05)
@@ -136,6 +137,7 @@ def plots(recs: list[dict], workdir: Path) -> list[str]:
       ax.set_xlabel("context (tokens)")
       ax.set_ylabel("depth")
       ax.set_title(f"{lab}: {task}")
+    fig.subplots_adjust(wspace=0.4, bottom=0.15)
     fig.colorbar(im, ax=list(axes[0]), shrink=0.8)
     p = workdir / f"heatmap_{_safe(lab)}.png"
     fig.savefig(p, dpi=110)
