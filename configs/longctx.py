@@ -23,9 +23,9 @@ to _METHODS).
 
 Args after `:`: model, methods ("" = the five above; else "+"-joined labels of
 _METHODS or registered method names), tasks (passkey+needle, +longbench, +ruler; joined by "+"),
-samples (prompts per cell), cpu (the sizing measured on the 2-core CPU box: depths
-0/50/100% at 1K and 2K, 50% at 4K and 8K; 1 prompt per cell; contexts run in the
-order 1K, 8K, 2K, 4K), smoke (stories260K,
+samples (prompts per cell), cpu (the sizing measured on the shared 2-core CPU box:
+depths 0/50/100% at 1K, 50% at 2K, 4K and 8K, passkey only at 8K; 1 prompt per
+cell), smoke (stories260K,
 contexts 256/512, dense and KIVI-2; seconds).
 Contexts count prompt + max_new_tokens (12): SmolLM2-135M-Instruct's window is 8192
 (llama.context_length of its GGUF), so 8K fills it exactly.
@@ -70,16 +70,17 @@ def get_config(arg=None):
                              high_bits=4, scale_dtype="float16", implementation="reference"))
   c.longctx = ConfigDict(dict(
       tasks=tuple(arg.tasks.split("+")), contexts=(1024, 2048, 4096, 8192),
-      depths=(0.0, 0.25, 0.5, 0.75, 1.0), depth_overrides=(), samples=arg.samples,
+      depths=(0.0, 0.25, 0.5, 0.75, 1.0), depth_overrides=(), task_overrides=(),
+      samples=arg.samples,
       seed=0, max_new_tokens=12, filler_chars=200_000, data_path="", label="",
       longbench=("narrativeqa", "qasper", "hotpotqa", "passage_retrieval_en"),
       ruler="4096", hf_samples=20, hf_revision=""))
   if arg.cpu:
-    # Run order = this order (every method at a context before the next): the range's
-    # ends first. 50% only at 4K and 8K (an 8K prefill is ~1 min of this CPU).
-    c.longctx.contexts = (1024, 8192, 2048, 4096)
+    # The sizing measured on the shared 2-core CPU box (~8 jobs at once): 3 depths at
+    # 1K, 50% beyond, passkey only at 8K (an 8K prefill is ~1 min of an idle 2-core CPU).
     c.longctx.depths = (0.0, 0.5, 1.0)
-    c.longctx.depth_overrides = ((4096, (0.5,)), (8192, (0.5,)))
+    c.longctx.depth_overrides = ((2048, (0.5,)), (4096, (0.5,)), (8192, (0.5,)))
+    c.longctx.task_overrides = ((8192, ("passkey",)),)
   if arg.smoke:
     apply_smoke(c)                 # stories260K (512-token window), KIVI G = 8, R = 32
     c.palu.rank_multiple = 8

@@ -1,7 +1,6 @@
 """The long-context job on stories260K: a hand-checked dense case, the launcher end to end
 (resumable, plots), config validation, and the offline LongBench / RULER one-line error."""
 
-import json
 import os
 import subprocess
 import sys
@@ -110,5 +109,13 @@ def test_config_errors_name_the_field(tmp_path):
   with pytest.raises(ValueError, match="point 1 .*unknown config.method 'nosuch'"):
     longctx.run(_smoke_config(), tmp_path, pts)
   assert not (tmp_path / records.RESULTS).exists()
-  assert json.dumps(longctx.LongCtxSpec(depth_overrides=((4096, (0.5,)),)).depths_at(4096)
-                    ) == "[0.5]"
+  lc = longctx.LongCtxSpec(contexts=(1024, 8192), depths=(0.0, 1.0),
+                           depth_overrides=((8192, (0.5,)),),
+                           task_overrides=((8192, ("passkey",)),))
+  assert list(longctx._grid(lc)) == [  # pylint: disable=protected-access
+      ("passkey", 1024, 0.0, 0), ("passkey", 1024, 1.0, 0), ("passkey", 8192, 0.5, 0),
+      ("needle", 1024, 0.0, 0), ("needle", 1024, 1.0, 0)]
+  with pytest.raises(ValueError, match="config.longctx.task_overrides: tasks must be"):
+    longctx.LongCtxSpec(task_overrides=((8192, ("pk",)),))
+  with pytest.raises(ValueError, match="config.longctx.depth_overrides must be"):
+    longctx.LongCtxSpec(depth_overrides=(4096,))

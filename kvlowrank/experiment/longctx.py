@@ -60,6 +60,7 @@ class LongCtxSpec:
   depths: needle depths in [0, 1].
   depth_overrides: ((context, (depths...)), ...): other depths at those contexts (to
     size the costly longest contexts on a CPU).
+  task_overrides: ((context, (tasks...)), ...): only those synthetic tasks there.
   samples: prompts per (task, context, depth); seed: their generator seed.
   max_new_tokens: greedy answer budget (the answer's tokens + at least 1).
   filler_chars / data_path: the needle's WikiText-2 haystack pool.
@@ -71,6 +72,7 @@ class LongCtxSpec:
   contexts: tuple = (1024, 2048, 4096, 8192)
   depths: tuple = (0.0, 0.25, 0.5, 0.75, 1.0)
   depth_overrides: tuple = ()
+  task_overrides: tuple = ()
   samples: int = 1
   seed: int = 0
   max_new_tokens: int = 12
@@ -91,6 +93,15 @@ class LongCtxSpec:
       raise ValueError("config.longctx.depth_overrides must be ((context, (depths...)), "
                        f"...), got {self.depth_overrides!r}") from None
     object.__setattr__(self, "depth_overrides", over)
+    try:
+      tover = tuple((int(c), tuple(str(t) for t in ts)) for c, ts in self.task_overrides)
+    except (TypeError, ValueError):
+      raise ValueError("config.longctx.task_overrides must be ((context, (tasks...)), "
+                       f"...), got {self.task_overrides!r}") from None
+    if any(t not in SYNTHETIC for _, ts in tover for t in ts):
+      raise ValueError(f"config.longctx.task_overrides: tasks must be among "
+                       f"{tuple(SYNTHETIC)}, got {self.task_overrides!r}")
+    object.__setattr__(self, "task_overrides", tover)
     bad = [t for t in self.tasks if t not in TASKS]
     if not self.tasks or bad:
       raise ValueError(f"config.longctx.tasks must be entries of {TASKS}, got {self.tasks!r}")
@@ -130,6 +141,8 @@ def _grid(lc: LongCtxSpec):
   for task in lc.tasks:
     if task in SYNTHETIC:
       for c in lc.contexts:
+        if task not in dict(lc.task_overrides).get(int(c), lc.tasks):
+          continue
         for d in lc.depths_at(c):
           for i in range(lc.samples):
             yield task, int(c), float(d), i
@@ -262,7 +275,8 @@ def run(config, workdir, points: Sequence[dict], *, results_name: str = records.
     bar.close()
   summary: dict[str, Any] = {"ran": ran, "skipped": skipped, "results": str(results)}
   if config.write_report:
-    summary.update(longctx_report.write(workdir, results_name=results_name))
+    summary.update(longctx_report.write(workdir, results_name=results_name,
+                                        keys={w[2] for w in work}))
   return summary
 
 

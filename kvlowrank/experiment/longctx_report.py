@@ -146,10 +146,16 @@ def plots(recs: list[dict], workdir: Path) -> list[str]:
   return paths
 
 
-def write(workdir, *, results_name: str = records.RESULTS) -> dict[str, Any]:
-  """Writes longctx.md and the PNGs; returns {"markdown": path, "plots": [paths]}."""
+def write(workdir, *, results_name: str = records.RESULTS, keys=None) -> dict[str, Any]:
+  """Writes longctx.md and the PNGs; returns {"markdown": path, "plots": [paths]}.
+
+  keys: only these records (the run's grid; records of other grids in the same file
+  are left out so that every method is averaged over the same cells); None = all.
+  """
   workdir = Path(workdir)
   recs = latest(records.read(workdir / results_name))
+  if keys is not None:
+    recs = [r for r in recs if r["key"] in keys]
   md = workdir / "longctx.md"
   md.write_text(markdown(recs), encoding="utf-8")
   return {"markdown": str(md), "plots": plots(recs, workdir)}
