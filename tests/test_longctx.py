@@ -1,16 +1,19 @@
 """The long-context job on stories260K: a hand-checked dense case, the launcher end to end
 (resumable, plots), config validation, and the offline LongBench / RULER one-line error."""
 
+import importlib.util
 import os
 import subprocess
 import sys
 from pathlib import Path
 
+import jax.numpy as jnp
 import pytest
 
 from kvlowrank.eval import passkey
 from kvlowrank.experiment import config as config_lib
 from kvlowrank.experiment import longctx, models, records
+from kvlowrank.experiment.sweep import load_points
 from kvlowrank.generate.loop import generate
 
 REPO = Path(__file__).resolve().parents[1]
@@ -18,8 +21,8 @@ CONFIG = REPO / "configs" / "longctx.py"
 
 
 def _smoke_config(**longctx_overrides):
-  spec = __import__("importlib.util").util.spec_from_file_location("_lc_cfg", CONFIG)
-  mod = __import__("importlib.util").util.module_from_spec(spec)
+  spec = importlib.util.spec_from_file_location("_lc_cfg", CONFIG)
+  mod = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(mod)
   c = mod.get_config("smoke")
   c.progress = False
@@ -50,7 +53,6 @@ def test_dense_smoke_hand_checked(tmp_path):
   tok = m.require_tokenizer()
   s = passkey.sample(tok, context=512, depth=0.0)
   assert s.answer == rec["answer"]
-  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
   res = generate(m.params, m.spec, [list(s.tokens)], max_new_tokens=12,
                  cache_dtype=jnp.bfloat16, eos_ids=tok.eos_ids, capacity=512)
   assert tok.decode(list(res.tokens[0])) == rec["generated"]
@@ -103,7 +105,6 @@ def test_config_errors_name_the_field(tmp_path):
   with pytest.raises(ValueError, match="point 0 .*KiviSpec.bits"):
     longctx.run(_smoke_config(), tmp_path, [{"method": "kivi", "kivi.bits": 5}])
   # Methods by registry name: an unregistered one is refused before any work.
-  from kvlowrank.experiment.sweep import load_points  # pylint: disable=g-import-not-at-top
   pts = load_points(f"{CONFIG}:methods=KIVI-2+nosuch")
   assert pts[1] == {"method": "nosuch", "longctx.label": "nosuch"}
   with pytest.raises(ValueError, match="point 1 .*unknown config.method 'nosuch'"):
