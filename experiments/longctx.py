@@ -1,0 +1,66 @@
+r"""The long-context job: `kvlowrank.experiment.longctx.run_file(...)`.
+
+  python experiments/longctx.py --config=configs/longctx.py --workdir=runs/longctx
+
+Passkey and needle-in-a-haystack accuracy (and LongBench / RULER when online) of every
+method of the config's get_sweep(), per context and depth, each prompt prefilled into
+the method's cache and answered by greedy decoding. Resumable: finished prompts in
+<workdir>/results.jsonl are skipped, so an interrupted run continues where it stopped.
+Writes longctx.md, longctx_accuracy.png and heatmap_<method>.png into the workdir.
+A bad config, a missing file or an unreachable dataset ends in one line and exit 1
+(--debug shows the traceback).
+"""
+
+import os
+
+# Before numpy loads OpenBLAS (see experiments/sweep.py): Palu's calibration.
+if (os.cpu_count() or 1) <= 4:
+  os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+
+import platform
+import sys
+
+from absl import app
+from absl import flags
+from absl import logging
+import jax
+from ml_collections import config_flags
+
+import kvlowrank
+from kvlowrank import config_lib
+from kvlowrank.experiment import longctx
+
+_CONFIG = config_flags.DEFINE_config_file(
+    "config", None, "Path to configs/longctx.py (with an optional :arg).", lock_config=True)
+_WORKDIR = flags.DEFINE_string("workdir", None, "Output folder (results.jsonl, plots).")
+_LIMIT = flags.DEFINE_integer("limit", None, "Only the first N methods of the sweep.")
+_DEBUG = flags.DEFINE_bool("debug", False, "Show tracebacks instead of one-line errors.")
+flags.mark_flags_as_required(["config", "workdir"])
+
+
+def main(argv):
+  if len(argv) > 1:
+    raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+  try:
+    summary = longctx.run_file(config_flags.get_config_filename(flags.FLAGS["config"]),
+                               _CONFIG.value, _WORKDIR.value, limit=_LIMIT.value)
+  except (ValueError, FileNotFoundError) as e:
+    if _DEBUG.value:
+      raise
+    print(f"error: {' '.join(str(e).split())}", file=sys.stderr)
+    sys.exit(1)
+  logging.info("python %s, jax %s, kvlowrank %s, devices %s", platform.python_version(),
+               jax.__version__, kvlowrank.__version__, jax.devices())
+  print(f"longctx: {summary['ran']} prompts run, {summary['skipped']} already finished")
+  print(f"results:  {summary['results']}")
+  if "markdown" in summary:
+    print(f"table:    {summary['markdown']}")
+    for p in summary["plots"]:
+      print(f"plot:     {p}")
+    with open(summary["markdown"]) as f:
+      print(f.read())
+
+
+if __name__ == "__main__":
+  jax.config.config_with_absl()
+  app.run(main, flags_parser=config_lib.flags_parser)
