@@ -22,6 +22,7 @@ import numpy as np
 
 from kvlowrank.methods import DenseSpec, init_caches
 from kvlowrank.generate.sampling import Greedy, Sampler
+from kvlowrank import parallel
 from kvlowrank.model.transformer import forward
 from kvlowrank.spec import ModelSpec
 
@@ -53,18 +54,24 @@ def _is_eos(tokens, eos_ids):
   return jnp.any(tokens[:, None] == eos_ids[None, :], axis=-1)
 
 
+def _forward(mesh):
+  """The model's forward on one device (mesh None) or on a mesh (`kvlowrank.parallel`)."""
+  return forward if mesh is None else functools.partial(parallel.forward, mesh)
+
+
 # No buffer donation: a cache method may keep arrays that alias params (factors).
-@functools.partial(jax.jit, static_argnames=("spec", "sampler"))
+@functools.partial(jax.jit, static_argnames=("spec", "sampler", "mesh"))
 def _prefill(params, tokens, positions, last_idx, caches, rng, *, spec: ModelSpec,
-             sampler: Sampler):
+             sampler: Sampler, mesh=None):
   """Prompt pass: fills the caches, samples each row's first new token [B]."""
-  logits, caches = forward(params, tokens, positions, caches, spec, logits_at=last_idx)
+  logits, caches = _forward(mesh)(params, tokens, positions, caches, spec,
+                                  logits_at=last_idx)
   return sampler.next_tokens(logits[:, 0], rng), caches
 
 
-@functools.partial(jax.jit, static_argnames=("spec", "sampler", "max_new_tokens"))
+@functools.partial(jax.jit, static_argnames=("spec", "sampler", "max_new_tokens", "mesh"))
 def _decode(params, first, next_pos, eos_ids, caches, rng, *, spec: ModelSpec,
-            sampler: Sampler, max_new_tokens: int):
+            sampler: Sampler, max_new_tokens: int, mesh=None):
   """Decode loop. first [B] (sampled by the prefill), next_pos [B] = prompt lengths,
   eos_ids [E] int32 padded with -1.
 
@@ -84,7 +91,7 @@ def _decode(params, first, next_pos, eos_ids, caches, rng, *, spec: ModelSpec,
     i, out, tok, pos, done, n_gen, caches, rng = state
     rng, sub = jax.random.split(rng)
     step_pos = jnp.where(done, -1, pos)  # finished rows: padding, cache untouched
-    logits, caches = forward(params, tok[:, None], step_pos[:, None], caches, spec)
+    logits, caches = _forward(mesh)(params, tok[:, None], step_pos[:, None], caches, spec)
     new = sampler.next_tokens(logits[:, 0], sub)
     live = ~done
     out = out.at[:, i].set(jnp.where(live, new, PAD_TOKEN))
@@ -121,7 +128,7 @@ def generate(params, spec: ModelSpec, prompts: Sequence[Sequence[int]], *,
              rng: Optional[jax.Array] = None, cache_method: str = "dense",
              cache_spec=DenseSpec(), cache_dtype=None,
              eos_ids: Optional[Sequence[int]] = None,
-             capacity: Optional[int] = None) -> GenerationResult:
+             capacity: Optional[int] = None, mesh=None) -> GenerationResult:
   """Generates continuations of a batch of prompts with a registered KV cache.
 
   Args:
@@ -137,6 +144,8 @@ def generate(params, spec: ModelSpec, prompts: Sequence[Sequence[int]], *,
     eos_ids: ids that stop a row; default spec.eos_ids; () never stops early.
     capacity: cache slots (positions [0, capacity)); default max prompt length +
       max_new_tokens.
+    mesh: a `kvlowrank.parallel.make_mesh` (data, model) mesh to decode on several devices
+      (KV heads split over "model", prompts over "data"); None: one device.
   Returns:
     GenerationResult.
   Raises:
@@ -168,17 +177,22 @@ def generate(params, spec: ModelSpec, prompts: Sequence[Sequence[int]], *,
   for i, r in enumerate(rows):
     tokens[i, :len(r)] = r
     positions[i, :len(r)] = np.arange(len(r))
+  if mesh is not None:
+    parallel.check_layout(spec, mesh, batch=b)
   caches = init_caches(cache_method, cache_spec, spec, params, batch=b, capacity=capacity,
                        dtype=cache_dtype)
+  if mesh is not None:
+    params, caches = parallel.shard_params(params, spec, mesh), parallel.shard_caches(caches,
+                                                                                       mesh)
   rng_prefill, rng_decode = jax.random.split(rng)
   first, caches = _prefill(params, jnp.asarray(tokens), jnp.asarray(positions),
                            jnp.asarray(lens - 1), caches, rng_prefill, spec=spec,
-                           sampler=sampler)
+                           sampler=sampler, mesh=mesh)
   eos = np.full(max(1, -(-len(eos_ids) // EOS_BUCKET)) * EOS_BUCKET, -1, np.int32)
   eos[:len(eos_ids)] = eos_ids
   out, n_gen, hit_eos, steps = _decode(params, first, jnp.asarray(lens), jnp.asarray(eos),
                                        caches, rng_decode, spec=spec, sampler=sampler,
-                                       max_new_tokens=max_new_tokens)
+                                       max_new_tokens=max_new_tokens, mesh=mesh)
   out, n_gen, hit_eos, steps = jax.device_get((out, n_gen, hit_eos, steps))
   toks, reasons = [], []
   for i in range(b):
