@@ -16,8 +16,13 @@ import pytest
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 METHODS = ("dense", "kivi", "palu", "palu_4bit", "xquant_x", "xquant_latent", "xquant_cl")
 MESHES = ([1, 4], [2, 2], [4, 1])
-# fp32 models: the row-split products are summed in a different order than one matmul.
+# fp32 models: the row-split products are summed in a different order than one matmul
+# (~1e-6 relative). Quantized caches: a value within that rounding of a quantization
+# boundary may take the neighbouring code on one layout; one 4-bit step of one latent moves
+# these logits by ~1e-3, so they get a looser bound (still 1000x below the negative control).
 TOL = 1e-4
+QUANT_TOL = 5e-3
+QUANTIZED = ("kivi", "palu_4bit", "xquant_x", "xquant_latent", "xquant_cl")
 
 
 @pytest.fixture(scope="module")
@@ -36,7 +41,8 @@ def test_sharded_equals_one_device(cases, method):
   got = {tuple(c["mesh"]): c for c in cases if c["case"] == "equal" and c["method"] == method}
   assert sorted(got) == sorted(map(tuple, MESHES))
   for mesh, c in got.items():
-    assert c["max_abs_diff"] <= TOL * max(1.0, c["scale"]), (mesh, c)
+    tol = QUANT_TOL if method in QUANTIZED else TOL
+    assert c["max_abs_diff"] <= tol * max(1.0, c["scale"]), (mesh, c)
     if c["tokens_equal"] is not None:
       assert c["tokens_equal"], (mesh, c)
   assert any(c["tokens_equal"] for c in got.values())
