@@ -123,6 +123,16 @@ def main():
   got = run(bad, "dense", DenseSpec(), parallel.make_mesh(1, 2))
   emit(case="negative", max_abs_diff=max(float(np.max(np.abs(a - b)))
                                          for a, b in zip(ref, got)))
+  # The whole-model decode benchmark on a mesh (tiny model): per-device bytes and a record.
+  from kvlowrank.bench import decode  # pylint: disable=import-outside-toplevel
+  tiny = ModelSpec(vocab_size=64, dim=64, n_layers=1, n_heads=4, n_kv_heads=4, head_dim=128,
+                   ffn_dim=64, max_seq_len=512)
+  res = {m: decode.run(tiny, methods=["dense", "kivi2", "palu50"], configs=[(256, 2)],
+                       steps=1, log=lambda s: None, mesh=m) for m in (None, (1, 2))}
+  for one, two in zip(res[None]["records"], res[(1, 2)]["records"]):
+    emit(case="bench", method=one["method"], one_device=one["cache_device_bytes"],
+         per_device=two["cache_device_bytes"], mesh=two["mesh"],
+         table=decode.table(res[(1, 2)]))
   # Clear errors.
   for label, fn in [
       ("heads", lambda: parallel.forward(parallel.make_mesh(1, 3), p,

@@ -64,3 +64,14 @@ def test_negative_control_swapped_heads(cases):
 def test_one_line_errors(cases, label, needle):
   [c] = [c for c in cases if c["case"] == "error" and c["label"] == label]
   assert c["message"] is not None and needle in c["message"] and "\n" not in c["message"]
+
+
+@pytest.mark.slow
+def test_bench_decode_on_a_mesh(cases):
+  """Head-split caches: each of 2 devices holds half of one device's cache bytes (but the
+  lengths [B] int32, which every device keeps)."""
+  got = {c["method"]: c for c in cases if c["case"] == "bench"}
+  assert set(got) == {"dense", "KIVI-2", "Palu-50%"}
+  for c in got.values():
+    assert c["mesh"] == [1, 2] and c["per_device"] * 2 - c["one_device"] == 2 * 4, c
+    assert "[1x2]" in c["table"] and "per device" in c["table"]
