@@ -7,6 +7,11 @@ Prints a markdown table (tokens/s, x dense, the step split into attention and th
 cache bytes = nbytes(), peak bytes, the largest batch), writes the JSON (with the device
 and versions) and a plot of tokens/s per method. Results and the command used for the
 current tables: BENCHMARKS.md.
+
+Several GPUs of one host (`kvlowrank.parallel`: KV heads over "model", rows over "data"):
+
+  python experiments/bench_decode.py --model=llama3-70b --mesh=1x4 --methods=dense,kivi2,palu50 \
+      --configs=32768x8,32768x32
 """
 
 import json
@@ -30,6 +35,7 @@ _PREFILL_LEN = flags.DEFINE_integer("prefill_length", 32768, "Prefill prompt len
 _BUDGET = flags.DEFINE_float("time_budget", 1e9, "Seconds; later configurations are skipped.")
 _OUT = flags.DEFINE_string("out", None, "JSON output path.")
 _PNG = flags.DEFINE_string("png", None, "Plot output path (tokens/s per method).")
+_MESH = flags.DEFINE_string("mesh", None, "DATAxMODEL devices (e.g. 1x4); default: one GPU.")
 
 
 def plot(result, path):
@@ -64,11 +70,18 @@ def main(argv):
     configs = [tuple(int(x) for x in c.lower().split("x")) for c in _CONFIGS.value]
   except ValueError:
     raise app.UsageError(f"--configs: expected CONTEXTxBATCH pairs, got {_CONFIGS.value}")
+  mesh = None
+  if _MESH.value:
+    try:
+      mesh = tuple(int(x) for x in _MESH.value.lower().split("x"))
+      assert len(mesh) == 2
+    except (ValueError, AssertionError):
+      raise app.UsageError(f"--mesh: expected DATAxMODEL, got {_MESH.value!r}")
   result = decode.run(_MODEL.value, methods=_METHODS.value, configs=configs,
                       steps=_STEPS.value,
                       n_layers=_LAYERS.value or None, prefill_methods=_PREFILL.value,
                       prefill_length=_PREFILL_LEN.value, time_budget_s=_BUDGET.value,
-                      log=lambda s: print(s, flush=True))
+                      log=lambda s: print(s, flush=True), mesh=mesh)
   result["environment"] = environment()
   print(decode.table(result))
   for s in result["skipped"]:

@@ -27,6 +27,15 @@ uses the prefill factor, as after a prefill of the context, and outlier indices 
 FDC-50% / ZACK-50% (the rotated cache; random rotations of ragged widths H/4, 3H/4, H/2,
 H/2, ... per KV head, keys and values alike). Palu's (and FDC/ZACK's) factors are random
 matrices of the compressed shapes (the step's work does not depend on their values).
+
+On several GPUs (`mesh=(data, model)`, `kvlowrank.parallel`): the weights, the caches and
+their random contents are created directly in their shards (a 70B model never sits on one
+device), the step is `parallel.forward` (KV heads split over "model", rows over "data"),
+bytes are per device (device 0's shards) and the largest batch is per mesh; the attention
+split is not measured (None); Palu groups have min(4, K / model) KV heads (a group must not
+straddle devices). XQuant's rows are kept whole on every device of the model axis
+(`XCache.shard_axes`), so its fit check does not divide them. GEAR and FDC/ZACK do not
+declare their shard axes yet: they run on one device.
 """
 
 from __future__ import annotations
@@ -40,6 +49,9 @@ from typing import Callable, Optional, Sequence
 import jax
 import jax.numpy as jnp
 
+from jax.sharding import NamedSharding
+
+from kvlowrank import parallel
 from kvlowrank.bench import memory
 from kvlowrank.bench.inputs import rand
 from kvlowrank.bench.timing import time_fn
@@ -60,6 +72,13 @@ MODELS = {
                            head_dim=128, ffn_dim=14336, norm_eps=1e-5, rope_theta=500000.0,
                            rope_scaling=RopeScaling(8.0, 1.0, 4.0, 8192),
                            max_seq_len=131072 + 1024),
+    "llama2-70b": ModelSpec(vocab_size=32000, dim=8192, n_layers=80, n_heads=64,
+                            n_kv_heads=8, head_dim=128, ffn_dim=28672, norm_eps=1e-5,
+                            rope_theta=10000.0, max_seq_len=131072 + 1024),
+    "llama3-70b": ModelSpec(vocab_size=128256, dim=8192, n_layers=80, n_heads=64,
+                            n_kv_heads=8, head_dim=128, ffn_dim=28672, norm_eps=1e-5,
+                            rope_theta=500000.0, rope_scaling=RopeScaling(8.0, 1.0, 4.0, 8192),
+                            max_seq_len=131072 + 1024),
 }
 
 
@@ -94,8 +113,9 @@ def _rand(key, shape, dtype=jnp.bfloat16, scale=1.0):
   return x if scale == 1.0 else x * jnp.asarray(scale, x.dtype)
 
 
-def random_params(spec: ModelSpec, key, method: BenchMethod):
-  """Random bf16 parameters of the model's shapes (+ Palu factors of the compressed shapes)."""
+def random_params(spec: ModelSpec, key, method: BenchMethod, palu_group: int = PALU_GROUP):
+  """Random bf16 parameters of the model's shapes (+ Palu factors of the compressed shapes,
+  groups of `palu_group` KV heads at most)."""
   keys = iter(jax.random.split(key, 16 * spec.n_layers + 4))
   layers = []
   std = 0.02 * math.sqrt(3)                    # uniform with std 0.02
@@ -105,7 +125,7 @@ def random_params(spec: ModelSpec, key, method: BenchMethod):
       lp[name] = (jnp.ones(shape, jnp.bfloat16) if name.endswith("norm")
                   else _rand(next(keys), shape, scale=std))
     if method.cache == "palu":
-      gs = default_group_size(spec.n_kv_heads, PALU_GROUP)
+      gs = default_group_size(spec.n_kv_heads, palu_group)
       g = spec.n_kv_heads // gs
       width = gs * spec.head_dim
       rk, rv = width // 4, 3 * width // 4
@@ -152,16 +172,18 @@ def fill_caches(caches, key, length: int):
   for (path, x), k in zip(leaves, keys):
     name = jax.tree_util.keystr(path).lower()
     if x.dtype == jnp.int32:
-      new = jnp.full(x.shape, length, jnp.int32)
+      make = lambda k, x=x: jnp.full(x.shape, length, jnp.int32)
     elif name.endswith("_idx"):
       # GEAR outlier indices: a token within an n_b = 64 chunk or a channel (< H).
-      new = jax.random.bits(k, x.shape, x.dtype) % jnp.asarray(64, x.dtype)
+      make = lambda k, x=x: jax.random.bits(k, x.shape, x.dtype) % jnp.asarray(64, x.dtype)
     elif jnp.issubdtype(x.dtype, jnp.unsignedinteger):
-      new = jax.random.bits(k, x.shape, x.dtype)
+      make = lambda k, x=x: jax.random.bits(k, x.shape, x.dtype)
     elif "scale" in name or name.endswith(("ks", "vs")):
-      new = jnp.abs(_rand(k, x.shape, x.dtype, 0.49)) + jnp.asarray(0.01, x.dtype)
+      make = lambda k, x=x: (jnp.abs(_rand(k, x.shape, x.dtype, 0.49)) +
+                             jnp.asarray(0.01, x.dtype))
     else:
-      new = _rand(k, x.shape, x.dtype, 1.0)
+      make = lambda k, x=x: _rand(k, x.shape, x.dtype, 1.0)
+    new = jax.jit(make, out_shardings=x.sharding)(k)   # in the leaf's own shards
     jax.block_until_ready(new)
     x.delete()
     out.append(new)
@@ -171,6 +193,49 @@ def fill_caches(caches, key, length: int):
 
 def array_bytes(tree) -> int:
   return int(sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree)))
+
+
+def device_bytes(tree, device=None) -> int:
+  """Bytes of `tree`'s shards on one device (default: the first device holding any)."""
+  total = 0
+  for x in jax.tree.leaves(tree):
+    shards = getattr(x, "addressable_shards", None)
+    if not shards:
+      total += x.size * x.dtype.itemsize
+      continue
+    device = shards[0].device if device is None else device
+    total += sum(s.data.size * s.data.dtype.itemsize for s in shards if s.device == device)
+  return int(total)
+
+
+def device_storage_bytes(caches) -> int:
+  """One device's bytes of the caches' storage: the arrays with a batch axis, not the model
+  weights some caches keep beside it (`KVCache.shard_axes` gives weights no batch axis)."""
+  storage = []
+  for c, cs in zip(caches, parallel.cache_specs(caches)):
+    specs = jax.tree.leaves(cs, is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))
+    storage += [a for a, s in zip(jax.tree.leaves(c), specs) if parallel.DATA in tuple(s)]
+  return device_bytes(storage)
+
+
+def sharded_params(spec: ModelSpec, key, method: BenchMethod, mesh):
+  """`random_params` created directly in their shards on the mesh; Palu groups of at most
+  K / model KV heads, so that no group straddles devices."""
+  tp = mesh.shape[parallel.MODEL]
+  make = lambda k: random_params(spec, k, method, min(PALU_GROUP, spec.n_kv_heads // tp))
+  specs = parallel.param_specs(jax.eval_shape(make, key), spec, tp)
+  out = jax.tree.map(lambda s: NamedSharding(mesh, s), specs)
+  return jax.jit(make, out_shardings=out)(key)
+
+
+def sharded_caches(method: BenchMethod, spec: ModelSpec, params, *, batch: int,
+                   capacity: int, mesh):
+  """Empty caches created directly in their shards on the mesh."""
+  make = lambda p: init_caches(method.cache, method.spec, spec, p, batch=batch,
+                               capacity=capacity, dtype=jnp.bfloat16)
+  specs = parallel.cache_specs(jax.eval_shape(make, params))
+  out = jax.tree.map(lambda s: NamedSharding(mesh, s), specs)
+  return jax.jit(make, out_shardings=out)(params)
 
 
 def storage_bytes(caches) -> int:
@@ -205,19 +270,28 @@ def _attend_seconds(cache, q, qpos, lp, spec: ModelSpec, chain_s: float = 20e-3)
 
 
 def run_config(spec: ModelSpec, params, method: BenchMethod, context: int, batch: int, *,
-               steps: int = 20, seed: int = 0) -> dict:
+               steps: int = 20, seed: int = 0, mesh=None) -> dict:
   """Times decode steps at `context` tokens for `batch` rows (module docstring)."""
   key = jax.random.key(seed)
   capacity = -(-(context + steps + 8) // 256) * 256
-  caches = init_caches(method.cache, method.spec, spec, params, batch=batch,
-                       capacity=capacity, dtype=jnp.bfloat16)
+  if mesh is None:
+    caches = init_caches(method.cache, method.spec, spec, params, batch=batch,
+                         capacity=capacity, dtype=jnp.bfloat16)
+  else:
+    parallel.check_layout(spec, mesh, batch=batch)
+    caches = sharded_caches(method, spec, params, batch=batch, capacity=capacity, mesh=mesh)
   caches = fill_caches(caches, key, context)
-  impl, reason = caches[0].choose_implementation((batch, 1, spec.n_heads, spec.head_dim))
+  local = spec if mesh is None else parallel.local_spec(spec, mesh.shape[parallel.MODEL])
+  impl, reason = caches[0].choose_implementation((batch, 1, local.n_heads, spec.head_dim))
   nbytes = caches_nbytes(caches)
-  on_device = storage_bytes(caches)
+  on_device = storage_bytes(caches) if mesh is None else device_storage_bytes(caches)
   in_use = memory.bytes_in_use()
 
-  step = jax.jit(lambda p, tok, pos, c: forward(p, tok, pos, c, spec), donate_argnums=3)
+  if mesh is None:
+    step = jax.jit(lambda p, tok, pos, c: forward(p, tok, pos, c, spec), donate_argnums=3)
+  else:
+    step = jax.jit(lambda p, tok, pos, c: parallel.forward(mesh, p, tok, pos, c, spec),
+                   donate_argnums=3)
   tok = jnp.zeros((batch, 1), jnp.int32)
   pos0 = jnp.full((batch, 1), context, jnp.int32)
   t0 = time.perf_counter()
@@ -238,13 +312,19 @@ def run_config(spec: ModelSpec, params, method: BenchMethod, context: int, batch
   # Attention alone: layer 0's attend for one query token on its cache (the call the step
   # makes in every layer; the layers' caches and shapes are alike), times the layers.
   caches = state["caches"]
-  q = _rand(jax.random.fold_in(key, 1), (batch, 1, spec.n_heads, spec.head_dim))
-  qpos = jnp.full((batch, 1), context, jnp.int32)
-  attn_s = spec.n_layers * _attend_seconds(caches[0], q, qpos, params["layers"][0], spec)
+  attn_s = None
+  if mesh is None:
+    q = _rand(jax.random.fold_in(key, 1), (batch, 1, spec.n_heads, spec.head_dim))
+    qpos = jnp.full((batch, 1), context, jnp.int32)
+    attn_s = spec.n_layers * _attend_seconds(caches[0], q, qpos, params["layers"][0], spec)
   return dict(method=method.label, context=context, batch=batch, implementation=impl,
+              mesh=None if mesh is None else [mesh.shape[parallel.DATA],
+                                              mesh.shape[parallel.MODEL]],
               dispatch_reason=reason, step_ms=1e3 * step_s,
-              tokens_per_s=batch / step_s, attention_ms=1e3 * attn_s,
-              rest_ms=1e3 * (step_s - attn_s), attention_share=attn_s / step_s,
+              tokens_per_s=batch / step_s,
+              attention_ms=None if attn_s is None else 1e3 * attn_s,
+              rest_ms=None if attn_s is None else 1e3 * (step_s - attn_s),
+              attention_share=None if attn_s is None else attn_s / step_s,
               cache_nbytes=nbytes, cache_device_bytes=on_device,
               device_bytes_in_use=in_use, step_temp_bytes=temp,
               peak_bytes_est=None if in_use is None or temp is None else in_use + temp,
@@ -252,20 +332,35 @@ def run_config(spec: ModelSpec, params, method: BenchMethod, context: int, batch
 
 
 def max_batch(rec: dict, weight_bytes: int, limit: Optional[int],
-              margin: int = 2 << 30) -> Optional[int]:
+              margin: int = 2 << 30, data: int = 1) -> Optional[int]:
   """Largest batch whose weights + caches + step temporaries fit in `limit` bytes
-  (per-sequence costs from the measured record; `margin` left for the allocator)."""
+  (per-sequence costs from the measured record; `margin` left for the allocator). With
+  `data` > 1 the record's bytes are one device's, holding batch / data rows; the result
+  is the batch over the whole mesh."""
   if limit is None or rec.get("step_temp_bytes") is None:
     return None
-  per_seq = (rec["cache_device_bytes"] + rec["step_temp_bytes"]) / rec["batch"]
-  return max(0, int((limit - weight_bytes - margin) // per_seq))
+  per_seq = (rec["cache_device_bytes"] + rec["step_temp_bytes"]) / (rec["batch"] // data)
+  return data * max(0, int((limit - weight_bytes - margin) // per_seq))
 
 
-def bytes_per_token(spec: ModelSpec, params, method: BenchMethod, probe: int = 2048) -> float:
-  """Cache bytes per token and sequence, from a real batch-1 cache of `probe` slots."""
-  caches = init_caches(method.cache, method.spec, spec, params, batch=1, capacity=probe,
-                       dtype=jnp.bfloat16)
-  return array_bytes(caches) / probe
+def bytes_per_token(spec: ModelSpec, params, method: BenchMethod, probe: int = 2048, *,
+                    tp: int = 1) -> float:
+  """Cache bytes per token and sequence, from a real batch-1 cache of `probe` slots (with
+  tp > 1: one device's shard, `spec` being the global spec; abstract, nothing allocated)."""
+  if tp == 1:
+    caches = init_caches(method.cache, method.spec, spec, params, batch=1, capacity=probe,
+                         dtype=jnp.bfloat16)
+    return array_bytes(caches) / probe
+  group = min(PALU_GROUP, spec.n_kv_heads // tp)
+  abstract = jax.eval_shape(lambda k: init_caches(
+      method.cache, method.spec, spec, random_params(spec, k, method, group), batch=1,
+      capacity=probe, dtype=jnp.bfloat16), jax.random.key(0))
+  total = 0
+  for c, cs in zip(abstract, parallel.cache_specs(abstract)):
+    for leaf, s in zip(jax.tree.leaves(c), jax.tree.leaves(
+        cs, is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))):
+      total += leaf.size * leaf.dtype.itemsize // (tp if parallel.MODEL in tuple(s) else 1)
+  return total / probe
 
 
 def fits(per_token: float, context: int, batch: int, weight_bytes: int,
@@ -300,7 +395,8 @@ def prefill(spec: ModelSpec, params, method: BenchMethod, length: int) -> dict:
 def run(model, *, methods: Sequence[str], configs: Sequence[tuple[int, int]],
         steps: int = 20, n_layers: Optional[int] = None,
         prefill_methods: Sequence[str] = (), prefill_length: int = 32768,
-        time_budget_s: float = 1e9, log: Callable[[str], None] = print) -> dict:
+        time_budget_s: float = 1e9, log: Callable[[str], None] = print,
+        mesh: Optional[tuple[int, int]] = None) -> dict:
   """The benchmark for one model (module docstring): a dict with the records.
 
   Args:
@@ -308,6 +404,8 @@ def run(model, *, methods: Sequence[str], configs: Sequence[tuple[int, int]],
     methods: METHODS names.
     configs: (context, batch) pairs, in priority order: each runs every method before the
       next starts, so a time budget cuts the least important configurations.
+    mesh: (data, model) devices (`kvlowrank.parallel`), None = one device; prefill is
+      timed on one device only.
   The prefills run first. Configurations whose caches cannot fit are skipped, and once
   `time_budget_s` is spent the rest are listed as not run.
   """
@@ -322,6 +420,14 @@ def run(model, *, methods: Sequence[str], configs: Sequence[tuple[int, int]],
     raise ValueError(f"unknown methods {bad}; known: {sorted(METHODS)}")
   if n_layers:
     spec = spec.replace(n_layers=n_layers)
+  dev_mesh = None
+  if mesh is not None:
+    dev_mesh = parallel.make_mesh(*mesh)
+    parallel.check_layout(spec, dev_mesh)
+    if prefill_methods:
+      raise ValueError("prefill_methods: the prefill is timed on one device (mesh=None)")
+  n_dev = 1 if dev_mesh is None else dev_mesh.size
+  tp = 1 if dev_mesh is None else dev_mesh.shape[parallel.MODEL]
   t_start = time.perf_counter()
   limit = memory.bytes_limit()
   recs, skipped, prefills = [], [], []
@@ -330,8 +436,14 @@ def run(model, *, methods: Sequence[str], configs: Sequence[tuple[int, int]],
   def params_for(name):
     if name not in loaded:
       loaded.clear()
-      params = random_params(spec, jax.random.key(1), METHODS[name])
-      loaded[name] = (params, array_bytes(params), bytes_per_token(spec, params, METHODS[name]))
+      m = METHODS[name]
+      if dev_mesh is None:
+        params = random_params(spec, jax.random.key(1), m)
+        loaded[name] = (params, array_bytes(params), bytes_per_token(spec, params, m))
+      else:   # per device: weights and (head-split caches) bytes per token of one shard
+        params = sharded_params(spec, jax.random.key(1), m, dev_mesh)
+        per_token = bytes_per_token(spec, None, m, tp=tp)
+        loaded[name] = (params, device_bytes(params), per_token)
     return loaded[name]
 
   over = lambda: time.perf_counter() - t_start > time_budget_s
@@ -354,24 +466,28 @@ def run(model, *, methods: Sequence[str], configs: Sequence[tuple[int, int]],
         skipped.append(dict(method=method.label, context=ctx, batch=b, why="time budget"))
         continue
       params, weights, per_token = params_for(name)
-      if not fits(per_token, ctx, b, weights, limit):
+      dp = n_dev // tp
+      if b % dp or not fits(per_token, ctx, b // dp, weights, limit):
         skipped.append(dict(method=method.label, context=ctx, batch=b, why="memory"))
         log(f"skip {method.label} ctx={ctx} B={b}: does not fit")
         continue
       try:
-        rec = run_config(spec, params, method, ctx, b, steps=steps)
+        rec = run_config(spec, params, method, ctx, b, steps=steps, mesh=dev_mesh)
       except Exception as e:  # pylint: disable=broad-except  (OOM: record and go on)
         skipped.append(dict(method=method.label, context=ctx, batch=b,
                             why=f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"))
         log(f"fail {method.label} ctx={ctx} B={b}: {skipped[-1]['why']}")
         continue
       rec["weight_bytes"] = weights
-      rec["max_batch"] = max_batch(rec, weights, limit)
+      rec["max_batch"] = max_batch(rec, weights, limit, data=dp)
       recs.append(rec)
       log(f"{method.label:>15} ctx={ctx:>6} B={b:>2} [{rec['implementation']}"
           f"{'; ' + rec['dispatch_reason'] if rec['dispatch_reason'] else ''}]: "
-          f"{rec['tokens_per_s']:9.1f} tok/s, step {rec['step_ms']:7.2f} ms (attention "
-          f"{rec['attention_ms']:7.2f} ms), cache {rec['cache_nbytes'] / 2**30:6.2f} GiB, "
+          f"{rec['tokens_per_s']:9.1f} tok/s, step {rec['step_ms']:7.2f} ms"
+          + ("" if rec["attention_ms"] is None else
+             f" (attention {rec['attention_ms']:7.2f} ms)")
+          + f", cache {rec['cache_device_bytes'] / 2**30:6.2f} GiB"
+          + (" per device" if dev_mesh is not None else "") + ", "
           f"max batch {rec['max_batch']}, compile {rec['compile_s']:.0f} s")
   return dict(model=model, n_layers=spec.n_layers, memory_limit=limit, records=recs,
               skipped=skipped, prefill=prefills, wall_s=time.perf_counter() - t_start)
@@ -399,11 +515,18 @@ def table(result: dict) -> str:
            "|---|---|---|---|---|---|---|---|---|---|"]
   gib = lambda x: "—" if x is None else f"{x / 2**30:.2f}"
   for r in speedups(result):
-    same = "" if r["cache_nbytes"] == r["cache_device_bytes"] else " (≠)"
+    mesh = r.get("mesh")
+    if mesh:   # bytes of one device's shards
+      cache = f"{gib(r['cache_device_bytes'])} per device"
+    else:
+      same = "" if r["cache_nbytes"] == r["cache_device_bytes"] else " (≠)"
+      cache = f"{gib(r['cache_nbytes'])}{same}"
     vs = "—" if r["vs_dense"] is None else f"{r['vs_dense']:.2f}×"
+    attn = ("—" if r["attention_ms"] is None else
+            f"{r['attention_ms']:.2f} ({100 * r['attention_share']:.0f}%)")
+    label = r["method"] + (f" [{mesh[0]}x{mesh[1]}]" if mesh else "")
     lines.append(
-        f"| {r['method']} | {_ctx(r['context'])} | {r['batch']} | {r['tokens_per_s']:.1f} | "
-        f"{vs} | {r['step_ms']:.2f} | "
-        f"{r['attention_ms']:.2f} ({100 * r['attention_share']:.0f}%) | "
-        f"{gib(r['cache_nbytes'])}{same} | {gib(r['peak_bytes_est'])} | {r['max_batch']} |")
+        f"| {label} | {_ctx(r['context'])} | {r['batch']} | {r['tokens_per_s']:.1f} | "
+        f"{vs} | {r['step_ms']:.2f} | {attn} | {cache} | {gib(r['peak_bytes_est'])} | "
+        f"{r['max_batch']} |")
   return "\n".join(lines)

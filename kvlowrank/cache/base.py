@@ -204,6 +204,24 @@ class KVCache(abc.ABC):
   def materialize(self):
     """Dense reconstruction (k [B,S,K,H] post-RoPE, v [B,S,K,H], valid [B,S]). Test oracle."""
 
+  def shard_axes(self) -> dict:
+    """How this cache splits over a (data, model) mesh (`kvlowrank.parallel`).
+
+    Returns {path prefix: (batch axis, head axis)} covering every array leaf, a path being
+    `jax.tree_util.keystr` of a leaf (".k", ".store" for all of a sub-tree's leaves); the
+    head axis is the one of KV heads (or latent groups, whole on one device), None for an
+    array every device of the model axis keeps whole; the batch axis is None for weights
+    kept on the cache. A cache that does not declare it cannot be sharded."""
+    raise NotImplementedError(f"{type(self).__name__} does not declare shard_axes(): it "
+                              f"cannot be split over a mesh")
+
+  def for_spec(self, spec: ModelSpec) -> "KVCache":
+    """This cache with `spec` as the model spec it keeps (if any): `kvlowrank.parallel`
+    hands each device its local spec (its share of the heads) and takes the global one
+    back."""
+    del spec
+    return self
+
   def nbytes(self) -> int:
     """Bytes of cache storage actually allocated (all array leaves)."""
     return int(sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(self)))

@@ -22,6 +22,7 @@ import numpy as np
 
 from kvlowrank.methods import DenseSpec, init_caches
 from kvlowrank.generate.sampling import Greedy, Sampler
+from kvlowrank import parallel
 from kvlowrank.model.transformer import forward
 from kvlowrank.spec import ModelSpec
 
@@ -60,21 +61,26 @@ def _is_eos(tokens, eos_ids):
   return jnp.any(tokens[:, None] == eos_ids[None, :], axis=-1)
 
 
+def _forward(mesh):
+  """The model's forward on one device (mesh None) or on a mesh (`kvlowrank.parallel`)."""
+  return forward if mesh is None else functools.partial(parallel.forward, mesh)
+
+
 # No buffer donation: a cache method may keep arrays that alias params (factors).
-@functools.partial(jax.jit, static_argnames=("spec", "sampler", "allow"))
+@functools.partial(jax.jit, static_argnames=("spec", "sampler", "allow", "mesh"))
 def _prefill(params, tokens, positions, last_idx, caches, rng, *, spec: ModelSpec,
-             sampler: Sampler, allow: bool = False):
+             sampler: Sampler, allow: bool = False, mesh=None):
   """Prompt pass: fills the caches, samples each row's first new token [B]."""
-  logits, caches = forward(params, tokens, positions, caches, spec, logits_at=last_idx,
-                           allow_beyond_max_seq_len=allow)
+  logits, caches = _forward(mesh)(params, tokens, positions, caches, spec,
+                                  logits_at=last_idx, allow_beyond_max_seq_len=allow)
   return sampler.next_tokens(logits[:, 0], rng), caches
 
 
 @functools.partial(jax.jit, static_argnames=("spec", "sampler", "max_new_tokens", "allow",
-                                             "progress"))
+                                             "progress", "mesh"))
 def _decode(params, first, next_pos, eos_ids, caches, rng, *, spec: ModelSpec,
             sampler: Sampler, max_new_tokens: int, allow: bool = False,
-            progress: bool = False):
+            progress: bool = False, mesh=None):
   """Decode loop. first [B] (sampled by the prefill), next_pos [B] = prompt lengths,
   eos_ids [E] int32 padded with -1.
 
@@ -95,8 +101,8 @@ def _decode(params, first, next_pos, eos_ids, caches, rng, *, spec: ModelSpec,
     i, out, tok, pos, done, n_gen, caches, rng = state
     rng, sub = jax.random.split(rng)
     step_pos = jnp.where(done, -1, pos)  # finished rows: padding, cache untouched
-    logits, caches = forward(params, tok[:, None], step_pos[:, None], caches, spec,
-                             allow_beyond_max_seq_len=allow)
+    logits, caches = _forward(mesh)(params, tok[:, None], step_pos[:, None], caches, spec,
+                                    allow_beyond_max_seq_len=allow)
     new = sampler.next_tokens(logits[:, 0], sub)
     live = ~done
     out = out.at[:, i].set(jnp.where(live, new, PAD_TOKEN))
@@ -137,7 +143,7 @@ def generate(params, spec: ModelSpec, prompts: Sequence[Sequence[int]], *,
              eos_ids: Optional[Sequence[int]] = None,
              capacity: Optional[int] = None,
              allow_beyond_max_seq_len: bool = False,
-             progress: bool = False) -> GenerationResult:
+             progress: bool = False, mesh=None) -> GenerationResult:
   """Generates continuations of a batch of prompts with a registered KV cache.
 
   Args:
@@ -157,6 +163,9 @@ def generate(params, spec: ModelSpec, prompts: Sequence[Sequence[int]], *,
     allow_beyond_max_seq_len: let prompt + max_new_tokens run past spec.max_seq_len
       (the model's trained context); by default an error.
     progress: show a tqdm bar of the tokens generated (a host callback per decode step).
+      max_new_tokens.
+    mesh: a `kvlowrank.parallel.make_mesh` (data, model) mesh to decode on several devices
+      (KV heads split over "model", prompts over "data"); None: one device.
   Returns:
     GenerationResult.
   Raises:
@@ -192,12 +201,17 @@ def generate(params, spec: ModelSpec, prompts: Sequence[Sequence[int]], *,
   for i, r in enumerate(rows):
     tokens[i, :len(r)] = r
     positions[i, :len(r)] = np.arange(len(r))
+  if mesh is not None:
+    parallel.check_layout(spec, mesh, batch=b)
   caches = init_caches(cache_method, cache_spec, spec, params, batch=b,
                        capacity=max(capacity, width), dtype=cache_dtype)
+  if mesh is not None:
+    params, caches = parallel.shard_params(params, spec, mesh), parallel.shard_caches(caches,
+                                                                                       mesh)
   rng_prefill, rng_decode = jax.random.split(rng)
   first, caches = _prefill(params, jnp.asarray(tokens), jnp.asarray(positions),
                            jnp.asarray(lens - 1), caches, rng_prefill, spec=spec,
-                           sampler=sampler, allow=bool(allow_beyond_max_seq_len))
+                           sampler=sampler, allow=bool(allow_beyond_max_seq_len), mesh=mesh)
   eos = np.full(max(1, -(-len(eos_ids) // EOS_BUCKET)) * EOS_BUCKET, -1, np.int32)
   eos[:len(eos_ids)] = eos_ids
   if progress:
@@ -208,7 +222,7 @@ def generate(params, spec: ModelSpec, prompts: Sequence[Sequence[int]], *,
     out, n_gen, hit_eos, steps = _decode(
         params, first, jnp.asarray(lens), jnp.asarray(eos), caches, rng_decode, spec=spec,
         sampler=sampler, max_new_tokens=max_new_tokens,
-        allow=bool(allow_beyond_max_seq_len), progress=progress)
+        allow=bool(allow_beyond_max_seq_len), progress=progress, mesh=mesh)
     out, n_gen, hit_eos, steps = jax.device_get((out, n_gen, hit_eos, steps))
     if progress:
       jax.effects_barrier()  # every step's callback has run

@@ -37,8 +37,15 @@ def qkv_projections(lp, h, positions, spec: ModelSpec):
   return q, AttnInputs(x=h, k=k_rot, k_pre=k, v=v, positions=positions)
 
 
-def mlp(lp, h):
-  return (jax.nn.silu(h @ lp["w_gate"]) * (h @ lp["w_up"])) @ lp["w_down"]
+def _reduce(y, axis_name: Optional[str]):
+  """Sums the partial products of a row-split matmul over the tensor-parallel mesh axis."""
+  return y if axis_name is None else jax.lax.psum(y, axis_name)
+
+
+def mlp(lp, h, axis_name: Optional[str] = None):
+  """SwiGLU MLP; under tensor parallelism gate/up hold a column block and w_down the
+  matching row block (Megatron), so only the output is summed over `axis_name`."""
+  return _reduce((jax.nn.silu(h @ lp["w_gate"]) * (h @ lp["w_up"])) @ lp["w_down"], axis_name)
 
 
 def cache_step(cache, inputs: AttnInputs, q, lp, carry, spec: ModelSpec):
@@ -51,11 +58,15 @@ def cache_step(cache, inputs: AttnInputs, q, lp, carry, spec: ModelSpec):
   return out, cache, carry
 
 
-def attention_block(lp, x, positions, cache, carry, spec: ModelSpec, *, step=cache_step):
+def attention_block(lp, x, positions, cache, carry, spec: ModelSpec, *, step=cache_step,
+                    axis_name: Optional[str] = None):
   """One layer's attention sublayer. cache None → uncached causal attention over x.
 
   `step(cache, inputs, q, lp, carry, spec) -> (out, cache, carry)` runs the cache call;
   kvlowrank.model.segments replaces it to feed the tokens segment by segment.
+  axis_name: tensor parallelism (`kvlowrank.parallel`): this device holds a block of whole
+  KV heads (spec is the local one) and a row block of W_o; the partial outputs are summed
+  over the axis before the (replicated) output bias.
   """
   h = rms_norm(x, lp["attn_norm"], spec.norm_eps)
   q, inputs = qkv_projections(lp, h, positions, spec)
@@ -66,23 +77,40 @@ def attention_block(lp, x, positions, cache, carry, spec: ModelSpec, *, step=cac
   else:
     out, cache, carry = step(cache, inputs, q, lp, carry, spec)
   b, t = x.shape[:2]
-  o = out.reshape(b, t, -1).astype(x.dtype) @ lp["wo"]
+  o = _reduce(out.reshape(b, t, -1).astype(x.dtype) @ lp["wo"], axis_name)
   if "bo" in lp:
     o = o + lp["bo"]
   return o, h, cache, carry
 
 
-def decoder_layer(lp, x, positions, cache, carry, spec: ModelSpec, *, step=cache_step):
+def decoder_layer(lp, x, positions, cache, carry, spec: ModelSpec, *, step=cache_step,
+                  axis_name: Optional[str] = None):
   """Attention and MLP sublayers with their residuals → (x, h, cache, carry); h is the
   normed attention input (calibration statistics)."""
-  o, h, cache, carry = attention_block(lp, x, positions, cache, carry, spec, step=step)
+  o, h, cache, carry = attention_block(lp, x, positions, cache, carry, spec, step=step,
+                                       axis_name=axis_name)
   x = x + o
-  x = x + mlp(lp, rms_norm(x, lp["mlp_norm"], spec.norm_eps))
+  x = x + mlp(lp, rms_norm(x, lp["mlp_norm"], spec.norm_eps), axis_name)
   return x, h, cache, carry
 
 
+def embed(params, tokens, axis_name: Optional[str] = None):
+  """Token embeddings [B, T, D]. Under tensor parallelism the table is split over the
+  vocabulary: each device looks up the ids in its block (zeros elsewhere) and the one
+  non-zero row per token is summed over `axis_name` (exact)."""
+  table = params["embed"]
+  if axis_name is None:
+    return table[tokens]
+  v_local = table.shape[0]
+  local = tokens - jax.lax.axis_index(axis_name) * v_local
+  inside = (local >= 0) & (local < v_local)
+  rows = jnp.where(inside[..., None], table[jnp.clip(local, 0, v_local - 1)], 0)
+  return jax.lax.psum(rows.astype(table.dtype), axis_name)
+
+
 def lm_head(params, x, spec: ModelSpec):
-  """Final norm and output projection: x [B,T,D] → fp32 logits [B,T,V]."""
+  """Final norm and output projection: x [B,T,D] → fp32 logits [B,T,V] (under tensor
+  parallelism: this device's vocabulary block of the logits)."""
   x = rms_norm(x, params["final_norm"], spec.norm_eps)
   head = params["embed"].T if spec.tie_embeddings else params["lm_head"]
   return (x @ head).astype(jnp.float32)
@@ -117,7 +145,7 @@ def check_context(positions, caches: Optional[tuple], spec: ModelSpec, *,
 def forward(params, tokens, positions, caches: Optional[tuple], spec: ModelSpec, *,
             capture_inputs: bool = False, last_only: bool = False,
             logits_at: Optional[jax.Array] = None,
-            allow_beyond_max_seq_len: bool = False):
+            allow_beyond_max_seq_len: bool = False, axis_name: Optional[str] = None):
   """Runs the decoder on T new tokens.
 
   Args:
@@ -136,6 +164,10 @@ def forward(params, tokens, positions, caches: Optional[tuple], spec: ModelSpec,
     allow_beyond_max_seq_len: let positions reach past spec.max_seq_len (the model's
       trained context); by default that is an error, like tokens beyond the caches'
       capacity (`check_context`).
+    axis_name: set by `kvlowrank.parallel.forward`, which runs this function on every
+      device of a mesh (shard_map) with the local spec and parameter shards: whole KV heads
+      (q/k/v column blocks, W_o row block), MLP column/row blocks, vocabulary blocks of the
+      embedding and LM head; the row-split products are summed over this mesh axis.
   Returns:
     (logits [B, T, V] fp32, caches) or (logits, caches, captured) when capture_inputs.
     Under `jit` positions are traced and only T is checked: a row with a position
@@ -146,13 +178,14 @@ def forward(params, tokens, positions, caches: Optional[tuple], spec: ModelSpec,
   """
   limit = check_context(positions, caches, spec,
                         allow_beyond_max_seq_len=allow_beyond_max_seq_len)
-  x = params["embed"][tokens]
+  x = embed(params, tokens, axis_name)
   new_caches = []
   captured = []
   carry: Any = None
   for i, lp in enumerate(params["layers"]):
     cache = None if caches is None else caches[i]
-    x, h, cache, carry = decoder_layer(lp, x, positions, cache, carry, spec)
+    x, h, cache, carry = decoder_layer(lp, x, positions, cache, carry, spec,
+                                       axis_name=axis_name)
     if capture_inputs:
       captured.append(h)
     new_caches.append(cache)

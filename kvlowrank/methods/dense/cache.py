@@ -54,6 +54,10 @@ class DenseCache(base.KVCache):
 
   name = "dense"
 
+  def shard_axes(self) -> dict:
+    """K/V split by KV head (`base.KVCache.shard_axes`)."""
+    return {".k": (0, 2), ".v": (0, 2), ".lens": (0, None)}
+
   @classmethod
   def init(cls, spec: ModelSpec, *, batch: int, capacity: int, dtype=jnp.bfloat16,
            implementation: Optional[str] = None):

@@ -181,6 +181,10 @@ class KiviCache(base.KVCache):
 
   name = "kivi"
 
+  def shard_axes(self) -> dict:
+    """Codes and scales of both layouts ([B, K, ...]) and the ring split by KV head."""
+    return {".store": (0, 1), ".k_res": (0, 2), ".v_res": (0, 2), ".lens": (0, None)}
+
   @classmethod
   def init(cls, kspec: KiviSpec, spec: ModelSpec, *, batch: int, capacity: int,
            dtype=jnp.bfloat16, v_head_dim: Optional[int] = None):

@@ -89,6 +89,17 @@ class LatentCache(base.KVCache):
 
   name = "palu"
 
+  def shard_axes(self) -> dict:
+    """Latents (and their codes/scales) split by group, whole groups per device
+    (`kvlowrank.parallel.param_specs` refuses groups that would straddle devices); the
+    reconstruction weights and biases kept on the cache by group / KV head."""
+    return {".hk": (0, 2), ".hv": (0, 2), ".ring_k": (0, 2), ".ring_v": (0, 2),
+            ".lens": (0, None), ".bk": (None, 0), ".bv": (None, 0), ".k_bias": (None, 0),
+            ".v_bias": (None, 0)}
+
+  def for_spec(self, spec: ModelSpec) -> "LatentCache":
+    return dataclasses.replace(self, spec=spec)
+
   @classmethod
   def init(cls, spec: ModelSpec, lp: dict, *, batch: int, capacity: int,
            dtype=jnp.bfloat16, bits: Optional[int] = None, window: int = 0,

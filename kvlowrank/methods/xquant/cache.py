@@ -253,6 +253,16 @@ class XCache(base.KVCache):
 
   name = "xquant"
 
+  def shard_axes(self) -> dict:
+    """X (or its latents X·U_k, X·U_v) is not per head: every device of the model axis
+    keeps the whole quantized rows (split over the batch only) and rematerialises its own
+    KV heads from them, with its column block of W_k / W_v (or of Σ_kB_kᵀ, Σ_vB_vᵀ). So the
+    cache's bytes per device do not shrink with the model axis; the rematerialisation work
+    does. Splitting X over its D channels would need an all-reduce of K and V over the
+    whole context at every step."""
+    return {".stores": (0, None), ".proj[0]": (None, None), ".proj[1]": (None, 1),
+            ".proj[2]": (None, None), ".proj[3]": (None, 1)}
+
   @classmethod
   def init(cls, xspec: XQuantSpec, spec: ModelSpec, lp: dict, *, layer: int, batch: int,
            capacity: int, dtype=jnp.bfloat16):

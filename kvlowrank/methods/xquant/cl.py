@@ -146,6 +146,11 @@ class XCLCache(base.KVCache):
 
   name = "xquant_cl"
 
+  def shard_axes(self) -> dict:
+    """As XCache: the quantized (delta) rows and U are kept whole on every device of the
+    model axis, which rebuilds its own KV heads from them."""
+    return {".store": (0, None), ".u": (None, None)}
+
   @classmethod
   def init(cls, cspec: XQuantCLSpec, spec: ModelSpec, lp: dict, *, layer: int, batch: int,
            capacity: int, dtype=jnp.bfloat16):

@@ -1,0 +1,158 @@
+"""Runs in its own process with 4 simulated CPU devices (tests/test_parallel.py starts it):
+sharded forward / greedy generation vs one device, for every cache and mesh shape.
+Prints one JSON object per case."""
+
+import os
+
+os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
+                           " --xla_force_host_platform_device_count=4")
+
+import functools  # noqa: E402
+import json  # noqa: E402
+import sys  # noqa: E402
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+import kvlowrank.methods.palu as palu  # noqa: E402
+from kvlowrank import parallel  # noqa: E402
+from kvlowrank.generate import generate  # noqa: E402
+from kvlowrank.methods import (DenseSpec, KiviSpec, XQuantCLSpec, XQuantSpec,  # noqa: E402
+                               init_caches)
+from kvlowrank.model.params import layer_shapes  # noqa: E402
+from kvlowrank.model.transformer import forward  # noqa: E402
+from kvlowrank.spec import ModelSpec  # noqa: E402
+
+SPEC = ModelSpec(vocab_size=64, dim=64, n_layers=2, n_heads=8, n_kv_heads=4, head_dim=16,
+                 ffn_dim=48, qkv_bias=True, max_seq_len=64)
+MESHES = ((1, 4), (2, 2), (4, 1))
+B, T, STEPS, CAP = 4, 10, 2, 32
+GENERATE_MESH = (2, 2)  # greedy generation is compared on this mesh (forward on all)
+
+
+def init_params(spec, seed=0, scale=0.25):
+  rng = np.random.default_rng(seed)
+  mk = lambda shape: jnp.asarray(scale * rng.standard_normal(shape), jnp.float32)
+  layers = [{n: (jnp.ones(sh) if n.endswith("norm") else mk(sh))
+             for n, sh in layer_shapes(spec).items()} for _ in range(spec.n_layers)]
+  layers = [dict(lp, bo=mk((spec.dim,))) for lp in layers]
+  return {"embed": mk((spec.vocab_size, spec.dim)), "final_norm": jnp.ones(spec.dim),
+          "layers": layers, "lm_head": mk((spec.dim, spec.vocab_size))}
+
+
+def methods(params):
+  calib = np.random.default_rng(0).integers(0, SPEC.vocab_size, (8, 32))
+  stats = palu.calibrate(params, SPEC, calib)
+  pspec = palu.PaluSpec(granularity="m", rank_search="uniform", rank_multiple=8,
+                        target_ratio=0.5)
+  palu_params, _ = palu.compress(params, SPEC, pspec, stats)
+  return {
+      "dense": (params, "dense", DenseSpec()),
+      "kivi": (params, "kivi", KiviSpec(bits=2, group_size=8, residual=8)),
+      "palu": (palu_params, "palu", pspec),
+      "palu_4bit": (palu_params, "palu", pspec.replace(bits=4)),
+      "xquant_x": (params, "xquant", XQuantSpec(bits=4, group_size=16, path="x")),
+      "xquant_latent": (params, "xquant", XQuantSpec(bits=4, group_size=16, path="latent")),
+      "xquant_cl": (params, "xquant_cl", XQuantCLSpec(bits=4, group_size=16, base_layer=1,
+                                                      n_high_layers=1)),
+  }
+
+
+def inputs():
+  rng = np.random.default_rng(1)
+  toks = rng.integers(0, SPEC.vocab_size, (B, T + STEPS)).astype(np.int32)
+  pos = np.broadcast_to(np.arange(T + STEPS, dtype=np.int32), (B, T + STEPS)).copy()
+  pos[1, T - 3:T] = -1   # a ragged row: padding at the end of its prompt
+  return toks, pos
+
+
+@functools.partial(jax.jit, static_argnames=("spec",))
+def one_device(params, tok, pos, caches, spec):
+  return forward(params, tok, pos, caches, spec)
+
+
+@functools.partial(jax.jit, static_argnames=("spec", "mesh"))
+def sharded(params, tok, pos, caches, spec, mesh):
+  return parallel.forward(mesh, params, tok, pos, caches, spec)
+
+
+def run(params, method, mspec, mesh=None):
+  """Prefill T tokens then STEPS decode steps → list of fp32 logits arrays."""
+  toks, pos = inputs()
+  caches = init_caches(method, mspec, SPEC, params, batch=B, capacity=CAP, dtype=jnp.float32)
+  if mesh is not None:
+    params = parallel.shard_params(params, SPEC, mesh)
+    caches = parallel.shard_caches(caches, mesh)
+  out = []
+  for lo, hi in [(0, T)] + [(T + i, T + i + 1) for i in range(STEPS)]:
+    args = (params, jnp.asarray(toks[:, lo:hi]), jnp.asarray(pos[:, lo:hi]), caches, SPEC)
+    logits, caches = one_device(*args) if mesh is None else sharded(*args, mesh)
+    out.append(np.asarray(logits))
+  return out
+
+
+def emit(**kw):
+  print(json.dumps(kw), flush=True)
+
+
+def main():
+  params = init_params(SPEC)
+  for name, (p, method, mspec) in methods(params).items():
+    ref = run(p, method, mspec)
+    prompts = [[int(t) for t in row[:7 + i]] for i, row in enumerate(inputs()[0])]
+    gen_ref = generate(p, SPEC, prompts, max_new_tokens=6, cache_method=method,
+                       cache_spec=mspec, eos_ids=()).tokens
+    for data, model in MESHES:
+      mesh = parallel.make_mesh(data, model)
+      got = run(p, method, mspec, mesh)
+      diff = max(float(np.max(np.abs(a - b))) for a, b in zip(ref, got))
+      gen = None
+      if (data, model) == GENERATE_MESH:
+        gen = generate(p, SPEC, prompts, max_new_tokens=6, cache_method=method,
+                       cache_spec=mspec, eos_ids=(), mesh=mesh).tokens == gen_ref
+      emit(case="equal", method=name, mesh=[data, model], max_abs_diff=diff,
+           scale=float(np.max(np.abs(ref[0]))), tokens_equal=gen)
+  # Negative control: a model whose KV-head blocks are swapped between the two devices
+  # (k/v projections rolled by one device's block) must not match.
+  p = init_params(SPEC)
+  half = SPEC.kv_dim // 2
+  bad = dict(p, layers=[dict(lp, wk=jnp.roll(lp["wk"], half, axis=1),
+                             bk=jnp.roll(lp["bk"], half)) for lp in p["layers"]])
+  ref = run(p, "dense", DenseSpec())
+  got = run(bad, "dense", DenseSpec(), parallel.make_mesh(1, 2))
+  emit(case="negative", max_abs_diff=max(float(np.max(np.abs(a - b)))
+                                         for a, b in zip(ref, got)))
+  # The whole-model decode benchmark on a mesh (tiny model): per-device bytes and a record.
+  from kvlowrank.bench import decode  # pylint: disable=import-outside-toplevel
+  tiny = ModelSpec(vocab_size=64, dim=64, n_layers=1, n_heads=4, n_kv_heads=4, head_dim=128,
+                   ffn_dim=64, max_seq_len=512)
+  res = {m: decode.run(tiny, methods=["dense", "kivi2", "palu50"], configs=[(256, 2)],
+                       steps=1, log=lambda s: None, mesh=m) for m in (None, (1, 2))}
+  for one, two in zip(res[None]["records"], res[(1, 2)]["records"]):
+    emit(case="bench", method=one["method"], one_device=one["cache_device_bytes"],
+         per_device=two["cache_device_bytes"], mesh=two["mesh"],
+         table=decode.table(res[(1, 2)]))
+  # Clear errors.
+  for label, fn in [
+      ("heads", lambda: parallel.forward(parallel.make_mesh(1, 3), p,
+                                         jnp.zeros((1, 1), jnp.int32),
+                                         jnp.zeros((1, 1), jnp.int32), None, SPEC)),
+      ("batch", lambda: parallel.forward(parallel.make_mesh(4, 1), p,
+                                         jnp.zeros((2, 1), jnp.int32),
+                                         jnp.zeros((2, 1), jnp.int32), None, SPEC)),
+      ("palu_groups", lambda: parallel.param_specs(
+          palu.compress(p, SPEC, palu.PaluSpec(granularity="g", group_size=2,
+                                               rank_search="uniform", rank_multiple=8),
+                        palu.calibrate(p, SPEC, np.zeros((2, 16), np.int32)))[0], SPEC, 4)),
+      ("devices", lambda: parallel.make_mesh(2, 4)),
+  ]:
+    try:
+      fn()
+      emit(case="error", label=label, message=None)
+    except ValueError as e:
+      emit(case="error", label=label, message=str(e))
+
+
+if __name__ == "__main__":
+  sys.exit(main())

@@ -1,0 +1,77 @@
+"""Tensor/data parallel decoding (`kvlowrank.parallel`) on 4 simulated CPU devices: every
+cache's sharded forward (prefill + decode steps) and greedy generation equal one device's,
+on meshes 1x4, 2x2 and 4x1 (data x model), plus a negative control and the one-line errors.
+
+The 4 devices need XLA_FLAGS before JAX starts, so the cases run in one subprocess
+(tests/parallel_worker.py) that prints a JSON line per case."""
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+METHODS = ("dense", "kivi", "palu", "palu_4bit", "xquant_x", "xquant_latent", "xquant_cl")
+MESHES = ([1, 4], [2, 2], [4, 1])
+# fp32 models: the row-split products are summed in a different order than one matmul
+# (~1e-6 relative). Quantized caches: a value within that rounding of a quantization
+# boundary may take the neighbouring code on one layout; one 4-bit step of one latent moves
+# these logits by ~1e-3, so they get a looser bound (still 1000x below the negative control).
+TOL = 1e-4
+QUANT_TOL = 5e-3
+QUANTIZED = ("kivi", "palu_4bit", "xquant_x", "xquant_latent", "xquant_cl")
+
+
+@pytest.fixture(scope="module")
+def cases():
+  env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+      [p for p in [os.environ.get("PYTHONPATH", "")] + sys.path if p]))
+  out = subprocess.run([sys.executable, str(ROOT / "tests" / "parallel_worker.py")],
+                       capture_output=True, text=True, env=env, timeout=900, check=False)
+  assert out.returncode == 0, out.stderr[-3000:]
+  return [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method", METHODS)
+def test_sharded_equals_one_device(cases, method):
+  got = {tuple(c["mesh"]): c for c in cases if c["case"] == "equal" and c["method"] == method}
+  assert sorted(got) == sorted(map(tuple, MESHES))
+  for mesh, c in got.items():
+    tol = QUANT_TOL if method in QUANTIZED else TOL
+    assert c["max_abs_diff"] <= tol * max(1.0, c["scale"]), (mesh, c)
+    if c["tokens_equal"] is not None:
+      assert c["tokens_equal"], (mesh, c)
+  assert any(c["tokens_equal"] for c in got.values())
+
+
+@pytest.mark.slow
+def test_negative_control_swapped_heads(cases):
+  [c] = [c for c in cases if c["case"] == "negative"]
+  assert c["max_abs_diff"] > 100 * TOL
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("label,needle", [
+    ("heads", "ModelSpec.n_kv_heads=4 does not split over mesh model=3"),
+    ("batch", "batch=2 does not split over mesh data=4"),
+    ("palu_groups", "a group would straddle devices"),
+    ("devices", "needs 8 devices, 4 available"),
+])
+def test_one_line_errors(cases, label, needle):
+  [c] = [c for c in cases if c["case"] == "error" and c["label"] == label]
+  assert c["message"] is not None and needle in c["message"] and "\n" not in c["message"]
+
+
+@pytest.mark.slow
+def test_bench_decode_on_a_mesh(cases):
+  """Head-split caches: each of 2 devices holds half of one device's cache bytes (but the
+  lengths [B] int32, which every device keeps)."""
+  got = {c["method"]: c for c in cases if c["case"] == "bench"}
+  assert set(got) == {"dense", "KIVI-2", "Palu-50%"}
+  for c in got.values():
+    assert c["mesh"] == [1, 2] and c["per_device"] * 2 - c["one_device"] == 2 * 4, c
+    assert "[1x2]" in c["table"] and "per device" in c["table"]
