@@ -360,7 +360,7 @@ def test_nbytes_equals_arithmetic():
     (dict(rank_prefill=128), "GearSpec.rank_prefill"),
     (dict(iterations=0), "GearSpec.iterations"), (dict(backbone="palu"), "GearSpec.backbone"),
     (dict(backbone="xquant"), "GearSpec.backbone"), (dict(outlier_fill="median"), "outlier_fill"),
-    (dict(implementation="triton"), "GearSpec.implementation"),
+    (dict(implementation="mosaic"), "GearSpec.implementation"),
     (dict(scale_dtype="int8"), "GearSpec.scale_dtype"),
 ])
 def test_bad_spec_errors(kwargs, field):

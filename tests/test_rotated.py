@@ -187,7 +187,7 @@ def test_binary_search_terminates_and_respects_tolerance():
     (dict(bits=3), r"RotatedSpec.bits must be None or one of"),
     (dict(bits=4, group_size=32), r"RotatedSpec.group_size must divide 16"),
     (dict(bits=4, residual=24), r"RotatedSpec.residual must be a multiple of group_size"),
-    (dict(implementation="triton"), r"RotatedSpec.implementation must be None"),
+    (dict(implementation="mosaic"), r"RotatedSpec.implementation must be None"),
 ])
 def test_bad_specs_name_the_field(kw, match):
   with pytest.raises(ValueError, match=match):

@@ -42,9 +42,11 @@ query sees the tokens of its own call compressed once their chunk is whole (GEAR
 attends exact K/V; here prompt queries see the compressed cache, as the KIVI cache does:
 a one-pass perplexity then measures the compression error).
 
-Decode path: `kernel_candidates` is empty for now (GEAR's kernel lives in kernels/gear and is
-wired in at merge), so `attend` runs the jnp reference below on every platform and the
-choice is logged once (`cache.dispatch`).
+Decode path: a decode step (T = 1) on a GPU runs `kvlowrank_kernels.gear.gear_attention`'s
+Triton kernel on the cache's arrays as stored (the Triton KIVI planar kernel with its GEAR
+terms: outliers and the factored low rank added inside the dequantized tiles, never in
+HBM); anything else (CPU, prefill, shapes the kernel's plan refuses) runs the jnp reference
+below, the reason logged once (`cache.dispatch`).
 """
 
 from __future__ import annotations
@@ -56,15 +58,19 @@ from typing import Any, Optional
 import jax
 import jax.numpy as jnp
 
-from kvlowrank.cache import base
+from kvlowrank.cache import base, dispatch
 from kvlowrank.methods.gear import outliers, power
 from kvlowrank.methods.gear.backbone import PlanarBackbone, make_backbone
 from kvlowrank.methods.gear.spec import GearSpec
 from kvlowrank.model.attention import (SCORE_ELEMENTS, attention_mask, combine,
                                        dot_product_attention, masked_softmax_lse)
 from kvlowrank.spec import ModelSpec
+from kvlowrank_kernels import gear as gear_kernels
 
 _HI = jax.lax.Precision.HIGHEST
+# Jitted so that the layers' identical kernel calls are lowered once per model.
+_kernel_attention = jax.jit(gear_kernels.gear_attention,
+                            static_argnames=("scale", "out_dtype", "implementation"))
 F16 = jnp.float16
 
 
@@ -329,15 +335,42 @@ class GearCache(base.KVCache):
     v = jnp.where(comp, v_hat, _rows(self.v_win, w_idx).astype(jnp.float32))
     return k.astype(self.k_win.dtype), v.astype(self.k_win.dtype), s_pos < self.lens[:, None]
 
+  def kernel_operands(self):
+    """(lowrank, sparse_k, sparse_v) operand groups of `gear_attention` (None if absent)."""
+    lowrank = None
+    if all(x is not None for x in (self.a_k, self.b_k, self.bp_k)):
+      lowrank = gear_kernels.GearLowRank(a_k=self.a_k, a_v=self.a_v, b_k=self.b_k,
+                                         b_v=self.b_v, bp_k=self.bp_k, bp_v=self.bp_v,
+                                         n_pchunks=self.n_pchunks)
+    sk = sv = None
+    if self.sparse:
+      sk = gear_kernels.GearSparseKeys(idx=self.sk_idx, val=self.sk_val)
+      sv = gear_kernels.GearSparseValues(idx=self.sv_idx, val=self.sv_val)
+    return lowrank, sk, sv
+
   def kernel_candidates(self, q_shape):
-    """None yet: the gearkernel decode kernel (kernels/gear) is wired in at merge."""
-    del q_shape
-    return []
+    """The Triton GEAR kernel for a query [B, N, H], with its fit check."""
+    def fit():
+      if self.k_win.dtype not in (jnp.bfloat16, jnp.float16):
+        return f"{jnp.dtype(self.k_win.dtype).name} cache (the kernel takes bf16/fp16)"
+      if (self.a_k is not None) != (self.b_k is not None and self.bp_k is not None):
+        return "a low-rank residual of rank 0 in the prefill or the chunks"
+      lowrank, sk, sv = self.kernel_operands()
+      return gear_kernels.triton_fit(q_shape, self.store.keys, self.store.values,
+                                     self.buffer, lowrank, sk, sv)
+    return [("triton", "gpu", fit)]
 
   def attend(self, q, q_positions, lp, *, spec: ModelSpec, implementation=None):
     del lp, spec
-    self.decode_implementation(q.shape, implementation)   # the reference; logged once
+    impl = self.decode_implementation(q.shape, implementation)
     q_len, w_len = self.segments()
+    if impl != dispatch.REFERENCE:
+      lowrank, sk, sv = self.kernel_operands()
+      out, lse = _kernel_attention(
+          q[:, 0], self.store.keys, self.store.values, self.k_win, self.v_win, q_len, w_len,
+          lowrank=lowrank, sparse_k=sk, sparse_v=sv, scale=q.shape[-1] ** -0.5,
+          out_dtype=q.dtype, implementation=impl)
+      return base.mask_padding_queries(out[:, None], lse[:, None], q_positions, q.dtype)
     b, t, n, h = q.shape
     k_eff, v_eff = self.dequantized()
     kt, vt = (jnp.transpose(x, (0, 2, 1, 3)) for x in (k_eff, v_eff))   # [B, K, S, H]

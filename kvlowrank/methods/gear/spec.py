@@ -28,7 +28,7 @@ from kvlowrank_kernels.quant.quantizer import canonical_scale_dtype
 
 BACKBONES = ("kivi", "kcvt")
 OUTLIER_FILLS = ("mean", "zero")
-IMPLEMENTATIONS: tuple = ()      # GEAR's decode kernel (kernels/gear) is wired in at merge
+IMPLEMENTATIONS: tuple = ("triton",)   # the decode kernel (kvlowrank_kernels.gear)
 
 
 def _int(value, field: str, lo: int, hi: Optional[int] = None) -> int:
@@ -62,7 +62,7 @@ class GearSpec:
     entries: the official code's choice, which does not widen the group's range) or
     "zero" (the paper's X - S read literally); `outliers.py`;
   scale_dtype: scales and zero points (float16 as KIVI/GEAR);
-  implementation: None (fastest that fits: `cache.dispatch`) or "reference".
+  implementation: None (fastest that fits: `cache.dispatch`), "reference" or "triton".
   """
 
   backbone: str = "kivi"

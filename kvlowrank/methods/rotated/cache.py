@@ -21,8 +21,11 @@ v_max = max_g v_g so the attention block's folded W_O' [N·v_max, D] applies unc
 (`compress`); the padding is transient, never stored. Long prompts attend in query chunks
 (`model.attention.dot_product_attention`), so no [T, S] fp32 score matrix is built at once.
 
-Decode path: the ragged-head kernel (kernels/rotated, built separately) is wired at merge;
-until then `kernel_candidates` is empty and every call runs this jnp reference.
+Decode path: a decode step (T = 1) of an unquantized cache on a GPU runs the ragged-head
+kernel (`kvlowrank_kernels.rotated.ragged_attention`, Triton: (request, KV head) tasks split
+along the sequence, launched longest first) on k_rot / v_rot as stored; anything else (CPU,
+prefill, quantized K'/V', widths the kernel refuses) runs this jnp reference, the reason
+logged once (`cache.dispatch`).
 
 `nbytes()` counts what grows with the cache (k_rot, v_rot or the quantized store and its
 exact window, lengths); the rotations and reconstructions are weights (`weights_nbytes`).
@@ -37,13 +40,18 @@ from typing import Any, Optional
 import jax
 import jax.numpy as jnp
 
-from kvlowrank.cache import base
+from kvlowrank.cache import base, dispatch
 from kvlowrank.methods.kivi.cache import KiviCache, KiviSpec
 from kvlowrank.methods.rotated.spec import RotatedSpec, layout_from_params
 from kvlowrank.model.attention import combine, dot_product_attention
 from kvlowrank.spec import ModelSpec
+from kvlowrank_kernels import rotated as rotated_kernels
 
 _HI = jax.lax.Precision.HIGHEST
+# Jitted so that the layers' identical kernel calls are lowered once per model.
+_kernel_attention = jax.jit(rotated_kernels.ragged_attention,
+                            static_argnames=("k_widths", "v_widths", "scale", "out_dtype",
+                                             "implementation"))
 # Slots in whole 64-token tiles, as the dense and Palu caches (the decode kernels' blocks).
 CAPACITY_MULTIPLE = 64
 
@@ -170,13 +178,34 @@ class RotatedCache(base.KVCache):
                                v_rot=base.scatter_slots(self.v_rot, vr, pos), lens=lens)
 
   def kernel_candidates(self, q_shape):
-    """The ragged-head decode kernel is wired at merge (kernels/rotated): none yet."""
-    del q_shape
-    return []
+    """The ragged-head Triton kernel for a query [B, N, H], with its fit check."""
+    b, n, _ = q_shape
+    def fit():
+      if self.quant is not None:
+        return "quantized K'/V' (the ragged kernel reads k_rot / v_rot)"
+      g = n // len(self.k_widths)
+      return rotated_kernels.triton_fit((b, g, sum(self.k_widths)), self.k_widths,
+                                        self.v_widths, self.k_rot.dtype, self.capacity)
+    return [("triton", "gpu", fit)]
+
+  def _attend_kernel(self, q, q_positions, spec: ModelSpec, impl: str):
+    """One decode query per row through the ragged kernel: (out [B,1,N,v_max], lse)."""
+    b, _, n, _ = q.shape
+    kh, g, vmax = len(self.k_widths), n // len(self.k_widths), max(self.v_widths)
+    q_rot = rotate_queries(q, self.rk, kh)[:, 0].astype(self.k_rot.dtype)   # [B, G, Σk]
+    out, lse = _kernel_attention(q_rot, self.k_rot, self.v_rot, self.lens,
+                                 k_widths=self.k_widths, v_widths=self.v_widths,
+                                 scale=spec.head_dim ** -0.5, out_dtype=q.dtype,
+                                 implementation=impl)                # [B, G, Σv], [B, K, G]
+    heads = [jnp.pad(out[..., vo:vo + vw], ((0, 0), (0, 0), (0, vmax - vw)))
+             for vo, vw in zip(offsets(self.v_widths), self.v_widths)]
+    out = jnp.stack(heads, axis=1).reshape(b, 1, n, vmax)            # head n = h·G + g
+    return base.mask_padding_queries(out, lse.reshape(b, 1, n), q_positions, q.dtype)
 
   def attend(self, q, q_positions, lp, *, spec: ModelSpec, implementation=None):
-    # Only the jnp path exists until the ragged kernel is wired (kernel_candidates).
-    del implementation
+    impl = self.decode_implementation(q.shape, implementation)
+    if impl != dispatch.REFERENCE:
+      return self._attend_kernel(q, q_positions, spec, impl)
     q_rot = rotate_queries(q, self.rk, spec.n_kv_heads)
     kw = dict(k_widths=self.k_widths, v_widths=self.v_widths, scale=spec.head_dim ** -0.5,
               sliding_window=spec.sliding_window)

@@ -55,7 +55,8 @@ class RotatedSpec:
       `group_size` channels) through the KIVI cache code, with a `residual`-token exact
       window (FDC §6.4 / ZACK §6.2 stack KVQuant-4 the same way).
     group_size, residual: the quantizer's group and exact window (KIVI's G and R).
-    implementation: decode attention: None (the fastest that fits) or "reference".
+    implementation: decode attention: None (the fastest that fits), "reference" or "triton"
+      (the ragged-head kernel, `kvlowrank_kernels.rotated`).
   """
 
   rate: float = 0.0
@@ -101,9 +102,9 @@ class RotatedSpec:
     if self.residual < 0 or self.residual % g:
       raise ValueError(f"RotatedSpec.residual must be a multiple of group_size ({g}) and "
                        f">= 0, got {self.residual}")
-    if self.implementation not in (None, "reference"):
-      raise ValueError(f"RotatedSpec.implementation must be None or 'reference', got "
-                       f"{self.implementation!r}")
+    if self.implementation not in (None, "reference", "triton"):
+      raise ValueError(f"RotatedSpec.implementation must be None, 'reference' or 'triton', "
+                       f"got {self.implementation!r}")
 
   def replace(self, **kw) -> "RotatedSpec":
     return dataclasses.replace(self, **kw)
