@@ -98,6 +98,7 @@ def get_config(arg=None):
     c.gear.group_size = 8          # stories260K: head dim 8
     c.gear.buffer = 16
     c.fdc.width_multiple = c.zack.width_multiple = 8   # head dim 8: full width only
+    c.fdc.target_ratio = c.zack.target_ratio = 0.0
   return c
 
 

@@ -81,7 +81,9 @@ def test_round_trip_equals_the_lower_level_path(name, model, prompts, tmp_path):
   logits, _ = forward(params, jnp.asarray([p]), jnp.arange(len(p))[None], caches,
                       model.spec)
   assert int(jnp.argmax(logits[0, -1])) == got.tokens[1][0]
-  if method.calibrate is not None:
+  # evict passes its inner cache's calibration through; around dense it changes nothing and
+  # nothing is checkpointed.
+  if method.calibrate is not None and name != "evict":
     assert cm.calibration["restored"] is False
     again = kvlowrank.compress(model, name, calib=CALIB, cache_dtype="float32",
                                cache_dir=tmp_path / "api", progress=False, **knobs)
@@ -134,7 +136,8 @@ def test_kivi_window_note(model, prompts, capsys):
     (("kivi",), dict(group_size=3), "group_size"),
     (("kivy",), {}, "unknown config.method 'kivy'"),
     (("palu",), dict(group_size=3), "group_size"),
-    (("palu",), dict(calib=dict(n_sample=4)), r"config.calib: unknown config key\(s\) "
+    (("palu",), dict(calib=dict(n_sample=4), rank_multiple=8),
+     r"config.calib: unknown config key\(s\) "
                                              "'n_sample'"),
     (("palu",), dict(calib=dict(n_samples="4")), "calib.n_samples"),
     ((3,), {}, "compress: method must be"),

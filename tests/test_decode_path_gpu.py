@@ -35,7 +35,8 @@ from kvlowrank.bench.decode import random_params, BenchMethod  # noqa: E402
 from kvlowrank.cache import dispatch  # noqa: E402
 from kvlowrank.cache.base import init_caches  # noqa: E402
 from kvlowrank.generate.loop import generate  # noqa: E402
-from kvlowrank.methods import DenseSpec, KiviSpec, PaluSpec, XQuantSpec  # noqa: E402
+from kvlowrank.methods import (DenseSpec, GearSpec, KiviSpec, PaluSpec,  # noqa: E402
+                               RotatedSpec, XQuantSpec)
 from kvlowrank.model.transformer import forward  # noqa: E402
 from kvlowrank.spec import ModelSpec  # noqa: E402
 
@@ -54,6 +55,9 @@ METHODS = {
     "palu": ("palu", PaluSpec(), ("mosaic",)),
     "palu-4bit-window": ("palu", PaluSpec(bits=4, window=16), ("triton",)),
     "xquant2": ("xquant", XQuantSpec(bits=2, group_size=128), ("triton",)),
+    "gear2": ("gear", GearSpec(), ("triton",)),
+    "gearl2": ("gear", GearSpec(sparsity=0.0), ("triton",)),
+    "fdc50": ("fdc", RotatedSpec(), ("triton",)),
 }
 
 
@@ -77,7 +81,9 @@ def _prompt(seed=0):
 
 def _values_and_keys(c, lp):
   """(max|k|, max|v|) of what attention reads (keys post-RoPE; Palu: value latents)."""
-  if hasattr(c, "rematerialize"):
+  if hasattr(c, "stored"):        # rotated: attention reads K', V' as stored
+    k, v = c.stored()
+  elif hasattr(c, "rematerialize"):
     k, v = c.rematerialize(lp, SPEC, jnp.float32)
   elif hasattr(c, "latents"):
     k = c.materialize()[0]

@@ -20,8 +20,9 @@ import pytest
 from kvlowrank.resources import shared_dir
 
 REPO = Path(__file__).resolve().parents[1]
-# absl's log lines (I1125 09:00:00.0 ...), which go to stderr too.
-_LOG = re.compile(r"^[IWEF]\d{4} ")
+# absl's log lines (I1125 09:00:00.0 ...), which go to stderr too, and the transient
+# model-loading bar (tqdm, leave=False: a terminal erases it; a pipe keeps its first frame).
+_LOG = re.compile(r"^[IWEF]\d{4} |^loading \S+: +\d+%\|")
 
 # (name, launcher, args, what the one line must contain). {tmp}: a scratch folder with
 # empty.txt; {w}: the workdir, which must not exist afterwards.

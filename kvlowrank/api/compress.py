@@ -125,6 +125,11 @@ def compress(model: Union[str, LoadedModel], method: Any = "dense", *,
       config.calib[key] = value
     except TypeError as e:  # ml_collections' type check: one line naming the field
       raise ValueError(f"calib.{key}: {e}") from None
+  # The harness's default lengths (eval 2048, calibration windows) are capped at the model's
+  # trained context; a calibration length given explicitly is checked as given.
+  config.eval.seq_len = min(config.eval.seq_len, model.spec.max_seq_len)
+  if "seq_len" not in dict(calib or {}) and "seq_len" not in (calib_cfg or {}):
+    config.calib.seq_len = min(config.calib.seq_len, model.spec.max_seq_len)
   exp = from_config(config, model.spec)  # every knob checked here, before any work
   # Hash the resolved spec, so equal specs given differently share one calibration.
   config[name] = ml_collections.ConfigDict(

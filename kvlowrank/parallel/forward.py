@@ -14,7 +14,8 @@ from kvlowrank.spec import ModelSpec
 
 
 def forward(mesh, params, tokens, positions, caches: Optional[tuple], spec: ModelSpec, *,
-            last_only: bool = False, logits_at: Optional[jax.Array] = None):
+            last_only: bool = False, logits_at: Optional[jax.Array] = None,
+            allow_beyond_max_seq_len: bool = False):
   """`kvlowrank.model.forward` on a mesh; same arguments and results (global shapes).
 
   params and caches may already be placed (`shard_params`, `shard_caches`) or not (then
@@ -32,6 +33,7 @@ def forward(mesh, params, tokens, positions, caches: Optional[tuple], spec: Mode
     if cs is not None:
       cs = tuple(c.for_spec(local) for c in cs)
     logits, cs = model_forward(p, tok, pos, cs, local, last_only=last_only, logits_at=at,
+                               allow_beyond_max_seq_len=allow_beyond_max_seq_len,
                                axis_name=MODEL)
     if cs is not None:
       cs = tuple(c.for_spec(spec) for c in cs)
