@@ -8,6 +8,11 @@ from kvlowrank.eval import exact_match as em
 from kvlowrank.eval import haystack, hf_tasks, needle, passkey
 from kvlowrank.experiment.models import ByteTokenizer
 
+from kvlowrank.resources import shared_dir
+
+# WikiText-2 filler / stories260K live in ../shared (absent: skipped, as the other tests).
+NEEDS_SHARED = pytest.mark.skipif(shared_dir() is None, reason="../shared not available")
+
 TOK = ByteTokenizer()
 DEPTHS = (0.0, 0.25, 0.5, 0.75, 1.0)
 
@@ -54,6 +59,7 @@ def test_passkey_position_negative_control():
   assert abs(s.depth_actual - 0.75) > line / s.n_fill
 
 
+@NEEDS_SHARED
 @pytest.mark.parametrize("depth", DEPTHS)
 def test_needle_length_and_depth(depth):
   s = needle.sample(TOK, context=3000, depth=depth, index=2, seed=1, filler_chars=60000)
@@ -77,6 +83,7 @@ def test_needle_length_and_depth(depth):
   assert abs(s.depth_actual - depth) < 0.1  # sentences are short vs 3000 bytes
 
 
+@NEEDS_SHARED
 def test_generators_are_seeded():
   a = needle.sample(TOK, context=900, depth=0.5, index=3, seed=5, filler_chars=30000)
   b = needle.sample(TOK, context=900, depth=0.5, index=3, seed=5, filler_chars=30000)
@@ -87,6 +94,7 @@ def test_generators_are_seeded():
       TOK, context=900, depth=0.5, seed=1)
 
 
+@NEEDS_SHARED
 def test_generator_errors_name_the_problem():
   with pytest.raises(ValueError, match="passkey context=100: context of"):
     passkey.sample(TOK, context=100, depth=0.5)

@@ -5,6 +5,7 @@ import pytest
 
 from kvlowrank.methods.rotated import calibration, compression, search, widths
 from kvlowrank.methods.rotated.spec import RotatedSpec
+from kvlowrank.resources import shared_dir
 from kvlowrank.spec import ModelSpec
 
 
@@ -207,6 +208,8 @@ def test_bad_configs_through_the_registry():
     init_caches("rotated", RotatedSpec(), SPEC, _params(), batch=1, capacity=8)
 
 
+@pytest.mark.skipif(shared_dir() is None,
+                    reason="../shared not available (configs check their data paths)")
 @pytest.mark.parametrize("name", ["fdc", "zack"])
 def test_config_files(name):
   """configs/fdc.py and configs/zack.py: default, smoke and every sweep point validate."""
