@@ -7,30 +7,35 @@ Palu G-LRD (gs-4 -> gs=3 = all 3 KV heads on SmolLM2; Fisher ranks, whitened SVD
 50% with bf16 latents and at 30% with 3-bit Hadamard-rotated latents (about KIVI-2's
 bytes), XQuant-4 and XQuant-2 (auto = GQA latent path, groups of 64) and XQuant-CL-2
 (paper Table 4 recipe), GEAR-2 and GEAR-L-2 (2-bit KIVI backbone g = n_b = 64, s = 2 % / 0,
-r_p = 4, r_g = 2; their decode prompt is prefilled in one call: results/gear.md; not yet in
-the table below), each in both eval modes, on the embedded SmolLM2-135M-Instruct (fp32 weights) and a
+r_p = 4, r_g = 2; their decode prompt is prefilled in one call: results/gear.md), FDC-50% and
+ZACK-50% (adaptive Eq. 1 widths; results/rotated.md), each in both eval modes, on the embedded SmolLM2-135M-Instruct (fp32 weights) and a
 WikiText-2 test subset: the first 4 windows of 512 tokens (GPTQ windows, scored in one
 batch of 4). Decode mode prefills 256 tokens (in chunks of 128) and decodes the last
 256 one by one. Generation drift against the bf16 dense model (kvlowrank.eval.drift:
 greedy match and KL columns): 2 prompts (the first 256 tokens of windows 0 and 1) x 64
-greedy tokens. Sized for <= ~10 min on a 2-core CPU; writes results.jsonl,
+greedy tokens. About 13 min on a 2-core CPU; writes results.jsonl,
 report.md and pareto.png into the workdir and prints where they went.
 
 Args after `:`: model, seq_len, windows, prompt_len, smoke (stories260K, < 2 min).
 
-Expected (measured 2026-11-22 on the 2-core CPU box, fp32 weights, bf16 K/V, 4 x 511
-scored tokens; all 8 points took ~9 min 10 s wall incl. Palu calibration):
+Expected (measured 2026-11-25 on the 2-core CPU box, fp32 weights, bf16 K/V, 4 x 511
+scored tokens; all 12 points took 13 min 25 s wall incl. Palu / FDC / ZACK calibration;
+greedy match / KL: 2 prompts x 64 tokens):
 
-  | method | bits | KV bytes/token | vs bf16 | PPL prefill | PPL decode |
-  |---|---|---|---|---|---|
-  | dense (baseline) | 16 | 23040 | 1.00x | 30.953 | 30.953 |
-  | palu | 16 | 11520 | 2.00x | 44.504 | 44.503 |
-  | kivi | 4 | 7200 | 3.20x | 31.566 | 31.165 |
-  | xquant | 4 | 6480 | 3.56x | 31.138 | 31.153 |
-  | kivi | 2 | 4320 | 5.33x | 54.747 | 41.660 |
-  | xquant_cl | 2+4x3 | 3888 | 5.93x | 41.671 | 42.784 |
-  | xquant | 2 | 3600 | 6.40x | 48.305 | 46.109 |
-  | palu | 3 | 3432 | 6.71x | 38.450 | 38.779 |
+  | method | bits | KV bytes/token | vs bf16 | PPL prefill | PPL decode | greedy match | KL |
+  |---|---|---|---|---|---|---|---|
+  | dense (baseline) | 16 | 23040 | 1.00x | 30.953 | 30.953 | 1.000 | 0 |
+  | fdc | 16 | 11520 | 2.00x | 135.930 | 135.929 | 0.047 | 0.932 |
+  | palu | 16 | 11520 | 2.00x | 44.502 | 44.503 | 0.078 | 0.209 |
+  | zack | 16 | 11520 | 2.00x | 98.043 | 98.038 | 0.055 | 0.658 |
+  | kivi | 4 | 7200 | 3.20x | 31.551 | 31.130 | 0.883 | 0.004 |
+  | gear | 2 s2% r4/2 | 6840 | 3.37x | 43.183 | 40.247 | 0.156 | 0.103 |
+  | xquant | 4 | 6480 | 3.56x | 31.132 | 31.143 | 0.859 | 0.0079 |
+  | gear | 2 r4/2 | 5760 | 4.00x | 58.887 | 47.795 | 0.086 | 0.189 |
+  | kivi | 2 | 4320 | 5.33x | 54.297 | 41.096 | 0.078 | 0.211 |
+  | xquant_cl | 2+4x3 | 3888 | 5.93x | 42.959 | 43.631 | 0.109 | 0.167 |
+  | xquant | 2 | 3600 | 6.40x | 49.548 | 47.248 | 0.070 | 0.272 |
+  | palu | 3 | 3432 | 6.71x | 38.413 | 38.885 | 0.031 | 0.155 |
 """
 
 from ml_collections import ConfigDict, config_dict
