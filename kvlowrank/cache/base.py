@@ -80,6 +80,18 @@ def scatter_slots(buf, new, positions):
   return buf.at[bidx, slots].set(new, mode="drop")
 
 
+def gather_rows(a, idx):
+  """a [B, N, ...], idx [B, M] int -> a[b, idx[b, m]]: [B, M, ...] (per-row slot reads)."""
+  return a[jnp.arange(a.shape[0])[:, None], idx]
+
+
+def scatter_rows(buf, idx, ok, vals):
+  """buf[b, idx[b, m]] = vals[b, m] where ok [B, M]; the other writes are dropped."""
+  idx = jnp.where(ok, idx, buf.shape[1])
+  return buf.at[jnp.arange(buf.shape[0])[:, None], idx].set(vals.astype(buf.dtype),
+                                                             mode="drop")
+
+
 def mask_padding_queries(out, lse, q_positions, dtype):
   """A kernel's (out [B, T, N, Hv], lse [B, T, N]) with padding queries (position < 0) set
   to 0 and -inf, as the reference gives them, and out cast to `dtype`."""

@@ -111,8 +111,7 @@ def check_inner(inner: str, ring: str) -> str:
   return ring
 
 
-def _rows(a, idx):
-  return a[jnp.arange(a.shape[0])[:, None], idx]
+_rows = base.gather_rows
 
 
 def _compact_positions(slot_pos, valid, q_pos):

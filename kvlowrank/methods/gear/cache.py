@@ -74,16 +74,7 @@ _kernel_attention = jax.jit(gear_kernels.gear_attention,
 F16 = jnp.float16
 
 
-def _rows(a, idx):
-  """a [B, N, ...], idx [B, M] -> [B, M, ...]."""
-  return a[jnp.arange(a.shape[0])[:, None], idx]
-
-
-def _scatter_rows(buf, idx, ok, vals):
-  """buf [B, N, ...] rows idx [B, M] <- vals [B, M, ...] where ok."""
-  idx = jnp.where(ok, idx, buf.shape[1])
-  return buf.at[jnp.arange(buf.shape[0])[:, None], idx].set(vals.astype(buf.dtype),
-                                                             mode="drop")
+_rows, _scatter_rows = base.gather_rows, base.scatter_rows
 
 
 def _scatter_axis2(buf, first, ok, vals):

@@ -153,16 +153,7 @@ class KiviSpec:
     return self.layout
 
 
-def _rows(a, idx):
-  """a [B,N,...], idx [B,M] int -> a[b, idx[b, m]] : [B,M,...]."""
-  return a[jnp.arange(a.shape[0])[:, None], idx]
-
-
-def _scatter_rows(buf, idx, ok, vals):
-  """buf[b, idx[b,m]] = vals[b,m] where ok; other writes dropped (index out of range)."""
-  idx = jnp.where(ok, idx, buf.shape[1])
-  return buf.at[jnp.arange(buf.shape[0])[:, None], idx].set(vals.astype(buf.dtype),
-                                                             mode="drop")
+_rows, _scatter_rows = base.gather_rows, base.scatter_rows
 
 
 @jax.tree_util.register_dataclass

@@ -41,9 +41,7 @@ from kvlowrank_kernels.xquant.reference import PackedRows
 AXES = ("token", "channel")
 
 
-def _rows(a, idx):
-  """a [B, N, ...], idx [B, M] int -> a[b, idx[b, m]]: [B, M, ...]."""
-  return a[jnp.arange(a.shape[0])[:, None], idx]
+_rows = base.gather_rows
 
 
 def _scatter_rows(buf, idx, ok, vals):
