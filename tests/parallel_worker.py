@@ -18,8 +18,8 @@ import numpy as np  # noqa: E402
 import kvlowrank.methods.palu as palu  # noqa: E402
 from kvlowrank import parallel  # noqa: E402
 from kvlowrank.generate import generate  # noqa: E402
-from kvlowrank.methods import (DenseSpec, KiviSpec, XQuantCLSpec, XQuantSpec,  # noqa: E402
-                               init_caches)
+from kvlowrank.methods import (DenseSpec, GearSpec, KiviSpec, XQuantCLSpec,  # noqa: E402
+                               XQuantSpec, init_caches)
 from kvlowrank.model.params import layer_shapes  # noqa: E402
 from kvlowrank.model.transformer import forward  # noqa: E402
 from kvlowrank.spec import ModelSpec  # noqa: E402
@@ -56,6 +56,10 @@ def methods(params):
       "xquant_latent": (params, "xquant", XQuantSpec(bits=4, group_size=16, path="latent")),
       "xquant_cl": (params, "xquant_cl", XQuantCLSpec(bits=4, group_size=16, base_layer=1,
                                                       n_high_layers=1)),
+      # GEAR (Q + S + L): the 10-token prompt compresses one 8-token chunk (outliers, the
+      # prefill factor); the decode steps fill the window.
+      "gear": (params, "gear", GearSpec(bits=2, group_size=8, buffer=8, sparsity=20.0,
+                                        rank_prefill=4, rank_chunk=2)),
   }
 
 

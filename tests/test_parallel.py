@@ -14,7 +14,8 @@ import sys
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-METHODS = ("dense", "kivi", "palu", "palu_4bit", "xquant_x", "xquant_latent", "xquant_cl")
+METHODS = ("dense", "kivi", "palu", "palu_4bit", "xquant_x", "xquant_latent", "xquant_cl",
+           "gear")
 MESHES = ([1, 4], [2, 2], [4, 1])
 # fp32 models: the row-split products are summed in a different order than one matmul
 # (~1e-6 relative). Quantized caches: a value within that rounding of a quantization
@@ -22,7 +23,7 @@ MESHES = ([1, 4], [2, 2], [4, 1])
 # these logits by ~1e-3, so they get a looser bound (still 1000x below the negative control).
 TOL = 1e-4
 QUANT_TOL = 5e-3
-QUANTIZED = ("kivi", "palu_4bit", "xquant_x", "xquant_latent", "xquant_cl")
+QUANTIZED = ("kivi", "palu_4bit", "xquant_x", "xquant_latent", "xquant_cl", "gear")
 
 
 @pytest.fixture(scope="module")
