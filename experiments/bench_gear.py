@@ -26,6 +26,7 @@ import jax.numpy as jnp
 from kvlowrank.bench import environment, rand, rand_u8, time_op
 from kvlowrank_kernels.dense import decode_attention
 from kvlowrank_kernels.gear import gear_attention
+from kvlowrank_kernels.gear import shapes as gear_shapes
 from kvlowrank_kernels.gear.shapes import GearShape, residual_operands
 from kvlowrank_kernels.kivi import KiviKeys, KiviValues, kivi_attention
 from kvlowrank_kernels.kivi.mosaic_kivi_warp import kivi_attention_mosaic_warp
@@ -97,7 +98,8 @@ def main(argv=None):
   kv = kivi_inputs(s, b, 64, 64, jax.random.key(2))
   add("kivi2-g64-triton", jax.jit(lambda *a: kivi_attention(*a, implementation="triton",
                                                             **KIVI_OPTS)), kv, opts=KIVI_OPTS)
-  shape = GearShape(batch=b, capacity=s, window=64, n_heads=N, n_kv_heads=KH)
+  shape = GearShape(gear_shapes.backbone(batch=b, capacity=s, window=64, n_heads=N,
+                                         n_kv_heads=KH))
   npc = jnp.full((b,), s // 64 - args.stream_chunks, jnp.int32)
   for name, variant in (("gear-l-2", "gear-l"), ("gear-2", "gear"), ("outlier-2", "outlier")):
     lr, sk, sv = residual_operands(shape, jax.random.key(3), npc, variant)

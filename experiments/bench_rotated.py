@@ -49,7 +49,6 @@ _BASE = dict(schedule="rows", group_width=256, block_s=64, num_warps=4, num_stag
              target_chunks=792)
 SWEEP = [_BASE, dict(_BASE, target_chunks=396), dict(_BASE, target_chunks=1056),
          dict(_BASE, schedule="lpt"), dict(_BASE, block_s=32, num_stages=3),
-         dict(_BASE, equal_cost_chunks=True, schedule="lpt", target_chunks=396),
          dict(_BASE, group_width=128), dict(_BASE, group_width=16, num_stages=3)]
 ALT = {"rows": "lpt", "lpt": "rows", "static": "rows"}
 
@@ -129,8 +128,7 @@ def run_config(model, s, b, opts, log, samples):
   # (the rest of rotated-<schedule> is the order/records fusion and the split-K combine).
   p = plan(inp[0].shape, s, w["k_widths"], w["v_widths"], inp[1].dtype,
            block_s=opts["block_s"], target_chunks=opts.get("target_chunks"),
-           group_width=opts.get("group_width", 256),
-           equal_cost_chunks=opts.get("equal_cost_chunks", False))
+           group_width=opts.get("group_width", 256))
   rec = jax.jit(lambda l: records(p, l, sched))(inp[3])
   kern = jax.jit(lambda q, k, v, r: launch_kernel(q, k, v, r, p, w["scale"],
                                                   num_warps=opts["num_warps"],

@@ -18,7 +18,6 @@ if (os.cpu_count() or 1) <= 4:
   os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
 import platform
-import sys
 
 from absl import app
 from absl import flags
@@ -27,28 +26,21 @@ import jax
 from ml_collections import config_flags
 
 import kvlowrank
-from kvlowrank import config_lib
+from kvlowrank.experiment import cli
 from kvlowrank.experiment import longctx
 
 _CONFIG = config_flags.DEFINE_config_file(
     "config", None, "Path to configs/longctx.py (with an optional :arg).", lock_config=True)
 _WORKDIR = flags.DEFINE_string("workdir", None, "Output folder (results.jsonl, plots).")
 _LIMIT = flags.DEFINE_integer("limit", None, "Only the first N methods of the sweep.")
-_DEBUG = flags.DEFINE_bool("debug", False, "Show tracebacks instead of one-line errors.")
 flags.mark_flags_as_required(["config", "workdir"])
 
 
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-  try:
-    summary = longctx.run_file(config_flags.get_config_filename(flags.FLAGS["config"]),
-                               _CONFIG.value, _WORKDIR.value, limit=_LIMIT.value)
-  except (ValueError, FileNotFoundError) as e:
-    if _DEBUG.value:
-      raise
-    print(f"error: {' '.join(str(e).split())}", file=sys.stderr)
-    sys.exit(1)
+  summary = longctx.run_file(config_flags.get_config_filename(flags.FLAGS["config"]),
+                             _CONFIG.value, _WORKDIR.value, limit=_LIMIT.value)
   logging.info("python %s, jax %s, kvlowrank %s, devices %s", platform.python_version(),
                jax.__version__, kvlowrank.__version__, jax.devices())
   print(f"longctx: {summary['ran']} prompts run, {summary['skipped']} already finished")
@@ -62,5 +54,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  jax.config.config_with_absl()
-  app.run(main, flags_parser=config_lib.flags_parser)
+  cli.run(main)

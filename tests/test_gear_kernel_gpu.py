@@ -24,8 +24,9 @@ pytestmark = [
 F32 = jnp.float32
 GS = shapes.GearShape
 SHAPES = (
-    GS(batch=4, capacity=4096, window=64, n_heads=32, n_kv_heads=8),
-    GS(batch=8, capacity=8192, window=64, n_heads=32, n_kv_heads=8, scale_dtype=None),
+    GS(shapes.backbone(batch=4, capacity=4096, window=64, n_heads=32, n_kv_heads=8)),
+    GS(shapes.backbone(batch=8, capacity=8192, window=64, n_heads=32, n_kv_heads=8,
+                       scale_dtype=None)),
 )
 LENGTHS = {  # (q_len, w_len, n_pchunks) per batch row
     4: ([4096, 64, 2240, 0], [64, 1, 0, 37], [60, 1, 20, 0]),

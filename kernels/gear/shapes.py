@@ -22,40 +22,50 @@ VARIANTS = ("gear", "gear-l", "outlier")  # Q + S + L, Q + L, Q + S
 
 @dataclasses.dataclass(frozen=True)
 class GearShape:
-  """One GEAR decode problem (KIVI backbone + chunks of `chunk` tokens)."""
+  """One GEAR decode problem: its KIVI backbone problem (whose fields -- batch, capacity,
+  window, heads, head_dim, groups, scale dtype -- read through, e.g. `shape.batch`) plus
+  chunks of `chunk` tokens, the ranks and the outlier slots. GEAR quantizes K and V with
+  the same bits (`bits`)."""
 
-  batch: int
-  capacity: int
-  window: int
-  n_heads: int
-  n_kv_heads: int
-  head_dim: int = 128
-  bits: int = 2
-  k_group: int = 64
-  v_group: int = 64
+  backbone: kivi_shapes.KiviShape
   chunk: int = 64
   prefill_rank: int = 4
   chunk_rank: int = 2
   key_slots: int = 2
   value_slots: int = 3
-  scale_dtype: Optional[str] = "float16"
 
-  def kivi(self) -> kivi_shapes.KiviShape:
-    return kivi_shapes.KiviShape(
-        batch=self.batch, capacity=self.capacity, window=self.window, n_heads=self.n_heads,
-        n_kv_heads=self.n_kv_heads, head_dim=self.head_dim, k_bits=self.bits,
-        v_bits=self.bits, k_group=self.k_group, v_group=self.v_group,
-        scale_dtype=self.scale_dtype)
+  def __post_init__(self):
+    if self.backbone.k_bits != self.backbone.v_bits:
+      raise ValueError(f"GearShape.backbone: GEAR quantizes K and V with the same bits, got "
+                       f"k_bits={self.backbone.k_bits}, v_bits={self.backbone.v_bits}")
+
+  def __getattr__(self, name):
+    if name == "backbone":   # not set yet (copy / unpickle): no recursion
+      raise AttributeError(name)
+    return getattr(self.backbone, name)
+
+  @property
+  def bits(self) -> int:
+    return self.backbone.k_bits
+
+
+def backbone(batch, capacity, window, n_heads, n_kv_heads, head_dim=128, bits=2, k_group=64,
+             v_group=64, scale_dtype: Optional[str] = "float16") -> kivi_shapes.KiviShape:
+  """GEAR's default backbone problem: KIVI g = 64 at `bits` for K and V, fp16 scales."""
+  return kivi_shapes.KiviShape(batch=batch, capacity=capacity, window=window, n_heads=n_heads,
+                               n_kv_heads=n_kv_heads, head_dim=head_dim, k_bits=bits,
+                               v_bits=bits, k_group=k_group, v_group=v_group,
+                               scale_dtype=scale_dtype)
 
 
 # Tiny problems for the CPU interpreter: MHA H = 64 with key groups of 32 in chunks of 64;
 # GQA 4 H = 128 with chunks of 32 (block_s 32) and ranks 3 / 1.
 TEST_SHAPES = (
-    GearShape(batch=2, capacity=192, window=24, n_heads=2, n_kv_heads=2, head_dim=64,
-              k_group=32, v_group=32),
-    GearShape(batch=2, capacity=128, window=9, n_heads=8, n_kv_heads=2, head_dim=128,
-              k_group=32, v_group=64, chunk=32, prefill_rank=3, chunk_rank=1, key_slots=1,
-              value_slots=2, scale_dtype=None),
+    GearShape(backbone(batch=2, capacity=192, window=24, n_heads=2, n_kv_heads=2, head_dim=64,
+                       k_group=32, v_group=32)),
+    GearShape(backbone(batch=2, capacity=128, window=9, n_heads=8, n_kv_heads=2, head_dim=128,
+                       k_group=32, v_group=64, scale_dtype=None),
+              chunk=32, prefill_rank=3, chunk_rank=1, key_slots=1, value_slots=2),
 )
 
 
@@ -106,7 +116,7 @@ def make_inputs(shape: GearShape, key, q_len=None, w_len=None, n_pchunks=None,
   q_len defaults to the capacity, n_pchunks to half of each sequence's chunks.
   """
   k1, k2 = jax.random.split(key)
-  args = kivi_shapes.make_inputs(shape.kivi(), k1, q_len=q_len, w_len=w_len)
+  args = kivi_shapes.make_inputs(shape.backbone, k1, q_len=q_len, w_len=w_len)
   ql = np.asarray(args[5])
   if n_pchunks is None:
     n_pchunks = ql // shape.chunk // 2

@@ -19,8 +19,7 @@ itself (60-300 us here). The dispatch form costs one small sort.
 
 The kernel's tasks are (request, KV head group) (`triton_plan`: heads packed into the MMA's
 16 query rows), of cost ~ s_kv * sum over the group of (k_h + v_h), each cut into chunks
-along the sequence (one chunk size for all groups by default; `equal_cost_chunks` sizes them
-~ 1 / group width, FDC §5.2's row-block resizing applied to decode's chunks).
+along the sequence (one chunk size for all groups).
 
 Orders (`order`; the kernel's `schedule` knob):
   "lpt"    every chunk by its own cost, valid tokens x group width, longest first;

@@ -15,10 +15,9 @@ Chunks. Task (b, group) reads lengths[b] tokens of w_group = sum_h (k_h + v_h) e
 and is cut along the sequence into chunks. Default: one chunk size for every group,
 n_chunks = ceil(target_chunks / (B * n_groups)) chunks per task at full capacity, so the groups'
 chunks of one (b, token range) read the same cache rows (`lpt`'s "rows" order runs them side
-by side). `equal_cost_chunks=True`: chunk_tokens[group] ~ C / w_group, so full chunks cost the
-same in every group (FDC §5.2's row-block resizing applied to decode's chunks), with at most
-`target_chunks` chunks at full capacity; measured slower on the H200 (results/rotated_kernel.md),
-so it is an option, not the default. Static chunk ids are (b, c, group): id =
+by side). Chunk sizes ~ 1 / group width (FDC §5.2's row-block resizing applied to decode's
+chunks) were measured 1.1-1.2x slower on the H200 and removed (results/rotated_kernel.md;
+git history: commit 1b80474). Static chunk ids are (b, c, group): id =
 (b * n_chunks + c) * n_groups + group, n_chunks the largest group's count; chunks past a row's
 length (or past the capacity, in groups with larger chunks) are empty and write lse = -inf.
 """
@@ -163,8 +162,7 @@ def check_fit(q_shape, k_widths, v_widths, dtype, capacity=None, block_s=DEFAULT
 
 
 def plan(q_shape, capacity, k_widths, v_widths, dtype, *, block_s=DEFAULT_BLOCK_S,
-         target_chunks=None, chunk_tokens=None, group_width=DEFAULT_GROUP_WIDTH,
-         equal_cost_chunks=False) -> RaggedPlan:
+         target_chunks=None, chunk_tokens=None, group_width=DEFAULT_GROUP_WIDTH) -> RaggedPlan:
   """The static plan; ValueError (`check_fit`) for operands the kernel does not take.
 
   Args:
@@ -173,8 +171,7 @@ def plan(q_shape, capacity, k_widths, v_widths, dtype, *, block_s=DEFAULT_BLOCK_
       DEFAULT_TARGET_CHUNKS); chunk_tokens: explicit chunk size for every group, a multiple
       of block_s;
     group_width: key (and value) columns per head group at most (`head_groups`; 16 gives
-      one head per program);
-    equal_cost_chunks: chunk sizes ~ 1 / group width (module docstring).
+      one head per program).
   """
   k_widths, v_widths = tuple(int(w) for w in k_widths), tuple(int(w) for w in v_widths)
   check_fit(q_shape, k_widths, v_widths, dtype, capacity, block_s)
@@ -184,24 +181,12 @@ def plan(q_shape, capacity, k_widths, v_widths, dtype, *, block_s=DEFAULT_BLOCK_
                      f"got {group_width}")
   grps = head_groups(k_widths, v_widths, g, group_width)
   tiles = max(1, math.ceil(capacity / block_s))
-  widths = [sum(k_widths[h] + v_widths[h] for h in grp) for grp in grps]
   if chunk_tokens is None:
     target = DEFAULT_TARGET_CHUNKS if target_chunks is None else int(target_chunks)
     if target < 1:
       raise ValueError(f"triton ragged attention: target_chunks must be >= 1, got {target}")
-    if not equal_cost_chunks:
-      n = max(1, min(math.ceil(target / (b * len(grps))), max(1, tiles // MIN_TILES)))
-      ct = (math.ceil(tiles / n) * block_s,) * len(grps)
-    # Tiles per chunk ~ C / w_group with sum_group B * tiles * w_group / C ~ target chunks;
-    # C grows until the chunks at full capacity are at most `target` (the chunks cost the
-    # same, so a target of k x the SM slots makes k full waves, not k plus a sliver).
-    per_chunk = b * tiles * sum(widths) / target
-    while equal_cost_chunks:
-      ct = tuple(block_s * min(tiles, max(min(MIN_TILES, tiles), round(per_chunk / w)))
-                 for w in widths)
-      if b * sum(math.ceil(capacity / c) for c in ct) <= target or min(ct) >= tiles * block_s:
-        break
-      per_chunk *= 1.02
+    n = max(1, min(math.ceil(target / (b * len(grps))), max(1, tiles // MIN_TILES)))
+    ct = (math.ceil(tiles / n) * block_s,) * len(grps)
   else:
     if int(chunk_tokens) < block_s or int(chunk_tokens) % block_s:
       raise ValueError(f"triton ragged attention: chunk_tokens must be a positive multiple of "

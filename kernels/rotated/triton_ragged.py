@@ -136,14 +136,14 @@ def combine_heads(o, lse, p, out_dtype):
 def ragged_attention_triton(q_rot, k_rot, v_rot, lengths, *, k_widths, v_widths, scale,
                             out_dtype=None, block_s=DEFAULT_BLOCK_S, target_chunks=None,
                             chunk_tokens=None, group_width=DEFAULT_GROUP_WIDTH,
-                            equal_cost_chunks=False, schedule="rows", num_warps=4, num_stages=2,
+                            schedule="rows", num_warps=4, num_stages=2,
                             poison=False, return_partials=False):
   """Same contract as `reference.ragged_attention_reference` (bf16/fp16 caches; the query is
   cast to the cache dtype).
 
   Extra Args:
-    block_s, target_chunks, chunk_tokens, group_width, equal_cost_chunks: chunking and head
-      groups (`triton_plan.plan`).
+    block_s, target_chunks, chunk_tokens, group_width: chunking and head groups
+      (`triton_plan.plan`).
     schedule: launch order of the chunks, one of `lpt.SCHEDULES` ("rows": LPT over row
       tasks, the default; "lpt": chunks longest first; "static": no sort).
     num_warps, num_stages: Triton compile options.
@@ -151,8 +151,7 @@ def ragged_attention_triton(q_rot, k_rot, v_rot, lengths, *, k_widths, v_widths,
     return_partials: also return the raw (o, lse) partials.
   """
   p = plan(q_rot.shape, k_rot.shape[1], k_widths, v_widths, k_rot.dtype, block_s=block_s,
-           target_chunks=target_chunks, chunk_tokens=chunk_tokens, group_width=group_width,
-           equal_cost_chunks=equal_cost_chunks)
+           target_chunks=target_chunks, chunk_tokens=chunk_tokens, group_width=group_width)
   rec = records(p, lengths, schedule)
   o, lse = launch_kernel(q_rot.astype(k_rot.dtype), k_rot, v_rot.astype(k_rot.dtype), rec, p,
                          scale, num_warps=num_warps, num_stages=num_stages, poison=poison)

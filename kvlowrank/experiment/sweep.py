@@ -28,6 +28,8 @@ import logging
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
+import jax
+
 from kvlowrank.experiment import config as config_lib
 from kvlowrank.experiment import evaluate, models, records, report
 from kvlowrank.experiment.spec import from_config
@@ -141,6 +143,12 @@ def run(config, workdir, points: Sequence[dict], *, results_name: str = records.
           if fail_fast:
             raise type(e)(f"sweep point {i} {point!r}: {e}") from e
           error = e
+        finally:
+          # Each point compiles its own model/cache functions; JAX keeps every executable,
+          # and on the CPU each maps its code into the process. A long sweep would grow
+          # towards Linux's vm.max_map_count (65530), where XLA's next compilation
+          # segfaults (seen in one long pytest process), so the caches go between points.
+          jax.clear_caches()
       if error is None:
         done.add(key)
         ran += 1

@@ -239,7 +239,7 @@ def check_rotated():
   from kvlowrank_kernels.rotated.triton_ragged import ragged_attention_triton  # pylint: disable=C0415
   options = (dict(block_s=16),
              dict(block_s=16, chunk_tokens=32, schedule="static", group_width=16),
-             dict(block_s=16, target_chunks=20, equal_cost_chunks=True, group_width=16),
+             dict(block_s=16, target_chunks=20, group_width=16),
              dict(block_s=32, target_chunks=5, schedule="lpt", group_width=64),
              dict(block_s=16, num_stages=1, group_width=128))
   for i, shape in enumerate(rs.TEST_SHAPES):

@@ -190,15 +190,9 @@ def test_plan_groups_and_chunk_sizes():
   common = plan((8, 4, sum(kw)), 16384, kw, vw, jnp.bfloat16, target_chunks=396)
   assert len(set(common.chunk_tokens)) == 1 and common.total_chunks == 8 * 3 * common.n_chunks
   assert common.n_chunks == -(-16384 // common.chunk_tokens[0]) >= 396 // 24
-  p = plan((8, 4, sum(kw)), 16384, kw, vw, jnp.bfloat16, target_chunks=396,
-           equal_cost_chunks=True)
-  assert p.head_groups == head_groups(kw, vw, 4) == ((0, 1, 2), (3, 4), (5, 6, 7))
-  assert all(len(grp) * 4 <= 16 for grp in p.head_groups)
-  cost = np.asarray(p.chunk_tokens) * p.widths()
-  assert cost.max() / cost.min() < 1.1                  # full chunks cost about the same
-  real = sum(8 * -(-16384 // c) for c in p.chunk_tokens)
-  assert real <= 396 and p.total_chunks >= real
-  val, lse = p.output_index()
+  assert common.head_groups == head_groups(kw, vw, 4) == ((0, 1, 2), (3, 4), (5, 6, 7))
+  assert all(len(grp) * 4 <= 16 for grp in common.head_groups)
+  val, lse = common.output_index()
   assert len(set(val.reshape(-1).tolist())) == val.size and len(set(lse.reshape(-1).tolist())) == 32
 
 
