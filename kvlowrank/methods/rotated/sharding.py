@@ -29,7 +29,7 @@ consecutive rounds minimise that sum: let the rounds' maxima be m_1 >= m_2 >= ..
 assignment, and sorted rounds attain every bound with equality. Keys and values are padded
 separately (k and v slot widths); sorting by k_g + v_g is then optimal whenever k and v
 order the heads the same way, and a heuristic otherwise (tests/test_rotated_sharding.py
-checks both cases against brute force over every assignment).
+checks the one-cost and same-order cases against brute force over every assignment).
 `padding_fraction` says what the padding costs.
 """
 
