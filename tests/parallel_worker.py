@@ -181,12 +181,15 @@ def main():
   from kvlowrank.bench import decode  # pylint: disable=import-outside-toplevel
   tiny = ModelSpec(vocab_size=64, dim=64, n_layers=1, n_heads=4, n_kv_heads=4, head_dim=128,
                    ffn_dim=64, max_seq_len=512)
-  res = {m: decode.run(tiny, methods=["dense", "kivi2", "palu50"], configs=[(256, 2)],
-                       steps=1, log=lambda s: None, mesh=m) for m in (None, (1, 2))}
+  res = {m: decode.run(tiny, methods=["dense", "kivi2", "palu50", "fdc50"],
+                       configs=[(256, 2)], steps=1, log=lambda s: None, mesh=m)
+         for m in (None, (1, 2))}
+  fdc_pad = rotated.padding_fraction(
+      decode.random_params(tiny, jax.random.key(0), decode.METHODS["fdc50"]), 2)
   for one, two in zip(res[None]["records"], res[(1, 2)]["records"]):
     emit(case="bench", method=one["method"], one_device=one["cache_device_bytes"],
          per_device=two["cache_device_bytes"], mesh=two["mesh"],
-         table=decode.table(res[(1, 2)]))
+         table=decode.table(res[(1, 2)]), padding=fdc_pad)
   # Clear errors.
   for label, fn in [
       ("heads", lambda: parallel.forward(parallel.make_mesh(1, 3), p,
