@@ -4,6 +4,7 @@ optimality, exactness of the balanced model (permutation + zero padding) with a 
 control, the rotated cache's local/global widths and the one-line errors. The sharded runs
 on 4 simulated devices are in tests/parallel_worker.py."""
 
+import dataclasses
 import functools
 import itertools
 
@@ -13,7 +14,7 @@ import numpy as np
 import pytest
 
 from kvlowrank import parallel
-from kvlowrank.cache import init_caches
+from kvlowrank.cache import base, init_caches
 from kvlowrank.methods import rotated
 from kvlowrank.methods.rotated import sharding
 from kvlowrank.model.transformer import forward
@@ -222,3 +223,40 @@ def test_one_line_errors(case, needle):
                             for lp in p["layers"]])
       init_caches("fdc", rotated.RotatedSpec(), SPEC, old, batch=1, capacity=16)
   assert needle in str(e.value) and "\n" not in str(e.value)
+
+
+def test_kernel_operands_on_balanced_heads():
+  """The decode kernel's path (its jnp reference here: `_attend_kernel` packs q_rot from the
+  per-head rotations and unpacks the [B, G, Σv] output) equals the cache's attention on a
+  balanced layer, globally and on one device's block of heads (`for_spec(local)` with the
+  arrays of its heads); negative control: the other device's arrays give other outputs."""
+  b = rotated.balance(_params(), SPEC, 2)
+  rng = np.random.default_rng(4)
+  x = jnp.asarray(rng.standard_normal((2, 12, SPEC.dim)), jnp.float32)
+  caches = init_caches("fdc", rotated.RotatedSpec(), SPEC, b, batch=2, capacity=16,
+                       dtype=jnp.float32)
+  c, lp = caches[0], b["layers"][0]
+  k = jnp.asarray(rng.standard_normal((2, 12, SPEC.n_kv_heads, SPEC.head_dim)), jnp.float32)
+  pos = jnp.broadcast_to(jnp.arange(12, dtype=jnp.int32), (2, 12))
+  c = c.update(base.AttnInputs(x=x, k=k, k_pre=k, v=k, positions=pos), lp)
+  q = jnp.asarray(rng.standard_normal((2, 1, SPEC.n_heads, SPEC.head_dim)), jnp.float32)
+  qpos = jnp.full((2, 1), 11, jnp.int32)
+  want = c.attend(q, qpos, lp, spec=SPEC, implementation="reference")[0]
+  got = c._attend_kernel(q, qpos, SPEC, "reference")[0]  # pylint: disable=protected-access
+  np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5)
+  local = parallel.local_spec(SPEC, 2)
+  half_k, half_v = c.k_rot.shape[-1] // 2, c.v_rot.shape[-1] // 2
+  outs = []
+  for d in range(2):
+    cd = dataclasses.replace(
+        c, k_rot=c.k_rot[..., d * half_k:(d + 1) * half_k],
+        v_rot=c.v_rot[..., d * half_v:(d + 1) * half_v], rk=c.rk[2 * d:2 * d + 2],
+        bv=c.bv[2 * d:2 * d + 2], v_bias=c.v_bias[d * 128:(d + 1) * 128]).for_spec(local)
+    outs.append(cd._attend_kernel(q[:, :, 4 * d:4 * d + 4], qpos, local, "reference")[0])
+  np.testing.assert_allclose(np.asarray(jnp.concatenate(outs, axis=2)), np.asarray(want),
+                             atol=1e-5)
+  swapped = dataclasses.replace(
+      c, k_rot=c.k_rot[..., half_k:], v_rot=c.v_rot[..., half_v:], rk=c.rk[2:], bv=c.bv[2:],
+      v_bias=c.v_bias[128:]).for_spec(local)
+  bad = swapped._attend_kernel(q[:, :, :4], qpos, local, "reference")[0]
+  assert float(jnp.max(jnp.abs(bad - want[:, :, :4]))) > 1e-2
