@@ -165,6 +165,8 @@ def test_cache_local_and_global_widths():
   local = parallel.local_spec(SPEC, 2)
   [c0, _] = init_caches("fdc", rotated.RotatedSpec(), SPEC, b, batch=1, capacity=16,
                         dtype=jnp.float32)
+  kh, h = SPEC.n_kv_heads, SPEC.head_dim   # the padded per-head weights, as stored
+  assert c0.weights_nbytes() == 4 * (kh * h * 64 + kh * 64 * h + kh * h)
   lc = c0.for_spec(local)
   assert lc.k_widths == (64, 48) and lc.v_widths == (64, 32) and lc.spec == local
   back = lc.for_spec(SPEC)
@@ -260,3 +262,20 @@ def test_kernel_operands_on_balanced_heads():
       v_bias=c.v_bias[128:]).for_spec(local)
   bad = swapped._attend_kernel(q[:, :, :4], qpos, local, "reference")[0]
   assert float(jnp.max(jnp.abs(bad - want[:, :, :4]))) > 1e-2
+
+
+def test_balance_calibrated_zack_model():
+  """A ZACK-compressed model from the real offline path (value bias folded into bo; rate
+  0.45 gives this random model ragged value widths): balanced for 2 and 4 devices, the
+  same logits on one device as unbalanced."""
+  dense = np_init_params(SPEC, seed=0, scale=0.25)
+  toks = np.random.default_rng(0).integers(0, SPEC.vocab_size, (4, 48))
+  rs = rotated.RotatedSpec(rate=0.45, calibration="data")
+  stats = rotated.statistics(dense, SPEC, rs, toks, recipe="zack")
+  cp, layout, _ = rotated.compress(dense, SPEC, rs, stats, "zack")
+  assert any(len(set(w)) > 1 for w in layout.k_widths + layout.v_widths), layout
+  assert sharding.padding_fraction(cp, 2) > 0
+  ref = _run(cp)
+  scale = max(1.0, float(np.max(np.abs(ref[0]))))
+  for tp in (2, 4):
+    assert _diff(ref, _run(rotated.balance(cp, SPEC, tp))) <= 1e-5 * scale
