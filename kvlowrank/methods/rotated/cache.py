@@ -39,8 +39,8 @@ padded as stored).
 Over a tensor-parallel mesh (`kvlowrank.parallel`; `shard_axes`, `for_spec`): K' and V'
 split along their packed channel axis, the weights by KV head, in equal blocks, and one
 traced body serves every device, so every device's heads must have the same widths:
-`sharding.balance` permutes and zero-pads the heads so (it refuses nothing; `for_spec`
-raises a one-line error naming it when the widths do not split). Quantized K'/V'
+`sharding.balance` permutes and zero-pads the heads so that they do, and `for_spec`
+raises a one-line error naming it when they do not. Quantized K'/V'
 (`RotatedSpec.bits`) split over the data axis only: the inner KIVI planar store packs
 channels into bit planes and token blocks across the whole Σk / Σv row, so a device's
 channel block is not a block of the stored arrays; on a model axis > 1 `for_spec` refuses

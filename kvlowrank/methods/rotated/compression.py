@@ -29,7 +29,8 @@ Per-head padded weights (rather than one block-diagonal [K·H, Σk] matrix) spli
 tensor-parallel mesh on their head axis (`kvlowrank.parallel`, `sharding.balance`); the
 cache slices each head's k_g / v_g columns statically, so K', V' and the kernels' operands
 stay packed [.., Σk] without padding. The padded weights cost K·H·(k_max + v_max) values
-per layer instead of H·(Σk + Σv) (`RotatedCache.weights_nbytes` counts them as stored).
+per layer (the block-diagonal matrices they replace: K·H·(Σk + Σv));
+`RotatedCache.weights_nbytes` counts them as stored.
 """
 
 from __future__ import annotations
