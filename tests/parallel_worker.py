@@ -16,6 +16,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 import kvlowrank.methods.palu as palu  # noqa: E402
+from kvlowrank.methods import rotated  # noqa: E402
 from kvlowrank import parallel  # noqa: E402
 from kvlowrank.generate import generate  # noqa: E402
 from kvlowrank.methods import (DenseSpec, GearSpec, KiviSpec, XQuantCLSpec,  # noqa: E402
@@ -23,9 +24,13 @@ from kvlowrank.methods import (DenseSpec, GearSpec, KiviSpec, XQuantCLSpec,  # n
 from kvlowrank.model.params import layer_shapes  # noqa: E402
 from kvlowrank.model.transformer import forward  # noqa: E402
 from kvlowrank.spec import ModelSpec  # noqa: E402
+from rotated_params import ragged_rotated_params  # noqa: E402
 
 SPEC = ModelSpec(vocab_size=64, dim=64, n_layers=2, n_heads=8, n_kv_heads=4, head_dim=16,
                  ffn_dim=48, qkv_bias=True, max_seq_len=64)
+# FDC/ZACK: ragged widths need a head dim of several 16-wide tiles.
+RSPEC = SPEC.replace(head_dim=64)
+R_WIDTHS = (((16, 48, 32, 64), (64, 16, 32, 48)), ((64, 16, 16, 32), (32, 32, 16, 64)))
 MESHES = ((1, 4), (2, 2), (4, 1))
 B, T, STEPS, CAP = 4, 10, 2, 32
 GENERATE_MESH = (2, 2)  # greedy generation is compared on this mesh (forward on all)
@@ -39,6 +44,13 @@ def init_params(spec, seed=0, scale=0.25):
   layers = [dict(lp, bo=mk((spec.dim,))) for lp in layers]
   return {"embed": mk((spec.vocab_size, spec.dim)), "final_norm": jnp.ones(spec.dim),
           "layers": layers, "lm_head": mk((spec.dim, spec.vocab_size))}
+
+
+def rotated_params():
+  """A 2-layer FDC/ZACK-compressed model of ragged widths (random rotations; unbalanced)."""
+  p = init_params(RSPEC, seed=2)
+  return ragged_rotated_params(p, RSPEC, [w[0] for w in R_WIDTHS], [w[1] for w in R_WIDTHS],
+                               seed=3)
 
 
 def methods(params):
@@ -81,16 +93,16 @@ def sharded(params, tok, pos, caches, spec, mesh):
   return parallel.forward(mesh, params, tok, pos, caches, spec)
 
 
-def run(params, method, mspec, mesh=None):
+def run(params, method, mspec, mesh=None, spec=SPEC, place=True):
   """Prefill T tokens then STEPS decode steps → list of fp32 logits arrays."""
   toks, pos = inputs()
-  caches = init_caches(method, mspec, SPEC, params, batch=B, capacity=CAP, dtype=jnp.float32)
-  if mesh is not None:
-    params = parallel.shard_params(params, SPEC, mesh)
+  caches = init_caches(method, mspec, spec, params, batch=B, capacity=CAP, dtype=jnp.float32)
+  if mesh is not None and place:
+    params = parallel.shard_params(params, spec, mesh)
     caches = parallel.shard_caches(caches, mesh)
   out = []
   for lo, hi in [(0, T)] + [(T + i, T + i + 1) for i in range(STEPS)]:
-    args = (params, jnp.asarray(toks[:, lo:hi]), jnp.asarray(pos[:, lo:hi]), caches, SPEC)
+    args = (params, jnp.asarray(toks[:, lo:hi]), jnp.asarray(pos[:, lo:hi]), caches, spec)
     logits, caches = one_device(*args) if mesh is None else sharded(*args, mesh)
     out.append(np.asarray(logits))
   return out
@@ -117,6 +129,44 @@ def main():
                        cache_spec=mspec, eos_ids=(), mesh=mesh).tokens == gen_ref
       emit(case="equal", method=name, mesh=[data, model], max_abs_diff=diff,
            scale=float(np.max(np.abs(ref[0]))), tokens_equal=gen)
+  # FDC (ragged widths): the model balanced for each mesh's model axis (permuted heads,
+  # zero-padded slots) against the unbalanced model on one device.
+  rp = rotated_params()
+  rsp = rotated.RotatedSpec()
+  ref = run(rp, "fdc", rsp, spec=RSPEC)
+  prompts = [[int(t) for t in row[:7 + i]] for i, row in enumerate(inputs()[0])]
+  gen_ref = generate(rp, RSPEC, prompts, max_new_tokens=6, cache_method="fdc",
+                     cache_spec=rsp, eos_ids=()).tokens
+  for data, model in MESHES:
+    mesh = parallel.make_mesh(data, model)
+    bal = rotated.balance(rp, RSPEC, model)
+    got = run(bal, "fdc", rsp, mesh, spec=RSPEC)
+    gen = None
+    if (data, model) == GENERATE_MESH:
+      gen = generate(bal, RSPEC, prompts, max_new_tokens=6, cache_method="fdc",
+                     cache_spec=rsp, eos_ids=(), mesh=mesh).tokens == gen_ref
+    emit(case="equal", method="fdc", mesh=[data, model],
+         max_abs_diff=max(float(np.max(np.abs(a - b))) for a, b in zip(ref, got)),
+         scale=float(np.max(np.abs(ref[0]))), tokens_equal=gen,
+         padding=rotated.padding_fraction(rp, model))
+  # Quantized K'/V': split over the data axis only.
+  qsp = rotated.RotatedSpec(bits=4, group_size=16, residual=0)
+  ref = run(rp, "fdc", qsp, spec=RSPEC)
+  got = run(rp, "fdc", qsp, parallel.make_mesh(4, 1), spec=RSPEC)
+  emit(case="equal_data", method="fdc_4bit", mesh=[4, 1],
+       max_abs_diff=max(float(np.max(np.abs(a - b))) for a, b in zip(ref, got)),
+       scale=float(np.max(np.abs(ref[0]))))
+  rotated_errors = [
+      ("rotated_unbalanced_params", lambda: parallel.shard_params(
+          rp, RSPEC, parallel.make_mesh(1, 2))),
+      ("rotated_unbalanced_forward", lambda: run(rp, "fdc", rsp, parallel.make_mesh(1, 2),
+                                                 spec=RSPEC, place=False)),
+      ("rotated_unbalanced_generate", lambda: generate(
+          rp, RSPEC, prompts, max_new_tokens=2, cache_method="fdc", cache_spec=rsp,
+          mesh=parallel.make_mesh(2, 2))),
+      ("rotated_bits", lambda: run(rotated.balance(rp, RSPEC, 2), "fdc", qsp,
+                                   parallel.make_mesh(1, 2), spec=RSPEC)),
+  ]
   # Negative control: a model whose KV-head blocks are swapped between the two devices
   # (k/v projections rolled by one device's block) must not match.
   p = init_params(SPEC)
@@ -131,12 +181,15 @@ def main():
   from kvlowrank.bench import decode  # pylint: disable=import-outside-toplevel
   tiny = ModelSpec(vocab_size=64, dim=64, n_layers=1, n_heads=4, n_kv_heads=4, head_dim=128,
                    ffn_dim=64, max_seq_len=512)
-  res = {m: decode.run(tiny, methods=["dense", "kivi2", "palu50"], configs=[(256, 2)],
-                       steps=1, log=lambda s: None, mesh=m) for m in (None, (1, 2))}
+  res = {m: decode.run(tiny, methods=["dense", "kivi2", "palu50", "fdc50"],
+                       configs=[(256, 2)], steps=1, log=lambda s: None, mesh=m)
+         for m in (None, (1, 2))}
+  fdc_pad = rotated.padding_fraction(
+      decode.random_params(tiny, jax.random.key(0), decode.METHODS["fdc50"]), 2)
   for one, two in zip(res[None]["records"], res[(1, 2)]["records"]):
     emit(case="bench", method=one["method"], one_device=one["cache_device_bytes"],
          per_device=two["cache_device_bytes"], mesh=two["mesh"],
-         table=decode.table(res[(1, 2)]))
+         table=decode.table(res[(1, 2)]), padding=fdc_pad)
   # Clear errors.
   for label, fn in [
       ("heads", lambda: parallel.forward(parallel.make_mesh(1, 3), p,
@@ -150,7 +203,7 @@ def main():
                                                rank_search="uniform", rank_multiple=8),
                         palu.calibrate(p, SPEC, np.zeros((2, 16), np.int32)))[0], SPEC, 4)),
       ("devices", lambda: parallel.make_mesh(2, 4)),
-  ]:
+  ] + rotated_errors:
     try:
       fn()
       emit(case="error", label=label, message=None)

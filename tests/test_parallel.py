@@ -1,6 +1,8 @@
 """Tensor/data parallel decoding (`kvlowrank.parallel`) on 4 simulated CPU devices: every
 cache's sharded forward (prefill + decode steps) and greedy generation equal one device's,
 on meshes 1x4, 2x2 and 4x1 (data x model), plus a negative control and the one-line errors.
+FDC ("fdc": ragged widths, head dim 64) runs balanced for each mesh's model axis
+(`kvlowrank.methods.rotated.balance`) against the unbalanced model on one device.
 
 The 4 devices need XLA_FLAGS before JAX starts, so the cases run in one subprocess
 (tests/parallel_worker.py) that prints a JSON line per case."""
@@ -15,7 +17,7 @@ import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 METHODS = ("dense", "kivi", "palu", "palu_4bit", "xquant_x", "xquant_latent", "xquant_cl",
-           "gear")
+           "gear", "fdc")
 MESHES = ([1, 4], [2, 2], [4, 1])
 # fp32 models: the row-split products are summed in a different order than one matmul
 # (~1e-6 relative). Quantized caches: a value within that rounding of a quantization
@@ -50,6 +52,17 @@ def test_sharded_equals_one_device(cases, method):
 
 
 @pytest.mark.slow
+def test_fdc_padding_and_quantized_data_parallel(cases):
+  """Balancing pads (the worker's widths need padding at model = 2 and 4, none at 1); the
+  quantized rotated cache splits over the data axis and equals one device."""
+  pad = {tuple(c["mesh"]): c["padding"] for c in cases
+         if c["case"] == "equal" and c["method"] == "fdc"}
+  assert pad[(4, 1)] == 0 and pad[(2, 2)] > 0 and pad[(1, 4)] > 0
+  [c] = [c for c in cases if c["case"] == "equal_data" and c["method"] == "fdc_4bit"]
+  assert c["max_abs_diff"] <= TOL * max(1.0, c["scale"]), c
+
+
+@pytest.mark.slow
 def test_negative_control_swapped_heads(cases):
   [c] = [c for c in cases if c["case"] == "negative"]
   assert c["max_abs_diff"] > 100 * TOL
@@ -61,6 +74,12 @@ def test_negative_control_swapped_heads(cases):
     ("batch", "batch=2 does not split over mesh data=4"),
     ("palu_groups", "a group would straddle devices"),
     ("devices", "needs 8 devices, 4 available"),
+    ("rotated_unbalanced_params", "call kvlowrank.methods.rotated.balance(params, spec, tp=2)"),
+    ("rotated_unbalanced_forward", "call kvlowrank.methods.rotated.balance(params, spec, "
+                                   "tp=2)"),
+    ("rotated_unbalanced_generate", "call kvlowrank.methods.rotated.balance(params, spec, "
+                                    "tp=2)"),
+    ("rotated_bits", "RotatedSpec.bits=4: quantized K'/V' do not split over mesh model=2"),
 ])
 def test_one_line_errors(cases, label, needle):
   [c] = [c for c in cases if c["case"] == "error" and c["label"] == label]
@@ -70,9 +89,13 @@ def test_one_line_errors(cases, label, needle):
 @pytest.mark.slow
 def test_bench_decode_on_a_mesh(cases):
   """Head-split caches: each of 2 devices holds half of one device's cache bytes (but the
-  lengths [B] int32, which every device keeps)."""
+  lengths [B] int32, which every device keeps); FDC's random ragged widths, balanced for
+  the 2 devices, hold half of one device's bytes times 1 + `rotated.padding_fraction`."""
   got = {c["method"]: c for c in cases if c["case"] == "bench"}
-  assert set(got) == {"dense", "KIVI-2", "Palu-50%"}
-  for c in got.values():
-    assert c["mesh"] == [1, 2] and c["per_device"] * 2 - c["one_device"] == 2 * 4, c
+  assert set(got) == {"dense", "KIVI-2", "Palu-50%", "FDC-50%"}
+  for name, c in got.items():
+    pad = c["padding"] if name == "FDC-50%" else 0.0
+    assert c["mesh"] == [1, 2], c
+    assert c["per_device"] * 2 - 2 * 8 == round((c["one_device"] - 8) * (1 + pad)), c
     assert "[1x2]" in c["table"] and "per device" in c["table"]
+  assert got["FDC-50%"]["padding"] > 0

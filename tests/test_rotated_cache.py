@@ -154,7 +154,7 @@ def test_prefill_chunks_and_decode_match_one_prefill():
   full, ref, _ = _step(c0, mk(slice(0, t)), q, lp)
   import kvlowrank.model.attention as attn  # pylint: disable=C0415
   chunked = rotated.cache.ragged_attention
-  q_rot = rotated.cache.rotate_queries(q, full.rk, 2)
+  q_rot = rotated.cache.rotate_queries(q, full.rk, full.k_widths)
   kp, valid = full.slot_positions()
   out_c, _ = jax.jit(functools.partial(chunked, k_widths=(16, 32), v_widths=(32, 16),
                                        scale=32 ** -0.5))(q_rot, full.k_rot, full.v_rot, pos,
@@ -196,7 +196,7 @@ def test_quantized_rotated_cache(bits):
   cu, ou, _ = _step(cu, inputs, q, lp)
   kr, vr = jax.jit(lambda c: c.stored())(cq)
   kp, valid = cq.slot_positions()
-  q_rot = rotated.cache.rotate_queries(q, cq.rk, 2)
+  q_rot = rotated.cache.rotate_queries(q, cq.rk, cq.k_widths)
   oref, lref = jax.jit(functools.partial(
       rotated.cache.ragged_attention, k_widths=(16, 32), v_widths=(32, 16),
       scale=32 ** -0.5))(q_rot, kr, vr, pos, kp, valid)

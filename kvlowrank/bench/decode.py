@@ -34,8 +34,10 @@ device), the step is `parallel.forward` (KV heads split over "model", rows over 
 bytes are per device (device 0's shards) and the largest batch is per mesh; the attention
 split is not measured (None); Palu groups have min(4, K / model) KV heads (a group must not
 straddle devices). XQuant's rows are kept whole on every device of the model axis
-(`XCache.shard_axes`), so its fit check does not divide them. GEAR and FDC/ZACK do not
-declare their shard axes yet: they run on one device.
+(`XCache.shard_axes`), so its fit check does not divide them. FDC/ZACK's random widths are
+balanced for the model axis (`kvlowrank.methods.rotated.sharding.plan`: every device holds
+the same slot widths, each round of `model` heads padded to its widest, so the bytes
+include the padding `rotated.padding_fraction` reports).
 """
 
 from __future__ import annotations
@@ -48,6 +50,7 @@ from typing import Callable, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jax.sharding import NamedSharding
 
@@ -59,6 +62,7 @@ from kvlowrank.cache.base import caches_nbytes, init_caches
 from kvlowrank.methods import DenseSpec, GearSpec, KiviSpec, PaluSpec, XQuantSpec
 from kvlowrank.methods.palu.spec import default_group_size
 from kvlowrank.methods.rotated import RotatedSpec
+from kvlowrank.methods.rotated import sharding as rotated_sharding
 from kvlowrank.model.params import layer_shapes
 from kvlowrank.model.transformer import forward
 from kvlowrank.spec import ModelSpec, RopeScaling
@@ -113,9 +117,10 @@ def _rand(key, shape, dtype=jnp.bfloat16, scale=1.0):
   return x if scale == 1.0 else x * jnp.asarray(scale, x.dtype)
 
 
-def random_params(spec: ModelSpec, key, method: BenchMethod, palu_group: int = PALU_GROUP):
+def random_params(spec: ModelSpec, key, method: BenchMethod, palu_group: int = PALU_GROUP,
+                  tp: int = 1):
   """Random bf16 parameters of the model's shapes (+ Palu factors of the compressed shapes,
-  groups of `palu_group` KV heads at most)."""
+  groups of `palu_group` KV heads at most; FDC/ZACK widths balanced for `tp` devices)."""
   keys = iter(jax.random.split(key, 16 * spec.n_layers + 4))
   layers = []
   std = 0.02 * math.sqrt(3)                    # uniform with std 0.02
@@ -135,28 +140,48 @@ def random_params(spec: ModelSpec, key, method: BenchMethod, palu_group: int = P
                 palu_bv=_rand(next(keys), (g, rv, width), scale=rv ** -0.5),
                 wo=_rand(next(keys), (spec.n_heads * rv, spec.dim), scale=std))
     if method.cache in ("fdc", "zack"):
-      lp.update(_rotated_params(spec, keys, std))
+      lp.update(_rotated_params(spec, keys, std, tp))
     layers.append(lp)
   return {"embed": _rand(next(keys), (spec.vocab_size, spec.dim), scale=std),
           "final_norm": jnp.ones((spec.dim,), jnp.bfloat16), "layers": layers,
           "lm_head": _rand(next(keys), (spec.dim, spec.vocab_size), scale=std)}
 
 
-def rotated_widths(spec: ModelSpec) -> tuple[int, ...]:
+def rotated_widths(spec: ModelSpec, tp: int = 1) -> tuple[int, ...]:
   """FDC/ZACK-50% widths per KV head: H/4, 3H/4, H/2, H/2, ... (multiples of 16, mean H/2
-  for an even head count), so the ragged decode path sees unequal heads."""
+  for an even head count), so the ragged decode path sees unequal heads; for tp > 1 model
+  devices, balanced (the slot widths of `rotated.sharding.plan`, repeated per device; the
+  values are random, so which head sits in which slot does not matter)."""
   h = spec.head_dim
   pattern = (h // 4, 3 * h // 4, h // 2, h // 2)
-  return tuple(max(16, 16 * (pattern[i % 4] // 16)) for i in range(spec.n_kv_heads))
+  w = tuple(max(16, 16 * (pattern[i % 4] // 16)) for i in range(spec.n_kv_heads))
+  return w if tp == 1 else rotated_sharding.plan(w, w, tp)[1] * tp
 
 
-def _rotated_params(spec: ModelSpec, keys, std) -> dict:
-  """Random FDC/ZACK entries of the compressed shapes (`methods.rotated.compression`)."""
-  w = rotated_widths(spec)
+def _with_widths(params, widths):
+  """`params` with FDC/ZACK's per-layer widths [(k, v)] as constants: the rotated cache reads
+  its static widths from rot_kw / rot_vw, which a traced parameter pytree does not carry."""
+  if widths is None:
+    return params
+  return dict(params, layers=[dict(lp, rot_kw=np.asarray(kw), rot_vw=np.asarray(vw))
+                              for lp, (kw, vw) in zip(params["layers"], widths)])
+
+
+def _widths_of(params):
+  """The concrete per-layer (rot_kw, rot_vw) of FDC/ZACK params, None for other methods."""
+  if "rot_kw" not in params["layers"][0]:
+    return None
+  return [(np.asarray(lp["rot_kw"]), np.asarray(lp["rot_vw"])) for lp in params["layers"]]
+
+
+def _rotated_params(spec: ModelSpec, keys, std, tp: int = 1) -> dict:
+  """Random FDC/ZACK entries of the compressed shapes (`methods.rotated.compression`), the
+  widths balanced for `tp` model devices (`rotated_widths`)."""
+  w = rotated_widths(spec, tp)
   kh, h = spec.n_kv_heads, spec.head_dim
-  return dict(rot_rk=_rand(next(keys), (kh * h, sum(w)), scale=h ** -0.5),
+  return dict(rot_rk=_rand(next(keys), (kh, h, max(w)), scale=h ** -0.5),
               rot_av=_rand(next(keys), (spec.dim, sum(w)), scale=std),
-              rot_bv=_rand(next(keys), (sum(w), kh * h), scale=h ** -0.5),
+              rot_bv=_rand(next(keys), (kh, max(w), h), scale=h ** -0.5),
               rot_kw=jnp.asarray(w, jnp.int32), rot_vw=jnp.asarray(w, jnp.int32),
               wo=_rand(next(keys), (spec.n_heads * max(w), spec.dim), scale=std))
 
@@ -222,7 +247,7 @@ def sharded_params(spec: ModelSpec, key, method: BenchMethod, mesh):
   """`random_params` created directly in their shards on the mesh; Palu groups of at most
   K / model KV heads, so that no group straddles devices."""
   tp = mesh.shape[parallel.MODEL]
-  make = lambda k: random_params(spec, k, method, min(PALU_GROUP, spec.n_kv_heads // tp))
+  make = lambda k: random_params(spec, k, method, min(PALU_GROUP, spec.n_kv_heads // tp), tp)
   specs = parallel.param_specs(jax.eval_shape(make, key), spec, tp)
   out = jax.tree.map(lambda s: NamedSharding(mesh, s), specs)
   return jax.jit(make, out_shardings=out)(key)
@@ -231,8 +256,9 @@ def sharded_params(spec: ModelSpec, key, method: BenchMethod, mesh):
 def sharded_caches(method: BenchMethod, spec: ModelSpec, params, *, batch: int,
                    capacity: int, mesh):
   """Empty caches created directly in their shards on the mesh."""
-  make = lambda p: init_caches(method.cache, method.spec, spec, p, batch=batch,
-                               capacity=capacity, dtype=jnp.bfloat16)
+  widths = _widths_of(params)
+  make = lambda p: init_caches(method.cache, method.spec, spec, _with_widths(p, widths),
+                               batch=batch, capacity=capacity, dtype=jnp.bfloat16)
   specs = parallel.cache_specs(jax.eval_shape(make, params))
   out = jax.tree.map(lambda s: NamedSharding(mesh, s), specs)
   return jax.jit(make, out_shardings=out)(params)
@@ -352,8 +378,12 @@ def bytes_per_token(spec: ModelSpec, params, method: BenchMethod, probe: int = 2
                          dtype=jnp.bfloat16)
     return array_bytes(caches) / probe
   group = min(PALU_GROUP, spec.n_kv_heads // tp)
+  widths = None
+  if method.cache in ("fdc", "zack"):
+    widths = [(rotated_widths(spec, tp),) * 2] * spec.n_layers
   abstract = jax.eval_shape(lambda k: init_caches(
-      method.cache, method.spec, spec, random_params(spec, k, method, group), batch=1,
+      method.cache, method.spec, spec,
+      _with_widths(random_params(spec, k, method, group, tp), widths), batch=1,
       capacity=probe, dtype=jnp.bfloat16), jax.random.key(0))
   total = 0
   for c, cs in zip(abstract, parallel.cache_specs(abstract)):

@@ -9,7 +9,9 @@ spec (`local_spec`) and shards: each device's caches are ordinary caches over it
 heads, so every method's decode kernel runs unchanged on its shard; the row-split products
 are summed with `psum` over "model". `shard_params` / `shard_caches` place a model and its
 caches (`param_specs` / `cache_specs` say how each array splits; a cache declares its head
-axes with `KVCache.shard_axes`).
+axes with `KVCache.shard_axes`). FDC/ZACK's ragged KV heads must first be balanced for the
+model axis (`kvlowrank.methods.rotated.balance`: heads permuted and zero-padded so every
+device holds the same widths).
 """
 
 from kvlowrank.parallel.mesh import DATA, MODEL, check_layout, local_spec, make_mesh

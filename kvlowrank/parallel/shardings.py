@@ -1,10 +1,15 @@
 """How a model's parameters and caches split over a (data, model) mesh.
 
-Parameters: q/k/v projections (and their biases), gate/up and Palu's down-projections
-`palu_ak`/`palu_av` are split by output column blocks; W_o and w_down by input row blocks;
-Palu's per-group reconstructions `palu_bk`/`palu_bv` by group; the embedding table and LM
-head by vocabulary; norms and the output bias are replicated. Every block is head-major, so
-device d holds KV heads [d K/tp, (d + 1) K/tp) and their query heads, with their latents.
+Parameters: q/k/v projections (and their biases), gate/up, Palu's down-projections
+`palu_ak`/`palu_av` and FDC/ZACK's value down-projections `rot_av` are split by output
+column blocks; W_o and w_down by input row blocks; Palu's per-group reconstructions
+`palu_bk`/`palu_bv` by group, FDC/ZACK's per-head rotations `rot_rk`/`rot_bv` and widths
+`rot_kw`/`rot_vw` by KV head; the embedding table and LM head by vocabulary; norms and the
+output bias are replicated. Every block is head-major, so device d holds KV heads
+[d K/tp, (d + 1) K/tp) and their query heads, with their latents. FDC/ZACK's ragged heads
+split in equal blocks only once balanced (`kvlowrank.methods.rotated.balance`: heads
+permuted and zero-padded so every device holds the same widths); `shard_params` and the
+rotated cache refuse unbalanced ones with a one-line error naming it.
 The embedding and LM head are split over the vocabulary rather than replicated: replicated,
 every device would read the whole LM head at every decode step (1 GiB for Llama-3-8B,
 2 GiB for the 70B shapes), which does not shrink with the number of devices.
@@ -22,11 +27,13 @@ from typing import Optional
 import jax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from kvlowrank.methods.rotated import sharding as rotated_sharding
 from kvlowrank.parallel.mesh import DATA, MODEL, check_layout
 from kvlowrank.spec import ModelSpec
 
-COLUMN = ("wq", "wk", "wv", "w_gate", "w_up", "palu_ak", "palu_av")  # split axis 1
-ROW = ("wo", "w_down", "bq", "bk", "bv", "palu_bk", "palu_bv")       # split axis 0
+COLUMN = ("wq", "wk", "wv", "w_gate", "w_up", "palu_ak", "palu_av", "rot_av")  # axis 1
+ROW = ("wo", "w_down", "bq", "bk", "bv", "palu_bk", "palu_bv", "rot_rk", "rot_bv",
+       "rot_kw", "rot_vw")                                                     # axis 0
 REPLICATED = ("attn_norm", "mlp_norm", "bo")
 
 
@@ -106,8 +113,11 @@ def _place(tree, specs, mesh):
 
 
 def shard_params(params, spec: ModelSpec, mesh):
-  """Places a parameter pytree on the mesh (after `check_layout`)."""
+  """Places a parameter pytree on the mesh (after `check_layout`; FDC/ZACK params must be
+  balanced for the mesh's model axis)."""
   check_layout(spec, mesh)
+  if "rot_kw" in params["layers"][0]:
+    rotated_sharding.check_balanced(params, mesh.shape[MODEL])
   return jax.tree.map(lambda a, s: jax.device_put(a, NamedSharding(mesh, s)), params,
                       param_specs(params, spec, mesh.shape[MODEL]))
 

@@ -10,13 +10,15 @@ Typical use::
 spec.py: RotatedSpec and the widths layout; widths.py: Eq. 1 kept widths, rounding,
 allocation; calibration.py: Q-K / V Grams and rotations; compression.py: value factors (FDC via
 Palu's decomposition, ZACK's [V; W_O] rotation), folds; cache.py: the rotated cache;
-search.py: binary search of the removal rate; method.py: registration.
+search.py: binary search of the removal rate; sharding.py: balancing ragged heads over a
+tensor-parallel mesh (`balance`, `padding_fraction`); method.py: registration.
 """
 
 from kvlowrank.methods.rotated.spec import (RotatedLayout, RotatedSpec, layout_from_params)
 from kvlowrank.methods.rotated.compression import (Factors, RotatedCalibration, compress,
                                                 factorise, plan_layout)
 from kvlowrank.methods.rotated.cache import RotatedCache
+from kvlowrank.methods.rotated.sharding import balance, padding_fraction
 from kvlowrank.methods.rotated.method import statistics
 from kvlowrank.methods.rotated.search import (SearchResult, binary_search_rate,
                                               search_model_rate)

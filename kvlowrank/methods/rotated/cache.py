@@ -5,7 +5,12 @@ Storage (per layer; the contract shared with the ragged decode kernel, kernels/r
   k_rot [B, S, Σk] cache dtype: K'_g = RoPE(K_g) R_g[:, :k_g] for every KV head g, heads
         concatenated along the last axis (head g at offset Σ_{<g} k), no padding;
   v_rot [B, S, Σv]: V'_g = x A_g[:, :v_g] (FDC: Palu's latent; ZACK: V_g R_v[:, :v_g]);
-  lens [B] int32; k_widths / v_widths: static tuples (pytree metadata).
+  lens [B] int32; k_widths / v_widths: static tuples (pytree metadata);
+  rk [K, H, k_max] / bv [K, v_max, H]: the layer's per-head rotations and reconstructions
+        (`compression`), kept beside the storage; head g's first k_g columns / v_g rows are
+        real, the rest zero. Queries and keys are rotated through all k_max columns and
+        head g's k_g are sliced out statically and packed (`pack`), so K', V' and the
+        kernel operands never carry the padding.
 With `bits` set the same two arrays are stored quantized instead, KIVI-style (K' per channel
 in groups of G tokens, V' per token in groups of G channels, the last R tokens exact), by
 an inner KIVI cache (`kvlowrank.methods.kivi.cache.KiviCache` over one "head" of width Σk
@@ -28,7 +33,18 @@ prefill, quantized K'/V', widths the kernel refuses) runs this jnp reference, th
 logged once (`cache.dispatch`).
 
 `nbytes()` counts what grows with the cache (k_rot, v_rot or the quantized store and its
-exact window, lengths); the rotations and reconstructions are weights (`weights_nbytes`).
+exact window, lengths); the rotations and reconstructions are weights (`weights_nbytes`,
+padded as stored).
+
+Over a tensor-parallel mesh (`kvlowrank.parallel`; `shard_axes`, `for_spec`): K' and V'
+split along their packed channel axis, the weights by KV head, in equal blocks, and one
+traced body serves every device, so every device's heads must have the same widths:
+`sharding.balance` permutes and zero-pads the heads so that they do, and `for_spec`
+raises a one-line error naming it when they do not. Quantized K'/V'
+(`RotatedSpec.bits`) split over the data axis only: the inner KIVI planar store packs
+channels into bit planes and token blocks across the whole Σk / Σv row, so a device's
+channel block is not a block of the stored arrays; on a model axis > 1 `for_spec` refuses
+with a one-line error naming RotatedSpec.bits.
 """
 
 from __future__ import annotations
@@ -42,6 +58,7 @@ import jax.numpy as jnp
 
 from kvlowrank.cache import base, dispatch
 from kvlowrank.methods.kivi.cache import KiviCache, KiviSpec
+from kvlowrank.methods.rotated import sharding
 from kvlowrank.methods.rotated.spec import RotatedSpec, layout_from_params
 from kvlowrank.model.attention import combine, dot_product_attention
 from kvlowrank.spec import ModelSpec
@@ -65,14 +82,26 @@ def offsets(widths) -> tuple[int, ...]:
   return tuple(out)
 
 
-def rotate_queries(q, rk, n_kv_heads: int):
+def pack(x, widths):
+  """[..., K, W] → [..., Σw]: head g's first widths[g] columns, heads concatenated."""
+  return jnp.concatenate([x[..., g, :w] for g, w in enumerate(widths)], axis=-1)
+
+
+def unpack(x, widths, width: int):
+  """[..., Σw] → [..., K, width]: head g's packed slice, zero-padded to `width`."""
+  pad = [(0, 0)] * (x.ndim - 1)
+  return jnp.stack([jnp.pad(x[..., o:o + w], pad + [(0, width - w)])
+                    for o, w in zip(offsets(widths), widths)], axis=-2)
+
+
+def rotate_queries(q, rk, k_widths):
   """q [B, T, N, H] (RoPE applied) → q_rot [B, T, G, Σk] fp32 (query n = g_kv·G + g sits
-  at [.., g, off_{g_kv}:...]), through the block-diagonal rotation rk [K·H, Σk]."""
+  at [.., g, off_{g_kv}:...]), through the per-head rotations rk [K, H, k_max]."""
   b, t, n, h = q.shape
-  g = n // n_kv_heads
-  qg = q.astype(jnp.float32).reshape(b, t, n_kv_heads, g, h).transpose(0, 1, 3, 2, 4)
-  return jnp.einsum("btgc,cw->btgw", qg.reshape(b, t, g, n_kv_heads * h),
-                    rk.astype(jnp.float32), precision=_HI)
+  kh = len(k_widths)
+  qg = q.astype(jnp.float32).reshape(b, t, kh, n // kh, h)
+  qr = jnp.einsum("btkgh,khw->btgkw", qg, rk.astype(jnp.float32), precision=_HI)
+  return pack(qr, k_widths)
 
 
 def ragged_attention(q_rot, k_rot, v_rot, q_pos, k_pos, k_valid, *, k_widths, v_widths,
@@ -112,8 +141,8 @@ class RotatedCache(base.KVCache):
   v_rot: Optional[jax.Array]    # [B, S, Σv]
   quant: Optional[Any]          # inner KiviCache holding K', V' quantized (bits set)
   lens: jax.Array               # [B] int32
-  rk: jax.Array                 # [K·H, Σk] block-diagonal key rotations (weights)
-  bv: jax.Array                 # [Σv, K·H] value reconstructions (materialize only)
+  rk: jax.Array                 # [K, H, k_max] key rotations per head (weights)
+  bv: jax.Array                 # [K, v_max, H] value reconstructions (materialize only)
   v_bias: Optional[jax.Array]   # [K·H] (materialize only; folded into bo for attention)
   spec: ModelSpec = base.static_field()
   k_widths: tuple = base.static_field(default=())
@@ -127,6 +156,10 @@ class RotatedCache(base.KVCache):
            dtype=jnp.bfloat16, rspec: Optional[RotatedSpec] = None):
     """Empty cache for one compressed layer `lp` (needs rot_rk, rot_bv, rot_kw, rot_vw)."""
     rspec = RotatedSpec() if rspec is None else rspec
+    if lp["rot_rk"].ndim != 3:
+      raise ValueError(f"params 'rot_rk' of shape {tuple(lp['rot_rk'].shape)} is the old "
+                       f"block-diagonal layout: re-run the FDC/ZACK compression (per-head "
+                       f"rot_rk [K, H, k_max])")
     kw = tuple(int(x) for x in jax.device_get(lp["rot_kw"]))
     vw = tuple(int(x) for x in jax.device_get(lp["rot_vw"]))
     own = lambda a: None if a is None else jnp.array(a, copy=True)
@@ -147,6 +180,33 @@ class RotatedCache(base.KVCache):
 
   # -- protocol -------------------------------------------------------------
 
+  def shard_axes(self) -> dict:
+    """K' / V' split along their packed channels (device-major heads, equal blocks once
+    `sharding.balance`d), the per-head weights by KV head; the quantized store (`bits`) by
+    batch row only (module docstring)."""
+    return {".k_rot": (0, 2), ".v_rot": (0, 2), ".quant": (0, None), ".lens": (0, None),
+            ".rk": (None, 0), ".bv": (None, 0), ".v_bias": (None, 0)}
+
+  def for_spec(self, spec: ModelSpec) -> "RotatedCache":
+    """This cache with `spec` and the widths of its heads: a device's block of the global
+    heads (every device's must be equal: `sharding.balance`) or, back, the global heads."""
+    n, m = len(self.k_widths), spec.n_kv_heads
+    if m == n:
+      return dataclasses.replace(self, spec=spec)
+    if m > n:                          # local → global: every device holds the same widths
+      tp = m // n
+      return dataclasses.replace(self, spec=spec, k_widths=self.k_widths * tp,
+                                 v_widths=self.v_widths * tp)
+    tp = n // m
+    if self.quant is not None:
+      raise ValueError(f"RotatedSpec.bits={self.quant.k_bits}: quantized K'/V' do not split "
+                       f"over mesh model={tp} devices (the KIVI planar store packs channels "
+                       f"across devices' blocks); use bits=None or a mesh with model=1")
+    if why := sharding.unbalanced(self.k_widths, self.v_widths, tp):
+      raise ValueError(why)
+    return dataclasses.replace(self, spec=spec, k_widths=self.k_widths[:m],
+                               v_widths=self.v_widths[:m])
+
   @property
   def capacity(self) -> int:
     return self.quant.capacity if self.quant is not None else self.k_rot.shape[1]
@@ -161,9 +221,9 @@ class RotatedCache(base.KVCache):
 
   def rotate_keys(self, k):
     """Post-RoPE keys [B, T, K, H] → K' [B, T, Σk] fp32."""
-    b, t = k.shape[:2]
-    return jnp.einsum("btc,cw->btw", k.astype(jnp.float32).reshape(b, t, -1),
-                      self.rk.astype(jnp.float32), precision=_HI)
+    kr = jnp.einsum("btkh,khw->btkw", k.astype(jnp.float32), self.rk.astype(jnp.float32),
+                    precision=_HI)
+    return pack(kr, self.k_widths)
 
   def update(self, inputs: base.AttnInputs, lp):
     pos = inputs.positions
@@ -191,22 +251,21 @@ class RotatedCache(base.KVCache):
   def _attend_kernel(self, q, q_positions, spec: ModelSpec, impl: str):
     """One decode query per row through the ragged kernel: (out [B,1,N,v_max], lse)."""
     b, _, n, _ = q.shape
-    kh, g, vmax = len(self.k_widths), n // len(self.k_widths), max(self.v_widths)
-    q_rot = rotate_queries(q, self.rk, kh)[:, 0].astype(self.k_rot.dtype)   # [B, G, Σk]
+    vmax = max(self.v_widths)
+    q_rot = rotate_queries(q, self.rk, self.k_widths)[:, 0].astype(self.k_rot.dtype)
     out, lse = _kernel_attention(q_rot, self.k_rot, self.v_rot, self.lens,
                                  k_widths=self.k_widths, v_widths=self.v_widths,
                                  scale=spec.head_dim ** -0.5, out_dtype=q.dtype,
                                  implementation=impl)                # [B, G, Σv], [B, K, G]
-    heads = [jnp.pad(out[..., vo:vo + vw], ((0, 0), (0, 0), (0, vmax - vw)))
-             for vo, vw in zip(offsets(self.v_widths), self.v_widths)]
-    out = jnp.stack(heads, axis=1).reshape(b, 1, n, vmax)            # head n = h·G + g
+    heads = unpack(out, self.v_widths, vmax).swapaxes(1, 2)          # [B, K, G, v_max]
+    out = heads.reshape(b, 1, n, vmax)                               # head n = h·G + g
     return base.mask_padding_queries(out, lse.reshape(b, 1, n), q_positions, q.dtype)
 
   def attend(self, q, q_positions, lp, *, spec: ModelSpec, implementation=None):
     impl = self.decode_implementation(q.shape, implementation)
     if impl != dispatch.REFERENCE:
       return self._attend_kernel(q, q_positions, spec, impl)
-    q_rot = rotate_queries(q, self.rk, spec.n_kv_heads)
+    q_rot = rotate_queries(q, self.rk, self.k_widths)
     kw = dict(k_widths=self.k_widths, v_widths=self.v_widths, scale=spec.head_dim ** -0.5,
               sliding_window=spec.sliding_window)
     if self.quant is None:
@@ -238,14 +297,14 @@ class RotatedCache(base.KVCache):
   def materialize(self):
     """(k [B,S,K,H] = K' R_pᵀ (post-RoPE, projected), v [B,S,K,H] = V' B (+ bias), valid)."""
     kr, vr = self.stored()
-    b, s = kr.shape[:2]
-    shape = (b, s, self.spec.n_kv_heads, self.spec.head_dim)
-    k = jnp.einsum("bsw,cw->bsc", kr, self.rk.astype(jnp.float32), precision=_HI)
-    v = jnp.einsum("bsw,wc->bsc", vr, self.bv.astype(jnp.float32), precision=_HI)
+    k = jnp.einsum("bskw,khw->bskh", unpack(kr, self.k_widths, self.rk.shape[-1]),
+                   self.rk.astype(jnp.float32), precision=_HI)
+    v = jnp.einsum("bskw,kwh->bskh", unpack(vr, self.v_widths, self.bv.shape[1]),
+                   self.bv.astype(jnp.float32), precision=_HI)
     if self.v_bias is not None:
-      v = v + self.v_bias.astype(jnp.float32)
+      v = v + self.v_bias.astype(jnp.float32).reshape(v.shape[2:])
     _, valid = self.slot_positions()
-    return k.reshape(shape), v.reshape(shape), valid
+    return k, v, valid
 
   def nbytes(self) -> int:
     """Bytes of per-sequence storage: K', V' (or the quantized store + window), lengths."""
@@ -253,6 +312,7 @@ class RotatedCache(base.KVCache):
     return int(sum(x.size * x.dtype.itemsize for x in leaves))
 
   def weights_nbytes(self) -> int:
+    """Bytes of the weights kept beside the storage, as stored (rk / bv padded per head)."""
     leaves = jax.tree.leaves((self.rk, self.bv, self.v_bias))
     return int(sum(x.size * x.dtype.itemsize for x in leaves))
 

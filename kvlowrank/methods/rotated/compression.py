@@ -19,11 +19,18 @@ value space, zero-padded to v_max = max over the layer's KV heads of v_g, so the
 out.reshape(B, T, N·v_max) @ W_O' works unchanged; the folded W_O' is [N·v_max, D] with
 zero rows in each head's padding (the padding is in the transient output, never stored).
 
-Each compressed layer dict gains
-  rot_rk [K·H, ΣK] block-diagonal key rotations (head g's rows g·H.., columns off_g..),
-  rot_av [D, ΣV] value down-projections, rot_bv [ΣV, K·H] block-diagonal reconstructions
-  (materialize only), rot_kw / rot_vw int32 [K] widths,
+Each compressed layer dict gains (K = KV heads, k_max / v_max = the layer's widest head)
+  rot_rk [K, H, k_max] key rotations per KV head (head g's first k_g columns R_g[:, :k_g],
+    the rest zero), rot_av [D, ΣV] value down-projections (heads concatenated, no padding),
+  rot_bv [K, v_max, H] value reconstructions per KV head (first v_g rows B_g[:v_g], the rest
+    zero; materialize only), rot_kw / rot_vw int32 [K] widths,
 and `wo` is replaced by the folded [N·v_max, D] matrix (value bias folded into `bo`).
+Per-head padded weights (rather than one block-diagonal [K·H, Σk] matrix) split over a
+tensor-parallel mesh on their head axis (`kvlowrank.parallel`, `sharding.balance`); the
+cache slices each head's k_g / v_g columns statically, so K', V' and the kernels' operands
+stay packed [.., Σk] without padding. The padded weights cost K·H·(k_max + v_max) values
+per layer (the block-diagonal matrices they replace: K·H·(Σk + Σv));
+`RotatedCache.weights_nbytes` counts them as stored.
 """
 
 from __future__ import annotations
@@ -121,18 +128,15 @@ def plan_layout(spec: ModelSpec, rspec: RotatedSpec, factors: Factors):
   return RotatedLayout(head_dim=spec.head_dim, k_widths=to_t(kw), v_widths=to_t(vw)), rate
 
 
-def block_diagonal(blocks, rows_per_block: int, transpose: bool = False) -> np.ndarray:
-  """[K·rows, Σ cols] with block g = blocks[g] (rows g·rows.., columns Σ_{<g} cols..);
-  transpose=True gives the transposed layout [Σ rows, K·cols] of blocks [w_g, cols]."""
-  if transpose:
-    return block_diagonal([b.T for b in blocks], rows_per_block).T
-  total = sum(b.shape[1] for b in blocks)
-  out = np.zeros((len(blocks) * rows_per_block, total))
-  off = 0
-  for g, b in enumerate(blocks):
-    out[g * rows_per_block:(g + 1) * rows_per_block, off:off + b.shape[1]] = b
-    off += b.shape[1]
-  return out
+def pad_heads(blocks, axis: int) -> np.ndarray:
+  """Stacks per-head blocks, zero-padded along `axis` (of a block) to the widest: [K, ...]."""
+  width = max(b.shape[axis] for b in blocks)
+  out = []
+  for b in blocks:
+    pad = [(0, 0)] * b.ndim
+    pad[axis] = (0, width - b.shape[axis])
+    out.append(np.pad(b, pad))
+  return np.stack(out)
 
 
 def fold_wo(bv_blocks, wo, spec: ModelSpec) -> np.ndarray:
@@ -151,15 +155,14 @@ def compress_layer(lp: dict, spec: ModelSpec, factors: Factors, i: int, k_widths
                    v_widths) -> dict:
   """One layer's rotated entries and folded W_O (module docstring); weights' dtype."""
   dtype = lp["wk"].dtype
-  h = spec.head_dim
   rk = [factors.rk[i, g][:, :w] for g, w in enumerate(k_widths)]
   av = [factors.av[i, g][:, :w] for g, w in enumerate(v_widths)]
   bv = [factors.bv[i, g][:w] for g, w in enumerate(v_widths)]
   wo = np.asarray(lp["wo"], np.float64)
   out = dict(lp)
-  out.update(rot_rk=jnp.asarray(block_diagonal(rk, h), dtype),
+  out.update(rot_rk=jnp.asarray(pad_heads(rk, 1), dtype),
              rot_av=jnp.asarray(np.concatenate(av, axis=1), dtype),
-             rot_bv=jnp.asarray(block_diagonal(bv, h, transpose=True), dtype),
+             rot_bv=jnp.asarray(pad_heads(bv, 0), dtype),
              rot_kw=jnp.asarray(np.asarray(k_widths), jnp.int32),
              rot_vw=jnp.asarray(np.asarray(v_widths), jnp.int32),
              wo=jnp.asarray(fold_wo(bv, wo, spec), dtype))
