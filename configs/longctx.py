@@ -16,12 +16,13 @@ at the end.
 Methods (get_sweep): dense (bf16), KIVI-2 and KIVI-4 (G = 32, R = 128: the last 128
 tokens stay exact, so depth 100% sits in KIVI's exact window), Palu-50% (G-LRD, Fisher
 ranks, whitened SVD, bf16 latents; calibrated on WikiText-2 validation, cached in the
-workdir) and XQuant-2 (GQA latent path, groups of 64), as in configs/main.py. Any
+workdir), XQuant-2 (GQA latent path, groups of 64) and GEAR-2 (2-bit KIVI backbone, s = 2 %,
+ranks 4 / 2), as in configs/main.py. Any
 other registered method (kvlowrank.methods, e.g. one that lands later) runs with
 `:methods=dense+<name>` at its spec's defaults (or add its section below and a point
 to _METHODS).
 
-Args after `:`: model, methods ("" = the five above; else "+"-joined labels of
+Args after `:`: model, methods ("" = the six above; else "+"-joined labels of
 _METHODS or registered method names), tasks (passkey+needle, +longbench, +ruler; joined by "+"),
 samples (prompts per cell), cpu (the sizing measured on the shared 2-core CPU box:
 depths 0/50/100% at 1K, 50% at 2K, 4K and 8K, passkey only at 8K; 1 prompt per
@@ -44,6 +45,9 @@ _METHODS = [
     {"method": "kivi", "kivi.bits": 4, "longctx.label": "KIVI-4"},
     {"method": "palu", "longctx.label": "Palu-50%"},
     {"method": "xquant", "xquant.bits": 2, "longctx.label": "XQuant-2"},
+    # GEAR-2 at GearSpec's defaults (configs/main.py's GEAR-2: 2-bit KIVI backbone,
+    # g = n_b = 64, s = 2 %, r_p = 4, r_g = 2); no section, so no other point's key changes.
+    {"method": "gear", "longctx.label": "GEAR-2"},
 ]
 
 
