@@ -46,11 +46,7 @@ def main(argv):
   print(f"longctx: {summary['ran']} prompts run, {summary['skipped']} already finished")
   print(f"results:  {summary['results']}")
   if "markdown" in summary:
-    print(f"table:    {summary['markdown']}")
-    for p in summary["plots"]:
-      print(f"plot:     {p}")
-    with open(summary["markdown"]) as f:
-      print(f.read())
+    cli.print_report(summary)
 
 
 if __name__ == "__main__":

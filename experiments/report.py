@@ -22,11 +22,7 @@ def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
   paths = report.write(_WORKDIR.value, out_dir=_OUT.value)
-  print(f"table: {paths['markdown']}")
-  for p in paths["plots"]:
-    print(f"plot:  {p}")
-  with open(paths["markdown"]) as f:
-    print(f.read())
+  cli.print_report(paths)
 
 
 if __name__ == "__main__":

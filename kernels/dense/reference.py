@@ -29,6 +29,20 @@ def check_shapes(q, k, v, lengths):
     raise ValueError(f"lengths must be [B]={b}, got shape {lengths.shape}")
 
 
+def masked_softmax(scores, valid):
+  """Softmax over the last axis of fp32 `scores` where `valid` (broadcastable): (p, lse),
+  lse keeping the reduced axis (size 1); a row with no valid key gets p = 0, lse = -inf.
+  The jnp references of every decode kernel normalise their scores through this."""
+  scores = jnp.where(valid, scores, -jnp.inf)
+  m = jnp.max(scores, axis=-1, keepdims=True)
+  m_safe = jnp.where(jnp.isfinite(m), m, 0.0)
+  e = jnp.where(valid, jnp.exp(scores - m_safe), 0.0)
+  z = jnp.sum(e, axis=-1, keepdims=True)
+  p = e / jnp.where(z > 0, z, 1.0)
+  lse = jnp.where(z > 0, m_safe + jnp.log(jnp.where(z > 0, z, 1.0)), -jnp.inf)
+  return p, lse
+
+
 def decode_attention_reference(q, k, v, lengths, *, scale=None, out_dtype=None):
   """Decode attention in float32 (HIGHEST precision).
 
@@ -49,14 +63,8 @@ def decode_attention_reference(q, k, v, lengths, *, scale=None, out_dtype=None):
   scores = jnp.einsum("bkgh,bskh->bkgs", qf, k.astype(jnp.float32),
                       precision=jax.lax.Precision.HIGHEST) * scale
   valid = (jnp.arange(s)[None, :] < lengths[:, None])[:, None, None, :]
-  scores = jnp.where(valid, scores, -jnp.inf)
-  m = jnp.max(scores, axis=-1, keepdims=True)
-  m_safe = jnp.where(jnp.isfinite(m), m, 0.0)
-  e = jnp.where(valid, jnp.exp(scores - m_safe), 0.0)
-  z = jnp.sum(e, axis=-1, keepdims=True)
-  p = e / jnp.where(z > 0, z, 1.0)
+  p, lse = masked_softmax(scores, valid)
   out = jnp.einsum("bkgs,bskv->bkgv", p, v.astype(jnp.float32),
                    precision=jax.lax.Precision.HIGHEST)
-  lse = jnp.where(z > 0, m_safe + jnp.log(jnp.where(z > 0, z, 1.0)), -jnp.inf)
   return (out.reshape(b, n, v.shape[-1]).astype(out_dtype or q.dtype),
           lse.reshape(b, n))

@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 
 from ..common.splitk import combine_partials
-from ..dense.reference import decode_attention_reference
+from ..dense.reference import decode_attention_reference, masked_softmax
 from ..kivi.planar import KiviKeys, KiviValues, dequantize_keys, dequantize_values
 from ..kivi.reference import check_shapes
 from .operands import GearLowRank, GearSparseKeys, GearSparseValues, check_operands
@@ -121,16 +121,10 @@ def gear_attention_reference(q, keys: KiviKeys, values: KiviValues, k_win, v_win
     scores = scores + lowrank_scores(qf, lowrank)
   scores = scores * scale
   valid = (jnp.arange(s)[None, :] < q_len[:, None])[:, None, None, :]
-  scores = jnp.where(valid, scores, -jnp.inf)
-  m = jnp.max(scores, axis=-1, keepdims=True)
-  m_safe = jnp.where(jnp.isfinite(m), m, 0.0)
-  e = jnp.where(valid, jnp.exp(scores - m_safe), 0.0)
-  z = jnp.sum(e, axis=-1, keepdims=True)
-  p = e / jnp.where(z > 0, z, 1.0)
+  p, l1 = masked_softmax(scores, valid)
   o1 = jnp.einsum("bkgs,bskh->bkgh", p, vf, precision=HI)
   if lowrank is not None:
     o1 = o1 + lowrank_values(p, lowrank)
-  l1 = jnp.where(z > 0, m_safe + jnp.log(jnp.where(z > 0, z, 1.0)), -jnp.inf)
   o1, l1 = o1.reshape(b, n, h), l1.reshape(b, n)
   o2, l2 = decode_attention_reference(q, k_win, v_win, w_len, scale=scale, out_dtype=jnp.float32)
   return combine_partials(jnp.stack([o1, o2], axis=-2), jnp.stack([l1, l2], axis=-1),

@@ -19,6 +19,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from ..dense.reference import masked_softmax
+
 
 def offsets(widths):
   """Start of each head's slice of a packed axis: (0, w0, w0 + w1, ...)."""
@@ -84,13 +86,8 @@ def ragged_attention_reference(q_rot, k_rot, v_rot, lengths, *, k_widths, v_widt
     kh = k_rot[..., ko:ko + kw].astype(jnp.float32)
     vh = v_rot[..., vo:vo + vw].astype(jnp.float32)
     scores = jnp.einsum("bgd,bsd->bgs", qh, kh, precision=hi) * scale
-    scores = jnp.where(valid, scores, -jnp.inf)
-    m = jnp.max(scores, axis=-1, keepdims=True)
-    m_safe = jnp.where(jnp.isfinite(m), m, 0.0)
-    e = jnp.where(valid, jnp.exp(scores - m_safe), 0.0)
-    z = jnp.sum(e, axis=-1, keepdims=True)
-    p = e / jnp.where(z > 0, z, 1.0)
+    p, lse = masked_softmax(scores, valid)
     outs.append(jnp.einsum("bgs,bsd->bgd", p, vh, precision=hi))
-    lses.append(jnp.where(z > 0, m_safe + jnp.log(jnp.where(z > 0, z, 1.0)), -jnp.inf)[..., 0])
+    lses.append(lse[..., 0])
   out = jnp.concatenate(outs, axis=-1).astype(out_dtype or q_rot.dtype)
   return out, jnp.stack(lses, axis=1)

@@ -115,6 +115,16 @@ def guarded(main: Callable[[list[str]], object]) -> Callable[[list[str]], object
   return wrapped
 
 
+def print_report(paths: dict) -> None:
+  """What a launcher prints at the end when a report was written: the table's path, the
+  plots' paths, then the markdown table itself (`paths`: "markdown" and "plots")."""
+  print(f"table:    {paths['markdown']}")
+  for p in paths["plots"]:
+    print(f"plot:     {p}")
+  with open(paths["markdown"], encoding="utf-8") as f:
+    print(f.read())
+
+
 def run(main: Callable[[list[str]], object], *, uses_jax: bool = True) -> None:
   """`absl.app.run(main)` for a launcher: config-flag parsing with one-line errors
   (`config_lib.flags_parser`), JAX's absl flags when `uses_jax`, and `guarded`."""
