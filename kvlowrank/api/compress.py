@@ -18,7 +18,6 @@ knobs and calibration data.
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import os
 import time
 from collections.abc import Mapping
@@ -42,12 +41,7 @@ def default_cache_dir() -> Path:
 
 
 def _config_file(path: str):
-  file, _, arg = path.partition(":")
-  if not Path(file).is_file():
-    raise FileNotFoundError(f"config file not found: {file}")
-  spec = importlib.util.spec_from_file_location("_kvlowrank_api_config", file)
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
+  module, arg = config_lib.load_file(path)
   return module.get_config(arg or None)
 
 

@@ -21,8 +21,10 @@ from __future__ import annotations
 
 import copy
 import hashlib
+import importlib.util
 import json
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 import ml_collections
@@ -34,6 +36,18 @@ PRESENTATION_KEYS = ("progress", "write_report")
 # Keys added after results were recorded: at these values they are left out of the hashes,
 # so the points of existing workdirs keep their keys (and are not rerun).
 HASH_NEUTRAL_DEFAULTS = {("eval", "allow_beyond_max_seq_len"): False}
+
+
+def load_file(config_path: str):
+  """(module, arg) of a config file named "path/to/config.py" or "path/to/config.py:arg"
+  (arg "" when none), its module executed. FileNotFoundError naming a missing file."""
+  path, _, arg = config_path.partition(":")
+  if not Path(path).is_file():
+    raise FileNotFoundError(f"config file not found: {path}")
+  spec = importlib.util.spec_from_file_location("_kvlowrank_config_file", path)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module, arg
 
 
 def base_config() -> ConfigDict:

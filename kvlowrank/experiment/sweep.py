@@ -22,7 +22,6 @@ instead, before any work when the check finds it. A rerun tries failed points ag
 from __future__ import annotations
 
 import datetime
-import importlib.util
 import inspect
 import logging
 from pathlib import Path
@@ -48,12 +47,8 @@ def load_points(config_path: str) -> list[dict[str, Any]]:
   Raises:
     FileNotFoundError / ValueError naming the file when it has no valid get_sweep.
   """
-  path, _, arg = config_path.partition(":")
-  if not Path(path).is_file():
-    raise FileNotFoundError(f"config file not found: {path}")
-  spec = importlib.util.spec_from_file_location("_kvlowrank_sweep_config", path)
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
+  module, arg = config_lib.load_file(config_path)
+  path = config_path.partition(":")[0]
   fn = getattr(module, "get_sweep", None)
   if fn is None:
     raise ValueError(f"{path} defines no get_sweep(); experiments/sweep.py needs one")

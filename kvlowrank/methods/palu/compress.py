@@ -130,10 +130,8 @@ def compress_layer(lp: dict, gram: Optional[np.ndarray], spec: ModelSpec, pspec:
   out.update(palu_ak=jnp.asarray(ak, dtype), palu_av=jnp.asarray(av, dtype),
              palu_bk=jnp.asarray(bk, dtype), palu_bv=jnp.asarray(bv, dtype),
              wo=jnp.asarray(fold.fold_value_into_wo(bv, wo, spec), dtype))
-  if "bv" in lp:
-    bo = fold.fold_value_bias(np.asarray(lp["bv"], np.float64), wo, spec)
-    if "bo" in lp:
-      bo = bo + np.asarray(lp["bo"], np.float64)
+  bo = fold.folded_output_bias(lp, wo, spec)
+  if bo is not None:
     out["bo"] = jnp.asarray(bo, dtype)
   return out
 

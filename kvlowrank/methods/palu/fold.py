@@ -85,6 +85,17 @@ def fold_value_bias(bv_bias, wo, spec: ModelSpec) -> np.ndarray:
   return np.einsum("nh,nhd->d", bvb[kv_of], wo)
 
 
+def folded_output_bias(lp: dict, wo, spec: ModelSpec):
+  """The layer's o_proj bias once its value bias `lp["bv"]` leaves the cache
+  (`fold_value_bias`, plus `lp["bo"]` if any), [D] float64; None without a value bias."""
+  if "bv" not in lp:
+    return None
+  bo = fold_value_bias(lp["bv"], wo, spec)
+  if "bo" in lp:
+    bo = bo + np.asarray(lp["bo"], np.float64)
+  return bo
+
+
 def fold_key_into_wq(wq, bk, spec: ModelSpec) -> np.ndarray:
   """Eq. 7 (models without RoPE): q_n K_nᵀ = x [W^q_n (B^k_n)ᵀ] (H^k)ᵀ.
 

@@ -166,10 +166,8 @@ def compress_layer(lp: dict, spec: ModelSpec, factors: Factors, i: int, k_widths
              rot_kw=jnp.asarray(np.asarray(k_widths), jnp.int32),
              rot_vw=jnp.asarray(np.asarray(v_widths), jnp.int32),
              wo=jnp.asarray(fold_wo(bv, wo, spec), dtype))
-  if "bv" in lp:
-    bo = fold.fold_value_bias(np.asarray(lp["bv"], np.float64), wo, spec)
-    if "bo" in lp:
-      bo = bo + np.asarray(lp["bo"], np.float64)
+  bo = fold.folded_output_bias(lp, wo, spec)
+  if bo is not None:
     out["bo"] = jnp.asarray(bo, dtype)
   return out
 
