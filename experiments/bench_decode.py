@@ -19,7 +19,7 @@ import json
 from absl import app
 from absl import flags
 
-from kvlowrank.bench import decode
+from kvlowrank.bench import decode, ops
 from kvlowrank.experiment import cli
 from kvlowrank.bench.env import environment
 
@@ -35,6 +35,8 @@ _PREFILL_LEN = flags.DEFINE_integer("prefill_length", 32768, "Prefill prompt len
 _BUDGET = flags.DEFINE_float("time_budget", 1e9, "Seconds; later configurations are skipped.")
 _OUT = flags.DEFINE_string("out", None, "JSON output path.")
 _PNG = flags.DEFINE_string("png", None, "Plot output path (tokens/s per method).")
+_PROFILE = flags.DEFINE_bool("profile", False,
+                              "Also trace each step: device time per XLA op and category.")
 _MESH = flags.DEFINE_string("mesh", None, "DATAxMODEL devices (e.g. 1x4); default: one GPU.")
 
 
@@ -47,7 +49,8 @@ def plot(result, path):
   contexts = sorted({r["context"] for r in recs})
   methods = list(dict.fromkeys(r["method"] for r in recs))
   batches = sorted({r["batch"] for r in recs})
-  fig, axes = plt.subplots(1, len(contexts), figsize=(5 * len(contexts), 4), squeeze=False)
+  fig, axes = plt.subplots(1, len(contexts), figsize=(5 * len(contexts) + 1.5, 4),
+                           squeeze=False)
   width = 0.8 / max(1, len(methods))
   for ax, ctx in zip(axes[0], contexts):
     for i, m in enumerate(methods):
@@ -58,7 +61,7 @@ def plot(result, path):
                   [f"B={b}" for b in batches])
     ax.set_title(f"{result['model']}, {ctx // 1024}K context")
     ax.set_ylabel("decode tokens/s")
-  axes[0][0].legend(fontsize=8)
+  axes[0][-1].legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
   fig.tight_layout()
   fig.savefig(path, dpi=120)
 
@@ -81,9 +84,15 @@ def main(argv):
                       steps=_STEPS.value,
                       n_layers=_LAYERS.value or None, prefill_methods=_PREFILL.value,
                       prefill_length=_PREFILL_LEN.value, time_budget_s=_BUDGET.value,
-                      log=lambda s: print(s, flush=True), mesh=mesh)
+                      log=lambda s: print(s, flush=True), mesh=mesh,
+                      profile=_PROFILE.value)
   result["environment"] = environment()
   print(decode.table(result))
+  for rec in result["records"]:
+    if rec.get("step_ops"):
+      print(f"\n{rec['method']} ctx={rec['context']} B={rec['batch']}: kernels busy "
+            f"{1e3 * rec['step_ops']['total_s']:.2f} ms of the {rec['step_ms']:.2f} ms step"
+            f"\n{ops.op_table(rec['step_ops'])}")
   for s in result["skipped"]:
     print(f"not run: {s['method']} ctx={s['context']} B={s['batch']}: {s['why']}")
   if _OUT.value:

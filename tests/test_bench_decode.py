@@ -51,3 +51,21 @@ def test_random_params_shapes_and_fill():
                               capacity=256)
   filled = decode.fill_caches(caches, decode.jax.random.key(1), 200)
   assert int(filled[0].lens[0]) == 200
+
+
+def test_profile_records_ops_by_category():
+  res = decode.run(TINY, methods=["dense"], configs=[(256, 1)], steps=2, profile=True,
+                   log=lambda s: None)
+  prof = res["records"][0]["step_ops"]
+  assert prof["total_s"] > 0 and prof["ops"]
+  assert sum(prof["categories"].values()) == pytest.approx(prof["total_s"])
+  assert all(o["launches"] > 0 for o in prof["ops"])
+  # The categories come from the HLO op / kernel names; a cuDNN / Triton call is attention,
+  # a cuBLAS GEMM is a matmul even when XLA runs it as a custom call.
+  assert decode.ops.category("custom-call.3", "triton_ragged_kernel") == (
+      "custom call (attention kernels)")
+  assert decode.ops.category("custom-call.4", "sm90_xmma_gemm_bf16") == "matmul"
+  assert decode.ops.category("loop_add_fusion") == "other fusion"
+  assert "profile" not in res["records"][0] and decode.run(
+      TINY, methods=["dense"], configs=[(256, 1)], steps=2,
+      log=lambda s: None)["records"][0]["step_ops"] is None

@@ -1,6 +1,6 @@
 """Plain-jnp float32 reference of ragged-head decode attention over a rotated (FDC / ZACK) cache.
 
-The operand contract (/work/rotated-contract.md, fixed by the lead): per layer, KV head h keeps
+The operand contract (shared with `kvlowrank.methods.rotated.cache`): per layer, KV head h keeps
 k_h rotated key dims and v_h value dims (static tuples `k_widths`, `v_widths`, multiples of 16);
 its slice of a packed last axis starts at sum(widths[:h]) and nothing is padded.
 

@@ -2,8 +2,15 @@
 
 One run, on the GPU it runs on, for one model shape (Llama-2-7B or Llama-3-8B, all layers,
 random bf16 weights of the real shapes) and each (method, context, batch):
-  * decode tokens/s: batch / the median of >= `steps` decode steps (`forward` with T = 1,
-    the call `generate`'s loop makes, caches donated), after warm-up;
+  * decode tokens/s: batch / the step time, a step being one `forward` with T = 1 on the
+    donated caches. The steps run as `generate` runs them: `steps` greedy steps in one
+    executable (a `fori_loop`; `generate` uses a `while_loop`), so no host dispatch sits
+    between steps. Step time = the median of `LOOP_REPEATS` executions of that loop, after
+    one warm-up, / `steps`. (One jitted step per host call instead adds the host's
+    dispatch of every cache and weight array to each step, growing with the number of
+    cache arrays: BENCHMARKS.md.)
+  * with `profile`, the device time per step by kernel and category (`ops.op_times`, one
+    traced execution of the loop);
   * the step split into attention and the rest: one layer's `cache.attend` for one query
     token, timed alone (chained calls in one executable, so no host dispatch is counted)
     times the layers, and the step minus that;
@@ -45,6 +52,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import statistics
 import time
 from typing import Callable, Optional, Sequence
 
@@ -55,7 +63,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 
 from kvlowrank import parallel
-from kvlowrank.bench import memory
+from kvlowrank.bench import memory, ops
 from kvlowrank.bench.inputs import rand
 from kvlowrank.bench.timing import time_fn
 from kvlowrank.cache.base import caches_nbytes, init_caches
@@ -108,6 +116,8 @@ METHODS = {
     "fdc50": BenchMethod("FDC-50%", "fdc", RotatedSpec()),
     "zack50": BenchMethod("ZACK-50%", "zack", RotatedSpec()),
 }
+# Timed executions of the `steps`-step decode loop (after one warm-up): the median / steps.
+LOOP_REPEATS = 3
 PALU_GROUP = 4          # KV heads per G-LRD group (the paper's gs-4)
 
 
@@ -186,6 +196,36 @@ def _rotated_params(spec: ModelSpec, keys, std, tp: int = 1) -> dict:
               wo=_rand(next(keys), (spec.n_heads * max(w), spec.dim), scale=std))
 
 
+def _leaf_kind(name: str, dtype) -> str:
+  if dtype == jnp.int32:
+    return "length"
+  if name.endswith("_idx"):
+    return "index"
+  if jnp.issubdtype(dtype, jnp.unsignedinteger):
+    return "bits"
+  if "scale" in name or name.endswith(("ks", "vs")):
+    return "scale"
+  return "float"
+
+
+@functools.lru_cache(maxsize=None)
+def _filler(kind: str, shape: tuple, dtype, sharding):
+  """One compiled random fill per (kind, shape, dtype, sharding): the layers' leaves share
+  it (a fresh jit per leaf compiled ~500 times for a 32-layer GEAR cache, ~2 minutes)."""
+  def make(k, length):
+    if kind == "length":
+      return jnp.full(shape, length, jnp.int32)
+    if kind == "index":
+      # GEAR outlier indices: a token within an n_b = 64 chunk or a channel (< H).
+      return jax.random.bits(k, shape, dtype) % jnp.asarray(64, dtype)
+    if kind == "bits":
+      return jax.random.bits(k, shape, dtype)
+    if kind == "scale":
+      return jnp.abs(_rand(k, shape, dtype, 0.49)) + jnp.asarray(0.01, dtype)
+    return _rand(k, shape, dtype, 1.0)
+  return jax.jit(make, out_shardings=sharding)
+
+
 def fill_caches(caches, key, length: int):
   """Random contents: codes random bits, floats in [-1, 1) (scales in [0.01, 0.5)),
   every int32 leaf (the lengths) = `length`. Each zero buffer is freed as soon as its
@@ -195,20 +235,8 @@ def fill_caches(caches, key, length: int):
   keys = jax.random.split(key, len(leaves))
   out = []
   for (path, x), k in zip(leaves, keys):
-    name = jax.tree_util.keystr(path).lower()
-    if x.dtype == jnp.int32:
-      make = lambda k, x=x: jnp.full(x.shape, length, jnp.int32)
-    elif name.endswith("_idx"):
-      # GEAR outlier indices: a token within an n_b = 64 chunk or a channel (< H).
-      make = lambda k, x=x: jax.random.bits(k, x.shape, x.dtype) % jnp.asarray(64, x.dtype)
-    elif jnp.issubdtype(x.dtype, jnp.unsignedinteger):
-      make = lambda k, x=x: jax.random.bits(k, x.shape, x.dtype)
-    elif "scale" in name or name.endswith(("ks", "vs")):
-      make = lambda k, x=x: (jnp.abs(_rand(k, x.shape, x.dtype, 0.49)) +
-                             jnp.asarray(0.01, x.dtype))
-    else:
-      make = lambda k, x=x: _rand(k, x.shape, x.dtype, 1.0)
-    new = jax.jit(make, out_shardings=x.sharding)(k)   # in the leaf's own shards
+    kind = _leaf_kind(jax.tree_util.keystr(path).lower(), x.dtype)
+    new = _filler(kind, tuple(x.shape), x.dtype, x.sharding)(k, length)  # in x's shards
     jax.block_until_ready(new)
     x.delete()
     out.append(new)
@@ -296,10 +324,12 @@ def _attend_seconds(cache, q, qpos, lp, spec: ModelSpec, chain_s: float = 20e-3)
 
 
 def run_config(spec: ModelSpec, params, method: BenchMethod, context: int, batch: int, *,
-               steps: int = 20, seed: int = 0, mesh=None) -> dict:
-  """Times decode steps at `context` tokens for `batch` rows (module docstring)."""
+               steps: int = 20, seed: int = 0, mesh=None, profile: bool = False) -> dict:
+  """Times decode steps at `context` tokens for `batch` rows (module docstring); with
+  `profile`, also the step's device time per kernel (`ops.op_times`, the 40 longest)."""
   key = jax.random.key(seed)
-  capacity = -(-(context + steps + 8) // 256) * 256
+  reps = LOOP_REPEATS + 1 + (1 if profile else 0)          # warm-up, timed, traced loops
+  capacity = -(-(context + reps * steps + 8) // 256) * 256
   if mesh is None:
     caches = init_caches(method.cache, method.spec, spec, params, batch=batch,
                          capacity=capacity, dtype=jnp.bfloat16)
@@ -314,26 +344,47 @@ def run_config(spec: ModelSpec, params, method: BenchMethod, context: int, batch
   in_use = memory.bytes_in_use()
 
   if mesh is None:
-    step = jax.jit(lambda p, tok, pos, c: forward(p, tok, pos, c, spec), donate_argnums=3)
+    fwd = lambda p, tok, pos, c: forward(p, tok, pos, c, spec)
   else:
-    step = jax.jit(lambda p, tok, pos, c: parallel.forward(mesh, p, tok, pos, c, spec),
-                   donate_argnums=3)
+    fwd = lambda p, tok, pos, c: parallel.forward(mesh, p, tok, pos, c, spec)
+
+  def loop(p, tok, pos, c):
+    """`steps` greedy decode steps in one executable, as `generate`'s while_loop runs them."""
+    def body(i, carry):
+      tok, c = carry
+      logits, c = fwd(p, tok, pos + i, c)
+      return jnp.argmax(logits[:, -1], axis=-1).astype(jnp.int32)[:, None], c
+    return jax.lax.fori_loop(0, steps, body, (tok, c))
+
   tok = jnp.zeros((batch, 1), jnp.int32)
-  pos0 = jnp.full((batch, 1), context, jnp.int32)
   t0 = time.perf_counter()
-  compiled = step.lower(params, tok, pos0, caches).compile()
+  compiled = jax.jit(loop, donate_argnums=3).lower(
+      params, tok, jnp.full((batch, 1), context, jnp.int32), caches).compile()
   compile_s = time.perf_counter() - t0
   mem = compiled.memory_analysis()
   temp = None if mem is None else int(mem.temp_size_in_bytes)
-  state = {"caches": caches, "pos": context}
+  state = {"caches": caches, "pos": context, "tok": tok}
 
-  def one_step():
-    logits, state["caches"] = compiled(params, tok, jnp.full((batch, 1), state["pos"],
-                                                             jnp.int32), state["caches"])
-    state["pos"] = min(state["pos"] + 1, capacity - 1)
-    return logits
+  def run_loop():
+    pos = jnp.full((batch, 1), state["pos"], jnp.int32)
+    state["tok"], state["caches"] = compiled(params, state["tok"], pos, state["caches"])
+    state["pos"] += steps
+    return state["tok"]
 
-  step_s = _median_time(one_step, steps)
+  jax.block_until_ready(run_loop())                                  # warm-up
+  times = []
+  for _ in range(LOOP_REPEATS):
+    t0 = time.perf_counter()
+    jax.block_until_ready(run_loop())
+    times.append(time.perf_counter() - t0)
+  step_s = statistics.median(times) / steps
+  step_ops = None
+  if profile:
+    step_ops = ops.op_times(run_loop, calls=1, warm=False)
+    step_ops = dict(step_ops, total_s=step_ops["total_s"] / steps,
+                    categories={k: v / steps for k, v in step_ops["categories"].items()},
+                    ops=[dict(o, seconds=o["seconds"] / steps, launches=o["launches"] / steps)
+                         for o in step_ops["ops"][:40]])
 
   # Attention alone: layer 0's attend for one query token on its cache (the call the step
   # makes in every layer; the layers' caches and shapes are alike), times the layers.
@@ -354,7 +405,7 @@ def run_config(spec: ModelSpec, params, method: BenchMethod, context: int, batch
               cache_nbytes=nbytes, cache_device_bytes=on_device,
               device_bytes_in_use=in_use, step_temp_bytes=temp,
               peak_bytes_est=None if in_use is None or temp is None else in_use + temp,
-              compile_s=compile_s)
+              compile_s=compile_s, step_ops=step_ops)
 
 
 def max_batch(rec: dict, weight_bytes: int, limit: Optional[int],
@@ -426,7 +477,7 @@ def run(model, *, methods: Sequence[str], configs: Sequence[tuple[int, int]],
         steps: int = 20, n_layers: Optional[int] = None,
         prefill_methods: Sequence[str] = (), prefill_length: int = 32768,
         time_budget_s: float = 1e9, log: Callable[[str], None] = print,
-        mesh: Optional[tuple[int, int]] = None) -> dict:
+        mesh: Optional[tuple[int, int]] = None, profile: bool = False) -> dict:
   """The benchmark for one model (module docstring): a dict with the records.
 
   Args:
@@ -436,6 +487,7 @@ def run(model, *, methods: Sequence[str], configs: Sequence[tuple[int, int]],
       next starts, so a time budget cuts the least important configurations.
     mesh: (data, model) devices (`kvlowrank.parallel`), None = one device; prefill is
       timed on one device only.
+    profile: also record each step's device time per XLA op (`step_ops`).
   The prefills run first. Configurations whose caches cannot fit are skipped, and once
   `time_budget_s` is spent the rest are listed as not run.
   """
@@ -502,7 +554,8 @@ def run(model, *, methods: Sequence[str], configs: Sequence[tuple[int, int]],
         log(f"skip {method.label} ctx={ctx} B={b}: does not fit")
         continue
       try:
-        rec = run_config(spec, params, method, ctx, b, steps=steps, mesh=dev_mesh)
+        rec = run_config(spec, params, method, ctx, b, steps=steps, mesh=dev_mesh,
+                         profile=profile)
       except Exception as e:  # pylint: disable=broad-except  (OOM: record and go on)
         skipped.append(dict(method=method.label, context=ctx, batch=b,
                             why=f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"))

@@ -1,6 +1,6 @@
 """GEAR cache (Kang et al. 2024, Algorithm 1): D^ + S + L over a quantized backbone.
 
-Storage (per layer; /work/gear-contract.md, the arrays GEAR's decode kernel reads):
+Storage (per layer; the arrays GEAR's decode kernel reads, `kvlowrank_kernels.gear`):
   * store: the backbone's codes D^ = Q(X - S) in the KIVI planar store
     (`kvlowrank_kernels.kivi.planar`: keys [B, K, S, R] + scale/zero [B, K, S/Gk, H],
     values token-blocked [B, K, S, R] + scale/zero [B, K, S, H/Gv]) -- `backbone.py`;
