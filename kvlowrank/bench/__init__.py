@@ -6,7 +6,10 @@ One module per concept:
   inputs    seeded random fills built in one kernel (`rand`, `rand_u8`);
   env       the device and software versions that head every result (`environment`);
   memory    the device's memory counters (`peak_bytes`, `bytes_in_use`, `bytes_limit`);
-  roofline  roofline, % of roofline and speed-up over the best dense kernel (`finalize`).
+  roofline  roofline, % of roofline and speed-up over the best dense kernel (`finalize`);
+  ops       where a call's device time goes: per kernel and category, from a profiler trace
+            (`ops.op_times`);
+  decode    the whole-model decode benchmark (`experiments/bench_decode.py`).
 
 Measurements made with them are in BENCHMARKS.md, not here.
 """
