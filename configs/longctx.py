@@ -71,7 +71,8 @@ def get_config(arg=None):
                            fisher_samples=8))
   c.xquant = ConfigDict(dict(bits=2, group_size=64, window=0, path="auto",
                              key_axis="channel", value_axis="token", n_high_layers=0,
-                             high_bits=4, scale_dtype="float16", implementation="reference"))
+                             high_bits=4, scale_dtype="float16",
+                             implementation=config_dict.placeholder(str)))
   c.longctx = ConfigDict(dict(
       tasks=tuple(arg.tasks.split("+")), contexts=(1024, 2048, 4096, 8192),
       depths=(0.0, 0.25, 0.5, 0.75, 1.0), depth_overrides=(), task_overrides=(),

@@ -65,11 +65,13 @@ def get_config(arg=None):
   # recipe (base layer 2, layers 0-2 at 4 bits).
   c.xquant = ConfigDict(dict(bits=4, group_size=64, window=0, path="auto",
                              key_axis="channel", value_axis="token", n_high_layers=0,
-                             high_bits=4, scale_dtype="float16", implementation="reference"))
+                             high_bits=4, scale_dtype="float16",
+                             implementation=config_dict.placeholder(str)))
   c.xquant_cl = ConfigDict(dict(bits=2, base_layer=2, n_high_layers=3, high_bits=4,
                                 layer_bits=(), group_size=64, window=0, path="auto",
                                 delta_axis="token", key_axis="channel", value_axis="token",
-                                scale_dtype="float16", implementation="reference"))
+                                scale_dtype="float16",
+                                implementation=config_dict.placeholder(str)))
   # GEAR (configs/gear.py documents the fields): 2-bit KIVI backbone, g = n_b = 64, s = 2 %,
   # r_p = 4, r_g = 2; its rows prefill the prompt in one call (the paper's prefill factor).
   c.gear = ConfigDict(dict(backbone="kivi", bits=2, group_size=64, buffer=64, sparsity=2.0,

@@ -39,7 +39,8 @@ def xquant_section(bits: int = 4, group_size: int = 64, path: str = "auto") -> C
   """A `xquant` section (fields of kvlowrank.cache.XQuantSpec)."""
   return ConfigDict(dict(bits=bits, group_size=group_size, window=0, path=path,
                          key_axis="channel", value_axis="token", n_high_layers=0,
-                         high_bits=4, scale_dtype="float16", implementation="reference"))
+                         high_bits=4, scale_dtype="float16",
+                         implementation=config_dict.placeholder(str)))
 
 
 def xquant_cl_section(bits: int = 2, group_size: int = 64, path: str = "auto") -> ConfigDict:
@@ -47,7 +48,8 @@ def xquant_cl_section(bits: int = 2, group_size: int = 64, path: str = "auto") -
   return ConfigDict(dict(bits=bits, base_layer=2, n_high_layers=3, high_bits=4,
                          layer_bits=(), group_size=group_size, window=0, path=path,
                          delta_axis="token", key_axis="channel", value_axis="token",
-                         scale_dtype="float16", implementation="reference"))
+                         scale_dtype="float16",
+                         implementation=config_dict.placeholder(str)))
 
 
 def get_config(arg=None):

@@ -38,6 +38,10 @@ _PNG = flags.DEFINE_string("png", None, "Plot output path (tokens/s per method).
 _PROFILE = flags.DEFINE_bool("profile", False,
                               "Also trace each step: device time per XLA op and category.")
 _MESH = flags.DEFINE_string("mesh", None, "DATAxMODEL devices (e.g. 1x4); default: one GPU.")
+_CHECK_BATCH = flags.DEFINE_bool(
+    "check_max_batch", False,
+    "After each method's first record at a context, allocate and run its estimated largest "
+    "batch there (two steps) and record whether it fits.")
 
 
 def plot(result, path):
@@ -85,7 +89,7 @@ def main(argv):
                       n_layers=_LAYERS.value or None, prefill_methods=_PREFILL.value,
                       prefill_length=_PREFILL_LEN.value, time_budget_s=_BUDGET.value,
                       log=lambda s: print(s, flush=True), mesh=mesh,
-                      profile=_PROFILE.value)
+                      profile=_PROFILE.value, check_batch=_CHECK_BATCH.value)
   result["environment"] = environment()
   print(decode.table(result))
   for rec in result["records"]:

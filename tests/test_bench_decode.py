@@ -69,3 +69,21 @@ def test_profile_records_ops_by_category():
   assert "profile" not in res["records"][0] and decode.run(
       TINY, methods=["dense"], configs=[(256, 1)], steps=2,
       log=lambda s: None)["records"][0]["step_ops"] is None
+
+
+def test_cross_layer_method_and_max_batch_check():
+  """XQuant-CL runs through the same loop (its layers attend inside the cross-layer step, so
+  no attention split); the allocation check of a batch reports whether it runs."""
+  res = decode.run(TINY, methods=["xquantcl2"], configs=[(256, 2)], steps=2,
+                   log=lambda s: None)
+  rec = res["records"][0]
+  assert rec["method"] == "XQuant-CL-2" and rec["attention_ms"] is None
+  assert rec["cache_nbytes"] == rec["cache_device_bytes"] and rec["tokens_per_s"] > 0
+  m = decode.METHODS["kivi2"]
+  params = decode.random_params(TINY, decode.jax.random.key(0), m)
+  ok = decode.check_max_batch(TINY, params, m, 256, 3)
+  assert ok["fits"] and ok["batch"] == 3 and ok["tokens_per_s"] > 0
+  bad = decode.check_max_batch(TINY, params, m, 256, 0)     # negative control
+  assert not bad["fits"] and "batch must be positive" in bad["error"]
+  res = dict(res, records=[dict(rec, max_batch_check=ok)])
+  assert decode.table(res).splitlines()[-1].endswith(" ✓ |")

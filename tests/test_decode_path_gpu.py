@@ -35,8 +35,8 @@ from kvlowrank.bench.decode import random_params, BenchMethod  # noqa: E402
 from kvlowrank.cache import dispatch  # noqa: E402
 from kvlowrank.cache.base import init_caches  # noqa: E402
 from kvlowrank.generate.loop import generate  # noqa: E402
-from kvlowrank.methods import (DenseSpec, GearSpec, KiviSpec, PaluSpec,  # noqa: E402
-                               RotatedSpec, XQuantSpec)
+from kvlowrank.methods import (DenseSpec, EvictSpec, GearSpec, KiviSpec,  # noqa: E402
+                               PaluSpec, RotatedSpec, XQuantCLSpec, XQuantSpec)
 from kvlowrank.model.transformer import forward  # noqa: E402
 from kvlowrank.spec import ModelSpec  # noqa: E402
 
@@ -54,11 +54,31 @@ METHODS = {
     "kivi4": ("kivi", KiviSpec(bits=4, residual=32), ("triton",)),
     "palu": ("palu", PaluSpec(), ("mosaic",)),
     "palu-4bit-window": ("palu", PaluSpec(bits=4, window=16), ("triton",)),
-    "xquant2": ("xquant", XQuantSpec(bits=2, group_size=128), ("triton",)),
+    "xquant2": ("xquant", XQuantSpec(bits=2, group_size=128), ("xla",)),
+    "xquant2-fused": ("xquant", XQuantSpec(bits=2, group_size=128, implementation="triton"),
+                      ("triton",)),
+    "xquant2-latent": ("xquant", XQuantSpec(bits=2, group_size=128, path="latent"), ("xla",)),
     "gear2": ("gear", GearSpec(), ("triton",)),
     "gearl2": ("gear", GearSpec(sparsity=0.0), ("triton",)),
     "fdc50": ("fdc", RotatedSpec(), ("triton",)),
+    "zack50": ("zack", RotatedSpec(), ("triton",)),
+    # Generation only (no per-layer `attend` of their own: XQuant-CL's layers need the
+    # cross-layer carry; eviction's attention is its inner cache's plus the window's).
+    "xquant_cl2": ("xquant_cl", XQuantCLSpec(bits=2, group_size=128), ("xla",)),
+    "evict-kivi2": ("evict", EvictSpec(inner="kivi", budget=128, window=16,
+                                       inner_specs={"kivi": {"residual": 32}}), ("mosaic",)),
 }
+GENERATION_ONLY = ("xquant_cl2", "evict-kivi2")
+
+
+def _reference_spec(mspec):
+  """The method spec with the jnp reference path (eviction: its inner method's spec)."""
+  if isinstance(mspec, EvictSpec):
+    inner = dict(mspec.inner_specs)
+    fields = {} if mspec.inner not in inner else dataclasses.asdict(inner[mspec.inner])
+    return dataclasses.replace(mspec, inner_specs={
+        mspec.inner: dict(fields, implementation="reference")})
+  return dataclasses.replace(mspec, implementation="reference")
 
 
 @pytest.fixture(scope="module")
@@ -93,7 +113,7 @@ def _values_and_keys(c, lp):
   return float(jnp.max(jnp.abs(k))), float(jnp.max(jnp.abs(v)))
 
 
-@pytest.mark.parametrize("name", list(METHODS))
+@pytest.mark.parametrize("name", [m for m in METHODS if m not in GENERATION_ONLY])
 def test_decode_dispatch_and_attention_within_bound(gpu, name):
   cache_name, mspec, kernels, params = _setup(name)
   caches = init_caches(cache_name, mspec, SPEC, params, batch=2, capacity=PROMPT + NEW + 8,
@@ -162,8 +182,12 @@ def test_greedy_generation_kernels_match_reference(gpu, name):
   Negative control: the reference logits along the same tokens after one changed prompt
   token differ by more than tau.
   """
-  cache_name, mspec, _, params = _setup(name)
-  ref_spec = dataclasses.replace(mspec, implementation="reference")
+  cache_name, mspec, kernels, params = _setup(name)
+  ref_spec = _reference_spec(mspec)
+  caches = init_caches(cache_name, mspec, SPEC, params, batch=2, capacity=PROMPT + NEW + 8,
+                       dtype=jnp.bfloat16)
+  impl = caches[-1].choose_implementation((2, 1, SPEC.n_heads, SPEC.head_dim))
+  assert impl[0] in kernels, impl
   gen = lambda ms, prompts: generate(params, SPEC, prompts, max_new_tokens=NEW,
                                      cache_method=cache_name, cache_spec=ms,
                                      cache_dtype=jnp.bfloat16, eos_ids=()).tokens

@@ -12,7 +12,8 @@ import pytest
 from kvlowrank.bench.decode import BenchMethod, random_params
 from kvlowrank.cache import dispatch
 from kvlowrank.cache.base import init_caches
-from kvlowrank.methods import DenseSpec, KiviSpec, PaluSpec
+from kvlowrank.methods import (DenseSpec, EvictSpec, GearSpec, KiviSpec, PaluSpec,
+                               RotatedSpec, XQuantCLSpec, XQuantSpec)
 from kvlowrank.spec import ModelSpec
 
 H100 = dispatch.Platform(gpu=True, hopper=True)
@@ -41,6 +42,22 @@ def _cache(name, mspec, spec=SPEC, dtype=jnp.bfloat16):
     ("palu", PaluSpec(), A100, "triton", "needs a Hopper GPU"),
     ("palu", PaluSpec(bits=4), H100, "triton", "PackedLatent"),
     ("palu", PaluSpec(implementation="reference"), H100, "reference", None),
+    ("gear", GearSpec(), H100, "triton", None),
+    ("gear", GearSpec(sparsity=0.0), A100, "triton", None),
+    ("gear", GearSpec(), CPU, "reference", "needs a GPU"),
+    ("fdc", RotatedSpec(), H100, "triton", None),
+    ("zack", RotatedSpec(), H100, "triton", None),
+    ("fdc", RotatedSpec(bits=4), H100, "reference", "quantized K'/V'"),
+    ("xquant", XQuantSpec(bits=2), H100, "xla", None),
+    ("xquant", XQuantSpec(bits=2, implementation="triton"), H100, "triton", None),
+    ("xquant", XQuantSpec(bits=2, implementation="auto"), CPU, "reference", "needs a GPU"),
+    ("xquant_cl", XQuantCLSpec(bits=2), H100, "xla", None),
+    ("xquant_cl", XQuantCLSpec(bits=2, implementation="triton"), H100, "xla", None),
+    ("xquant_cl", XQuantCLSpec(bits=2, implementation="reference"), H100, "reference", None),
+    ("evict", EvictSpec(inner="kivi", budget=128, inner_specs={"kivi": {"layout": "warp"}}),
+     H100, "mosaic", None),
+    ("evict", EvictSpec(inner="dense", budget=128), H100, "cudnn", None),
+    ("evict", EvictSpec(inner="dense", budget=128), CPU, "reference", "needs a GPU"),
 ])
 def test_decode_choice(name, mspec, platform, want, why):
   c = _cache(name, mspec)

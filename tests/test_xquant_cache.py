@@ -11,7 +11,8 @@ import pytest
 
 from kvlowrank.methods import init_caches
 from kvlowrank.methods.xquant import cache as xquant
-from kvlowrank.methods.xquant.cache import XQuantSpec, choose_path, fused_decode_backend, svd_factors
+from kvlowrank.cache import dispatch
+from kvlowrank.methods.xquant.cache import XQuantSpec, choose_path, svd_factors
 from kvlowrank.methods.xquant.store import TokenStore
 from kvlowrank.model.params import init_params
 from kvlowrank.model.transformer import forward
@@ -226,23 +227,42 @@ def test_fused_decode_dispatch_matches_materialising(spec, path, window, monkeyp
     assert np.abs(np.asarray(bad) - np.asarray(want)).max() > 1e-2
 
 
-def test_fused_dispatch_rule():
-  """The module doc's rule: decode (T == 1) of quantized stores without a sliding window;
-  never for "reference"/"xla"; "auto" only where Triton runs."""
+def test_decode_dispatch_rule():
+  """The module doc's rule, as a GPU would apply it (platform injected): decode (T == 1)
+  without a sliding window takes "xla" (remat + the dense decode kernel) where the dense
+  kernels take the K/V, else the fused "triton" op where it fits, else the reference;
+  "reference_fused" routes decode through the fused op's jnp reference; "auto" = None."""
   params, _, _ = _setup(GQA)
-  cache = init_caches("xquant", XQuantSpec(bits=2, path="latent", group_size=16), GQA, params,
-                      batch=1, capacity=32)[0]
-  exact = init_caches("xquant", XQuantSpec(bits=None, path="x"), GQA, params, batch=1,
-                      capacity=32)[0]
-  rule = lambda impl, stores=cache.stores, sw=None, t=1: fused_decode_backend(impl, GQA, stores,
-                                                                               sw, t)
-  assert rule("reference_fused") == "reference"
-  assert rule("reference_fused", t=2) is None          # prefill chunk
-  assert rule("reference_fused", sw=8) is None         # sliding window
-  assert rule("reference_fused", stores=exact.stores) is None   # exact rows: nothing to fuse
-  assert rule("reference") is None and rule("xla") is None
-  if jax.default_backend() == "cpu":
-    assert rule("auto") is None
+  make = lambda xs, dtype=jnp.bfloat16: init_caches("xquant", xs, GQA, params, batch=1,
+                                                    capacity=32, dtype=dtype)[0]
+  gpu, cpu = dispatch.Platform(gpu=True, hopper=True), dispatch.Platform(gpu=False, hopper=False)
+  cache = make(XQuantSpec(bits=2, path="latent", group_size=16))
+  h = GQA.head_dim
+  decode, prefill = (1, 1, GQA.n_heads, h), (1, 4, GQA.n_heads, h)
+  choose = lambda c, shape=decode, impl=None, pf=gpu: c.choose_implementation(
+      shape, impl, platform=pf)
+  assert choose(cache)[0] == "xla"
+  assert choose(cache, impl="auto")[0] == "xla"
+  assert choose(cache, impl="triton")[0] == "triton"
+  assert choose(cache, pf=cpu)[0] == dispatch.REFERENCE
+  assert choose(cache, prefill)[0] == dispatch.REFERENCE
+  assert choose(cache, impl="reference")[0] == dispatch.REFERENCE
+  # fp32 K/V: no dense kernel takes them, so the fused op (head dim 16, widths 32) runs.
+  impl, reason = choose(make(XQuantSpec(bits=2, path="latent", group_size=16), jnp.float32))
+  assert impl == "triton" and "float32" in reason
+  # Negative control: a head dim the fused op refuses leaves the reference.
+  fp32 = make(XQuantSpec(bits=2, path="latent", group_size=16), jnp.float32)
+  impl, reason = choose(fp32, (1, 1, GQA.n_heads, 24))
+  assert impl == dispatch.REFERENCE and "power of 2" in reason
+  window = dataclasses.replace(cache, sliding_window=8)
+  assert choose(window)[0] == dispatch.REFERENCE and "sliding" in choose(window)[1]
+  fused = dataclasses.replace(cache, implementation="reference_fused")
+  assert choose(fused)[0] == "reference_fused"
+  assert choose(fused, prefill)[0] == dispatch.REFERENCE          # prefill chunk
+  assert choose(dataclasses.replace(fused, sliding_window=8))[0] == dispatch.REFERENCE
+  exact = dataclasses.replace(make(XQuantSpec(bits=None, path="x")),
+                              implementation="reference_fused")
+  assert choose(exact)[0] == dispatch.REFERENCE                   # exact rows: nothing to fuse
   with pytest.raises(ValueError, match="XQuantSpec.implementation"):
     XQuantSpec(implementation="cuda")
 

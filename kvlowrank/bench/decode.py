@@ -28,7 +28,8 @@ chunked prefill path (the user's path: one `forward` over the prompt).
 Methods (`METHODS`): dense (bf16), KIVI-2 / KIVI-4 (G = 32, R = 128, fp16 scales), Palu-50%
 (G-LRD groups of 4 KV heads, key rank 25%, value rank 75% of a group's width: the paper's
 latency configuration; bf16 latents and 4-bit latents), XQuant-2 (group 128; "x" path
-for MHA, "latent" for GQA), GEAR-2 / GEAR-L-2 (2-bit KIVI backbone g = n_b = 64, s = 2 % /
+for MHA, "latent" for GQA), XQuant-CL-2 (every layer a 2-bit delta layer from base layer 0,
+group 128; no attention split: its layers attend only inside the cross-layer `step`), GEAR-2 / GEAR-L-2 (2-bit KIVI backbone g = n_b = 64, s = 2 % /
 0, r_p = 4, r_g = 2; the fill sets n_pchunks = the context, i.e. every compressed token
 uses the prefill factor, as after a prefill of the context, and outlier indices < 64),
 FDC-50% / ZACK-50% (the rotated cache; random rotations of ragged widths H/4, 3H/4, H/2,
@@ -67,7 +68,9 @@ from kvlowrank.bench import memory, ops
 from kvlowrank.bench.inputs import rand
 from kvlowrank.bench.timing import time_fn
 from kvlowrank.cache.base import caches_nbytes, init_caches
-from kvlowrank.methods import DenseSpec, GearSpec, KiviSpec, PaluSpec, XQuantSpec
+from kvlowrank.methods import (DenseSpec, GearSpec, KiviSpec, PaluSpec, XQuantCLSpec,
+                               XQuantSpec)
+from kvlowrank.cache.base import KVCache
 from kvlowrank.methods.palu.spec import default_group_size
 from kvlowrank.methods.rotated import RotatedSpec
 from kvlowrank.methods.rotated import sharding as rotated_sharding
@@ -109,6 +112,7 @@ METHODS = {
     "palu50": BenchMethod("Palu-50%", "palu", PaluSpec()),
     "palu50-4bit": BenchMethod("Palu-50% 4-bit", "palu", PaluSpec(bits=4)),
     "xquant2": BenchMethod("XQuant-2", "xquant", XQuantSpec(bits=2)),
+    "xquantcl2": BenchMethod("XQuant-CL-2", "xquant_cl", XQuantCLSpec(bits=2)),
     "gear2": BenchMethod("GEAR-2", "gear", GearSpec()),
     "gearl2": BenchMethod("GEAR-L-2", "gear", GearSpec(sparsity=0.0)),
     # FDC / ZACK at 50%: the same rotated cache (the recipes differ offline only); ragged
@@ -324,9 +328,11 @@ def _attend_seconds(cache, q, qpos, lp, spec: ModelSpec, chain_s: float = 20e-3)
 
 
 def run_config(spec: ModelSpec, params, method: BenchMethod, context: int, batch: int, *,
-               steps: int = 20, seed: int = 0, mesh=None, profile: bool = False) -> dict:
+               steps: int = 20, seed: int = 0, mesh=None, profile: bool = False,
+               time_attention: bool = True) -> dict:
   """Times decode steps at `context` tokens for `batch` rows (module docstring); with
-  `profile`, also the step's device time per kernel (`ops.op_times`, the 40 longest)."""
+  `profile`, also the step's device time per kernel (`ops.op_times`, the 40 longest);
+  `time_attention` False skips the attention split."""
   key = jax.random.key(seed)
   reps = LOOP_REPEATS + 1 + (1 if profile else 0)          # warm-up, timed, traced loops
   capacity = -(-(context + reps * steps + 8) // 256) * 256
@@ -390,7 +396,8 @@ def run_config(spec: ModelSpec, params, method: BenchMethod, context: int, batch
   # makes in every layer; the layers' caches and shapes are alike), times the layers.
   caches = state["caches"]
   attn_s = None
-  if mesh is None:
+  cross_layer = type(caches[0]).step is not KVCache.step    # XQuant-CL: no per-layer attend
+  if mesh is None and time_attention and not cross_layer:
     q = _rand(jax.random.fold_in(key, 1), (batch, 1, spec.n_heads, spec.head_dim))
     qpos = jnp.full((batch, 1), context, jnp.int32)
     attn_s = spec.n_layers * _attend_seconds(caches[0], q, qpos, params["layers"][0], spec)
@@ -405,7 +412,21 @@ def run_config(spec: ModelSpec, params, method: BenchMethod, context: int, batch
               cache_nbytes=nbytes, cache_device_bytes=on_device,
               device_bytes_in_use=in_use, step_temp_bytes=temp,
               peak_bytes_est=None if in_use is None or temp is None else in_use + temp,
-              compile_s=compile_s, step_ops=step_ops)
+              peak_bytes_process=memory.peak_bytes(), compile_s=compile_s, step_ops=step_ops)
+
+
+def check_max_batch(spec: ModelSpec, params, method: BenchMethod, context: int, batch: int,
+                    *, mesh=None) -> dict:
+  """Allocates, fills and runs `batch` rows at `context` (two decode steps): whether the
+  estimated largest batch really fits (`max_batch` is arithmetic on measured sizes)."""
+  try:
+    rec = run_config(spec, params, method, context, batch, steps=2, mesh=mesh,
+                     time_attention=False)
+  except Exception as e:  # pylint: disable=broad-except  (OOM: the answer)
+    return dict(batch=batch, fits=False, error=f"{type(e).__name__}: "
+                f"{str(e).splitlines()[0][:200]}")
+  return dict(batch=batch, fits=True, tokens_per_s=rec["tokens_per_s"],
+              peak_bytes_process=rec["peak_bytes_process"])
 
 
 def max_batch(rec: dict, weight_bytes: int, limit: Optional[int],
@@ -477,7 +498,8 @@ def run(model, *, methods: Sequence[str], configs: Sequence[tuple[int, int]],
         steps: int = 20, n_layers: Optional[int] = None,
         prefill_methods: Sequence[str] = (), prefill_length: int = 32768,
         time_budget_s: float = 1e9, log: Callable[[str], None] = print,
-        mesh: Optional[tuple[int, int]] = None, profile: bool = False) -> dict:
+        mesh: Optional[tuple[int, int]] = None, profile: bool = False,
+        check_batch: bool = False) -> dict:
   """The benchmark for one model (module docstring): a dict with the records.
 
   Args:
@@ -488,6 +510,8 @@ def run(model, *, methods: Sequence[str], configs: Sequence[tuple[int, int]],
     mesh: (data, model) devices (`kvlowrank.parallel`), None = one device; prefill is
       timed on one device only.
     profile: also record each step's device time per XLA op (`step_ops`).
+    check_batch: after each method's first record at a context, allocate and run its
+      estimated largest batch there (`check_max_batch`; the record's `max_batch_check`).
   The prefills run first. Configurations whose caches cannot fit are skipped, and once
   `time_budget_s` is spent the rest are listed as not run.
   """
@@ -513,7 +537,7 @@ def run(model, *, methods: Sequence[str], configs: Sequence[tuple[int, int]],
   t_start = time.perf_counter()
   limit = memory.bytes_limit()
   recs, skipped, prefills = [], [], []
-  loaded = {}
+  loaded, checked = {}, set()
 
   def params_for(name):
     if name not in loaded:
@@ -563,6 +587,12 @@ def run(model, *, methods: Sequence[str], configs: Sequence[tuple[int, int]],
         continue
       rec["weight_bytes"] = weights
       rec["max_batch"] = max_batch(rec, weights, limit, data=dp)
+      if check_batch and rec["max_batch"] and (name, ctx) not in checked and not over():
+        checked.add((name, ctx))
+        rec["max_batch_check"] = check_max_batch(spec, params, method, ctx, rec["max_batch"],
+                                                 mesh=dev_mesh)
+        log(f"{method.label} ctx={ctx}: max batch {rec['max_batch']} allocated and run: "
+            f"{rec['max_batch_check']}")
       recs.append(rec)
       log(f"{method.label:>15} ctx={ctx:>6} B={b:>2} [{rec['implementation']}"
           f"{'; ' + rec['dispatch_reason'] if rec['dispatch_reason'] else ''}]: "
@@ -594,7 +624,7 @@ def _ctx(n: int) -> str:
 def table(result: dict) -> str:
   """Markdown table of the records."""
   lines = ["| method | context | batch | tokens/s | × dense | step ms | attention ms (share) | "
-           "cache GiB (= nbytes) | peak GiB | max batch |",
+           "cache GiB (= nbytes) | peak GiB | max batch (allocated: ✓ runs, ✗ fails) |",
            "|---|---|---|---|---|---|---|---|---|---|"]
   gib = lambda x: "—" if x is None else f"{x / 2**30:.2f}"
   for r in speedups(result):
@@ -608,8 +638,10 @@ def table(result: dict) -> str:
     attn = ("—" if r["attention_ms"] is None else
             f"{r['attention_ms']:.2f} ({100 * r['attention_share']:.0f}%)")
     label = r["method"] + (f" [{mesh[0]}x{mesh[1]}]" if mesh else "")
+    check = r.get("max_batch_check")
+    mark = "" if check is None else (" ✓" if check["fits"] else " ✗")
     lines.append(
         f"| {label} | {_ctx(r['context'])} | {r['batch']} | {r['tokens_per_s']:.1f} | "
         f"{vs} | {r['step_ms']:.2f} | {attn} | {cache} | {gib(r['peak_bytes_est'])} | "
-        f"{r['max_batch']} |")
+        f"{r['max_batch']}{mark} |")
   return "\n".join(lines)

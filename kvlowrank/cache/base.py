@@ -198,6 +198,11 @@ class KVCache(abc.ABC):
     fastest kernel): `dispatch.choose` over `kernel_candidates`, with the cache's own
     `implementation` unless one is given; no kernel takes a sliding window."""
     req = getattr(self, "implementation", None) if implementation is None else implementation
+    return self.choose_requested(q_shape, req, platform)
+
+  def choose_requested(self, q_shape, req: Optional[str], platform=None):
+    """`choose_implementation` for the request `req` as given (None: the fastest that fits,
+    not the cache's own): for caches that map their own request names first."""
     b, t, n, h = q_shape
     cands = self.kernel_candidates((b, n, h))
     if not cands:

@@ -160,6 +160,12 @@ class EvictCache(base.KVCache):
   def lengths(self):
     return self.lens
 
+  def choose_implementation(self, q_shape, implementation=None, platform=None):
+    """The inner cache's choice: `attend` hands the request to the inner cache, whose
+    decode kernel runs on its arrays; the window (at most W tokens) is attended by the jnp
+    reference, or by the scratch inner cache (ring="inner")."""
+    return self.inner.choose_implementation(q_shape, implementation, platform)
+
   def _candidates(self, inputs: base.AttnInputs, pos):
     """AttnInputs of the candidates E = ring then new tokens (positions original)."""
     def cat(ring, new):

@@ -34,28 +34,31 @@ Choices the paper leaves open (digest §3, §12):
 `nbytes()` counts what grows with the cache (codes, scales, zero points, exact tails,
 lengths). The SVD factors are model weights kept on the cache (`weights_nbytes()`).
 
-Attention dispatch (`XCache.attend`; `implementation` in CACHE_IMPLEMENTATIONS):
-  * Fused decode: a single-token query (T == 1), no sliding window, quantized stores,
-    and `implementation` resolving to "triton" (head_dim a power of 2 >= 16 and the
-    quantized widths multiples of 16) or "reference_fused". Keys [0, n) with
-    n = min(positions held as codes by every store, q_pos + 1) go through
-    `kvlowrank_kernels.xquant.remat_decode_attention` (on the GPU the fused Triton kernel: K/V
-    are rematerialised tile by tile in registers and never written to HBM); the
-    remaining keys [n, L), the exact tails of the stores (at most their flush block
-    F, e.g. the incomplete token group of a per-channel latent), are rematerialised
-    from `TokenStore.rows_at` and attended densely; both parts are merged by their
-    log-sum-exp (`model.attention.combine`). Interleaved-RoPE models run the fused
-    op on W_k / b_k / q permuted to the half-rotation layout (q·k is invariant under
-    a common permutation); RoPE-free models use cos = 1, sin = 0 tables.
-    "reference_fused" is the same dispatch with the op's jnp reference (CPU tests).
-  * Everything else (prefill chunks, sliding windows, exact bits=None stores,
-    "reference", "xla", and "triton" where the kernel's shape rules fail):
-    materialise K/V for all slots with `dequant_matmul` ("reference": fp32 jnp;
-    "xla": bf16 XLA dequant + one bf16 GEMM with fp32 accumulation; "triton": the
-    Triton dequant-matmul kernel), then dense attention.
-XQuant-CL (`xquant_cl`) does not share this path: its delta layers rebuild the dense
-fp32 accumulator X̂_i for every slot anyway (the cross-layer carry) and project it with
-one dense matmul; only its plain layers before the base layer are XCaches.
+Attention dispatch (`XCache.attend`; `implementation` in CACHE_IMPLEMENTATIONS). A decode
+step (T == 1, no sliding window) on a GPU takes the first path that fits
+(`kernel_candidates`, `cache.dispatch`), fastest first as BENCHMARKS.md's XQuant section
+measured them:
+  * "xla": rematerialise K/V for every slot with the XLA dequantization and one 16-bit
+    GEMM with fp32 accumulation (cuBLAS), at the cache dtype, then the dense decode kernel
+    over them (`dense_attend`: cuDNN, else Triton), as a dense cache of those K/V would.
+  * "triton" (fused): keys [0, n) with n = min(positions held as codes by every store,
+    q_pos + 1) go through `kvlowrank_kernels.xquant.remat_decode_attention` (the fused
+    Triton kernel: K/V are rematerialised tile by tile in registers and never written to
+    HBM, but its GEMM is compute-bound); the remaining keys [n, L), the exact tails of the
+    stores (at most their flush block F, e.g. the incomplete token group of a per-channel
+    latent), are rematerialised from `TokenStore.rows_at` and attended densely; both parts
+    are merged by their log-sum-exp (`model.attention.combine`). Interleaved-RoPE models run
+    the fused op on W_k / b_k / q permuted to the half-rotation layout (q·k is invariant
+    under a common permutation); RoPE-free models use cos = 1, sin = 0 tables. It needs
+    quantized stores, a power-of-2 head dim >= 16 and quantized widths that are multiples of
+    16. "reference_fused" is the same path with the op's jnp reference (CPU tests).
+  * Everything else (no GPU, prefill chunks, sliding windows, "reference"): materialise
+    K/V for all slots with `dequant_matmul` at the op implementation the request names
+    (None/"auto": the Triton dequant-matmul kernel on a GPU, else "reference": fp32 jnp;
+    "xla"), then the jnp reference attention.
+"auto" is an alias of None. XQuant-CL (`xquant_cl`) does not share the fused path: its
+delta layers rebuild the dense fp32 accumulator X̂_i for every slot anyway (the
+cross-layer carry) and project it with one dense matmul, then attend as "xla" does.
 """
 
 from __future__ import annotations
@@ -69,11 +72,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from kvlowrank.cache import base, dispatch
+from kvlowrank.methods.dense.cache import DenseCache
 from kvlowrank.methods.xquant.store import AXES, TokenStore
 from kvlowrank.model.attention import combine, dot_product_attention
 from kvlowrank.model.rope import apply_rope, interleaved_to_half_perm, rope_cos_sin
 from kvlowrank_kernels.quant import packing
 from kvlowrank.spec import ModelSpec
+from kvlowrank_kernels import dense as dense_kernels
 from kvlowrank_kernels import xquant as dm
 
 PATHS = ("auto", "x", "latent")
@@ -97,8 +102,8 @@ class XQuantSpec:
   key_axis / value_axis: quantization axis of X·U_k / X·U_v on the latent path.
   n_high_layers / high_bits: the first n layers use high_bits (paper Table 4: 3, 4).
   scale_dtype: dtype of scales and zero points.
-  implementation: None (the fastest that fits: "auto") | "reference" | "xla" | "triton" |
-    "auto" | "reference_fused" (the module doc's attention dispatch).
+  implementation: None (the fastest that fits) | "reference" | "xla" | "triton" | "auto"
+    (= None) | "reference_fused" (the module doc's attention dispatch).
   """
 
   bits: Optional[int] = 4
@@ -161,39 +166,52 @@ def op_implementation(implementation: Optional[str]) -> str:
   return "reference" if implementation == "reference_fused" else implementation
 
 
-def fused_decode_choice(implementation: Optional[str], spec: ModelSpec, stores, sliding_window,
+def fused_fit(head_dim: int, stores) -> Optional[str]:
+  """None when the fused Triton op takes these stores, else why not (one line; pure)."""
+  if any(s.bits is None for s in stores):
+    return "exact (bits=None) stores"
+  if head_dim < 16 or head_dim & (head_dim - 1):
+    return f"head dim {head_dim} is not a power of 2 >= 16"
+  if any(s.width % 16 for s in stores):
+    return f"quantized widths {[s.width for s in stores]} are not multiples of 16"
+  return None
+
+
+def fused_decode_choice(implementation: Optional[str], stores, sliding_window,
                         n_query: int) -> tuple[Optional[str], Optional[str]]:
-  """(implementation of the fused decode op for this attend call or None to materialise
-  K/V, the reason when None) (the module doc's dispatch rule)."""
+  """("reference" when `implementation` is "reference_fused" and the fused path applies to
+  this attend call, else None; the reason when None): the CPU tests' route through the
+  fused op's jnp reference."""
+  if implementation != "reference_fused":
+    return None, None
   if n_query != 1:
     return None, "prefill (T > 1): the kernels are decode kernels"
   if sliding_window is not None:
     return None, "sliding-window attention"
   if any(s.bits is None for s in stores):
     return None, "exact (bits=None) stores"
-  if implementation == "reference_fused":
-    return "reference", None
-  if implementation not in (None, "auto", "triton"):   # "reference", "xla": materialise
-    return None, None
-  if dm.resolve(op_implementation(implementation)) != "triton":
-    return None, "triton: needs a GPU"
-  h = spec.head_dim
-  if h < 16 or h & (h - 1):
-    return None, f"triton: head dim {h} is not a power of 2 >= 16"
-  if any(s.width % 16 for s in stores):
-    return None, f"triton: quantized widths {[s.width for s in stores]} are not multiples of 16"
-  return "triton", None
+  return "reference", None
 
 
-@dataclasses.dataclass(frozen=True)
-class _HeadDim:
-  head_dim: int
+def dense_attend(k, v, lens, q, q_positions, lp, spec: ModelSpec, sliding_window,
+                 implementation: Optional[str] = None):
+  """Attention of q over rematerialised k, v [B, S, K, H] (slot s = position s) as a dense
+  cache of them attends (`DenseCache.attend`): its decode kernel (cuDNN, else Triton) at
+  T = 1 on a GPU, else the jnp reference; implementation "reference" forces the latter."""
+  view = DenseCache(k=k, v=v, lens=lens, sliding_window=sliding_window,
+                    implementation=implementation)
+  return view.attend(q, q_positions, lp, spec=spec)
 
 
-def fused_decode_backend(implementation: Optional[str], spec: ModelSpec, stores,
-                         sliding_window, n_query: int) -> Optional[str]:
-  """`fused_decode_choice` without the reason."""
-  return fused_decode_choice(implementation, spec, stores, sliding_window, n_query)[0]
+def rematerialised_kv_fit(q_shape, kv_heads: int, capacity: int, dtype) -> Optional[str]:
+  """None when a dense decode kernel takes K/V [B, capacity, kv_heads, H] of `dtype` for
+  queries [B, N, H] (the "xla" path), else why not."""
+  b, n, h = q_shape
+  q = jax.ShapeDtypeStruct((b, n, h), dtype)
+  kv = jax.ShapeDtypeStruct((b, capacity, kv_heads, h), dtype)
+  lens = jax.ShapeDtypeStruct((b,), jnp.int32)
+  whys = [dense_kernels.kernel_fit(q, kv, kv, lens, name) for name in ("cudnn", "triton")]
+  return None if None in whys else "; ".join(whys)
 
 
 def remat(store: TokenStore, w, implementation: str):
@@ -232,14 +250,6 @@ def kv_from_rows(k_pre, v, lp, spec: ModelSpec, dtype, positions=None):
   return k.astype(dtype), v.astype(dtype)
 
 
-def attend_rows(k, v, lens, q, q_positions, sliding_window):
-  """Standard attention of q over rematerialised k, v (slot s = position s)."""
-  b, s = k.shape[:2]
-  k_pos = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
-  return dot_product_attention(q, k, v, q_positions, k_pos, k_pos < lens[:, None],
-                               sliding_window=sliding_window, out_dtype=q.dtype)
-
-
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class XCache(base.KVCache):
@@ -250,6 +260,8 @@ class XCache(base.KVCache):
   path: str = base.static_field(default="x")
   implementation: Optional[str] = base.static_field(default=None)
   sliding_window: Optional[int] = base.static_field(default=None)
+  kv_heads: int = base.static_field(default=1)
+  dtype: str = base.static_field(default="bfloat16")   # of K/V rematerialised by "xla"
 
   name = "xquant"
 
@@ -282,7 +294,8 @@ class XCache(base.KVCache):
       proj = tuple(jnp.asarray(a, wdt) for a in (uk, rk, uv, rv))
       stores = (mk(uk.shape[1], xspec.key_axis), mk(uv.shape[1], xspec.value_axis))
     return cls(stores=stores, proj=proj, path=path, implementation=xspec.implementation,
-               sliding_window=spec.sliding_window)
+               sliding_window=spec.sliding_window, kv_heads=spec.n_kv_heads,
+               dtype=jnp.dtype(dtype).name)
 
   @property
   def capacity(self) -> int:
@@ -316,24 +329,32 @@ class XCache(base.KVCache):
       v = remat(self.stores[1], rv, impl)
     return kv_from_rows(k_pre, v, lp, spec, dtype)
 
+  def kernel_candidates(self, q_shape):
+    """The decode paths for queries [B, N, H], fastest first (module doc)."""
+    return [("xla", "gpu", lambda: rematerialised_kv_fit(q_shape, self.kv_heads,
+                                                          self.capacity, self.dtype)),
+            ("triton", "gpu", lambda: fused_fit(q_shape[-1], self.stores))]
+
   def choose_implementation(self, q_shape, implementation=None, platform=None):
-    """(implementation of the fused decode op or "reference" = materialise K/V, reason) for
-    queries [B, T, N, H] (`fused_decode_choice`; the platform is detected, not injected)."""
-    del platform
-    impl = self.implementation if implementation is None else implementation
-    fused, reason = fused_decode_choice(impl, _HeadDim(q_shape[-1]), self.stores,
-                                        self.sliding_window, q_shape[1])
-    return ("reference" if fused is None else fused), reason
+    req = self.implementation if implementation is None else implementation
+    if req == "reference_fused":
+      fused, reason = fused_decode_choice(req, self.stores, self.sliding_window, q_shape[1])
+      return ("reference_fused" if fused else dispatch.REFERENCE), reason
+    return self.choose_requested(q_shape, None if req == "auto" else req, platform)
 
   def attend(self, q, q_positions, lp, *, spec: ModelSpec, implementation=None):
-    impl = self.implementation if implementation is None else implementation
-    fused, reason = fused_decode_choice(impl, spec, self.stores, self.sliding_window,
-                                        q.shape[1])
-    dispatch.log_once("xquant", "the materialising path", reason)
-    if fused is not None:
-      return fused_decode(self, q, q_positions, lp, spec, fused)
-    k, v = self.rematerialize(lp, spec, q.dtype, impl)
-    return attend_rows(k, v, self.lengths, q, q_positions, self.sliding_window)
+    req = self.implementation if implementation is None else implementation
+    impl = self.decode_implementation(q.shape, req)
+    if impl == "reference_fused":
+      return fused_decode(self, q, q_positions, lp, spec, "reference")
+    if impl == "triton":
+      return fused_decode(self, q, q_positions, lp, spec, "triton")
+    if impl == "xla":
+      k, v = self.rematerialize(lp, spec, self.dtype, "xla")
+      return dense_attend(k, v, self.lengths, q, q_positions, lp, spec, self.sliding_window)
+    k, v = self.rematerialize(lp, spec, q.dtype, req)
+    return dense_attend(k, v, self.lengths, q, q_positions, lp, spec, self.sliding_window,
+                        dispatch.REFERENCE)
 
   def fused_operands(self, lp):
     """(k_rows, v_rows, wk, wv) of the fused op: X and [W_k, W_v] ("x": shared rows), or

@@ -58,8 +58,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from kvlowrank.cache import base
-from kvlowrank.methods.xquant.cache import (PATHS, XCache, XQuantSpec, as_spec, attend_rows,
-                                    choose_path, kv_from_rows, remat, svd_factors)
+from kvlowrank.cache import dispatch
+from kvlowrank.methods.xquant.cache import (PATHS, XCache, XQuantSpec, as_spec, choose_path,
+                                            dense_attend, kv_from_rows, remat,
+                                            rematerialised_kv_fit, svd_factors)
 from kvlowrank.methods.xquant.store import AXES, TokenStore, _rows
 from kvlowrank_kernels.quant import packing
 from kvlowrank.spec import ModelSpec
@@ -141,8 +143,10 @@ class XCLCache(base.KVCache):
   store: TokenStore            # quantized deltas (D wide, or 2·kv_dim latent)
   u: Optional[jax.Array]       # [D, r] U_kv (latent path; weights) or None
   is_base: bool = base.static_field(default=False)
-  implementation: str = base.static_field(default="reference")
+  implementation: Optional[str] = base.static_field(default=None)
   sliding_window: Optional[int] = base.static_field(default=None)
+  kv_heads: int = base.static_field(default=1)
+  dtype: str = base.static_field(default="bfloat16")   # of K/V rematerialised by "xla"
 
   name = "xquant_cl"
 
@@ -165,7 +169,8 @@ class XCLCache(base.KVCache):
                             group_size=cspec.group_size, window=cspec.window, dtype=dtype,
                             scale_dtype=cspec.scale_dtype, field="XQuantCLSpec")
     return cls(store=store, u=u, is_base=layer == cspec.base_layer,
-               implementation=cspec.implementation, sliding_window=spec.sliding_window)
+               implementation=cspec.implementation, sliding_window=spec.sliding_window,
+               kv_heads=spec.n_kv_heads, dtype=jnp.dtype(dtype).name)
 
   @property
   def capacity(self) -> int:
@@ -178,13 +183,15 @@ class XCLCache(base.KVCache):
   def _zeros_like_acc(self, x):
     return jnp.zeros((x.shape[0], self.capacity, x.shape[-1]), jnp.float32)
 
-  def advance(self, x, positions, acc_prev):
+  def advance(self, x, positions, acc_prev, implementation=None):
     """Stores the new tokens' deltas and returns (cache, X̂_i [B, S, D] fp32).
 
     Args:
       x: [B, T, D] exact layer input of the new tokens.
       positions: [B, T] (< 0 padding).
       acc_prev: [B, S, D] fp32 X̂_{i−1} for all slots (None: base layer, zeros).
+      implementation: the dequant-matmul op of the latent path's deq(·)·U_kvᵀ (default: the
+        cache's own).
     """
     if acc_prev is None:
       if not self.is_base:
@@ -198,16 +205,41 @@ class XCLCache(base.KVCache):
     if self.u is None:
       delta = store.rows(jnp.float32)
     else:   # deq(·)·U_kvᵀ, through the dequant-matmul op for the quantized rows
-      delta = remat(store, self.u.T, self.implementation)
+      impl = self.implementation if implementation is None else implementation
+      delta = remat(store, self.u.T, impl)
     return dataclasses.replace(self, store=store), acc_prev + delta
+
+  def kernel_candidates(self, q_shape):
+    """"xla": K/V projected from X̂_i by one 16-bit GEMM with fp32 accumulation at the cache
+    dtype, then the dense decode kernel over them (cuDNN, else Triton), as XQuant's "xla"
+    path; X̂_i itself is rebuilt in fp32 either way (module doc)."""
+    return [("xla", "gpu", lambda: rematerialised_kv_fit(q_shape, self.kv_heads,
+                                                          self.capacity, self.dtype))]
+
+  def choose_implementation(self, q_shape, implementation=None, platform=None):
+    """The attention path; the names that pick the delta's dequant-matmul op ("auto",
+    "triton") leave it to the fastest that fits, "reference_fused" runs the reference."""
+    req = self.implementation if implementation is None else implementation
+    req = {"auto": None, "triton": None, "reference_fused": dispatch.REFERENCE}.get(req, req)
+    return self.choose_requested(q_shape, req, platform)
 
   def step(self, inputs: base.AttnInputs, q, lp, carry, *, spec: ModelSpec):
     acc_prev = None if self.is_base else carry
+    impl = self.decode_implementation(q.shape)
+    w = jnp.concatenate([lp["wk"], lp["wv"]], axis=1)
+    if impl == "xla":
+      cache, acc = self.advance(inputs.x, inputs.positions, acc_prev, "xla")
+      dt = jnp.dtype(self.dtype)
+      kv = jnp.matmul(acc.astype(dt), w.astype(dt), preferred_element_type=jnp.float32)
+      k, v = kv_from_rows(kv[..., :spec.kv_dim], kv[..., spec.kv_dim:], lp, spec, dt)
+      out, lse = dense_attend(k, v, cache.lengths, q, inputs.positions, lp, spec,
+                              self.sliding_window)
+      return out, lse, cache, acc
     cache, acc = self.advance(inputs.x, inputs.positions, acc_prev)
-    kv = jnp.matmul(acc, jnp.concatenate([lp["wk"], lp["wv"]], axis=1).astype(jnp.float32),
-                    precision=_HI)
+    kv = jnp.matmul(acc, w.astype(jnp.float32), precision=_HI)
     k, v = kv_from_rows(kv[..., :spec.kv_dim], kv[..., spec.kv_dim:], lp, spec, q.dtype)
-    out, lse = attend_rows(k, v, cache.lengths, q, inputs.positions, self.sliding_window)
+    out, lse = dense_attend(k, v, cache.lengths, q, inputs.positions, lp, spec,
+                            self.sliding_window, dispatch.REFERENCE)
     return out, lse, cache, acc
 
   def _needs_carry(self, what):
