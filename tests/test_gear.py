@@ -61,10 +61,21 @@ def ref_power(x, r, seed, iters):
   return a, b
 
 
+def ref_fill(x, m, how):
+  """x with the outliers m replaced along the last axis: "mean" of the other entries
+  (the official code) or "zero" (Eq. 5's X - S read literally)."""
+  if how == "zero":
+    return np.where(m, 0.0, x)
+  mean = np.where(m, 0, x).sum(-1, keepdims=True) / np.maximum((~m).sum(-1, keepdims=True), 1)
+  return np.where(m, mean, x)
+
+
 class GearRef:
   """One sequence, all KV heads: Algorithm 1 (prefill: one r_p factor over the whole
   compressed prompt; decode: the buffer compressed every n_b tokens with its own r_g
-  factor), outliers and quantization per chunk (the contract's choice), mean fill."""
+  factor), outliers and quantization per chunk (the contract's choice), the spec's fill.
+  The stored outlier S is X - D^ at the outliers with mean fill (D^ + S = X there) and X
+  with zero fill (Eq. 4; D^ + S = X + Q(0) there, the low rank sees -Q(0))."""
 
   def __init__(self, gs: GearSpec, h: int):
     self.gs, self.h, self.nb = gs, h, gs.buffer
@@ -81,16 +92,15 @@ class GearRef:
       xt = np.moveaxis(x, 0, -1)                                   # [K, H, nb]
       m = ref_outliers(xt, *outliers.counts(gs.sparsity, self.nb)) if gs.sparsity else \
           np.zeros(xt.shape, bool)
-      mean = np.where(m, 0, xt).sum(-1, keepdims=True) / np.maximum((~m).sum(-1, keepdims=True), 1)
-      fill = np.moveaxis(np.where(m, mean, xt), -1, 0)
+      fill = np.moveaxis(ref_fill(xt, m, gs.outlier_fill), -1, 0)
       m = np.moveaxis(m, -1, 0)
       d, tie = ref_quant(fill, gs.bits, 0, self.kg)
     else:     # vectors: a head's token
       m = ref_outliers(x, *outliers.counts(gs.sparsity, self.h)) if gs.sparsity else \
           np.zeros(x.shape, bool)
-      mean = np.where(m, 0, x).sum(-1, keepdims=True) / np.maximum((~m).sum(-1, keepdims=True), 1)
-      d, tie = ref_quant(np.where(m, mean, x), gs.bits, -1, self.vg)
-    s = np.where(m, (x - d).astype(np.float16).astype(np.float64), 0.0)
+      d, tie = ref_quant(ref_fill(x, m, gs.outlier_fill), gs.bits, -1, self.vg)
+    stored = x - d if gs.outlier_fill == "mean" else x
+    s = np.where(m, stored.astype(np.float16).astype(np.float64), 0.0)
     return d + s, x - d - s, tie.any(-1)
 
   def _compress(self, xk, xv, rank):
@@ -171,11 +181,11 @@ def _attend_both(cache, q, pos):
   return out, lse, dense, dlse
 
 
-def run_stream(gs, prefill_lens, n_decode, seed, corrupt=None, spec=SPEC):
+def run_stream(gs, prefill_lens, n_decode, seed, corrupt=None, spec=SPEC, ref_spec=None):
   """Ragged prefill then decode steps on random K/V (channel-dependent ranges, a few
   spikes); checks the cache against GearRef after every step and attend against dense
   attention over materialize(). corrupt: f(cache) -> cache applied before the final
-  check (negative controls)."""
+  check; ref_spec: the reference's spec if not gs (negative controls)."""
   rng = np.random.default_rng(seed)
   bsz, kh, h = len(prefill_lens), spec.n_kv_heads, spec.head_dim
   t0 = max(prefill_lens)
@@ -188,7 +198,7 @@ def run_stream(gs, prefill_lens, n_decode, seed, corrupt=None, spec=SPEC):
 
   k, v = mk(t0), mk(t0)
   pos = np.where(np.arange(t0)[None] < np.array(prefill_lens)[:, None], np.arange(t0), -1)
-  refs = [GearRef(gs, h) for _ in prefill_lens]
+  refs = [GearRef(ref_spec or gs, h) for _ in prefill_lens]
   for b, n in enumerate(prefill_lens):
     refs[b].prefill(k[b, :n].astype(np.float64), v[b, :n].astype(np.float64))
   cache = _update(cache, jnp.asarray(k), jnp.asarray(v), jnp.asarray(pos, jnp.int32))
@@ -217,11 +227,16 @@ def run_stream(gs, prefill_lens, n_decode, seed, corrupt=None, spec=SPEC):
   return cache, refs
 
 
+ZERO_FILL = dataclasses.replace(GSPEC, outlier_fill="zero")
+
+
 @pytest.mark.parametrize("gs", [
     GSPEC,                                                      # GEAR (Q + S + L)
+    ZERO_FILL,                                                  # GEAR, outliers -> 0
     dataclasses.replace(GSPEC, sparsity=0.0),                   # GEAR-L (Q + L)
     dataclasses.replace(GSPEC, rank_prefill=0, rank_chunk=0),   # outlier-only (Q + S)
-], ids=["gear", "gear_l", "outlier"])
+    dataclasses.replace(ZERO_FILL, rank_prefill=0, rank_chunk=0),
+], ids=["gear", "gear_zero_fill", "gear_l", "outlier", "outlier_zero_fill"])
 def test_matches_reference_around_buffer_boundary(gs):
   """Prefill n_b - 1, n_b, n_b + 1 tokens (GQA, batch 3), then decode across two more
   chunk boundaries."""
@@ -229,7 +244,8 @@ def test_matches_reference_around_buffer_boundary(gs):
   assert [int(x) for x in cache.n_pchunks] == [0, 1, 1]
   q_len, w_len = cache.segments()
   assert np.all(np.asarray(q_len) % gs.buffer == 0)
-  assert gs.variant == ("gear" if gs is GSPEC else "gear_l" if gs.sparsity == 0 else "outlier")
+  lowrank = gs.rank_prefill > 0
+  assert gs.variant == ("gear_l" if gs.sparsity == 0 else "gear" if lowrank else "outlier")
   assert (cache.sk_idx is None) == (gs.sparsity == 0)
   assert (cache.a_k is None) == (gs.rank_prefill == gs.rank_chunk == 0)
 
@@ -245,15 +261,25 @@ def test_kcvt_4bit_and_long_prefill_match_reference():
   assert cache.store.keys.group == 8 and cache.store.values.group == SPEC.head_dim
 
 
-def test_negative_control_dropped_chunk_factors_fail():
+@pytest.mark.parametrize("gs", [GSPEC, ZERO_FILL], ids=["mean_fill", "zero_fill"])
+def test_negative_control_dropped_chunk_factors_fail(gs):
   """Zeroing one streaming chunk's right factors (keys) must break the comparison."""
-  run_stream(GSPEC, (7, 8, 9), 9, seed=2)
+  run_stream(gs, (7, 8, 9), 9, seed=2)
 
   def drop(c):
     return dataclasses.replace(c, b_k=c.b_k.at[0, :, 1].set(0))   # row 0, chunk 1 (tokens 8-15)
 
-  with pytest.raises(AssertionError):
-    run_stream(GSPEC, (7, 8, 9), 9, seed=2, corrupt=drop)
+  with pytest.raises(AssertionError, match="Not equal to tolerance"):
+    run_stream(gs, (7, 8, 9), 9, seed=2, corrupt=drop)
+
+
+@pytest.mark.parametrize("gs,other", [(GSPEC, ZERO_FILL), (ZERO_FILL, GSPEC)],
+                         ids=["mean_vs_zero_ref", "zero_vs_mean_ref"])
+def test_negative_control_other_fill_reference_fails(gs, other):
+  """The two fills give different caches: each fails against the other's reference (so
+  the reference's fill is what the parametrized comparison checks)."""
+  with pytest.raises(AssertionError, match="Not equal to tolerance"):
+    run_stream(gs, (7, 8, 9), 0, seed=1, ref_spec=other)
 
 
 def test_power_iteration_recovers_exact_low_rank():
