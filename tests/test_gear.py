@@ -379,6 +379,43 @@ def test_nbytes_equals_arithmetic():
   assert oo.nbytes_breakdown()["low_rank_left"] == 0
 
 
+def test_kv_size_in_both_conventions_equals_hand_arithmetic():
+  """kv_size on SmolLM2 (30 layers x 3 KV heads x H = 64; bf16 K + V = 30 x 3 x 256 =
+  23040 B/token). Honest, per layer and KV head: 2-bit KIVI codes 2 x 16 B + scale/zero
+  4 + 4 B (40 B backbone), left factors 2 x 2 RA B, right factors 2 x 2 x 64 r_g / 64 B,
+  outliers 3 B each (2 per 64-token key channel chunk: 6 B/token; 2 per value token: 6 B).
+  Paper convention: backbone + 23040 x (1.9 r_p / 4 + 2 s [KIVI] or s [KCVT]) / 100."""
+  from kvlowrank.methods.gear.size import kv_size
+  smol = ModelSpec(vocab_size=49152, dim=576, n_layers=30, n_heads=9, n_kv_heads=3,
+                   head_dim=64, ffn_dim=1536, tie_embeddings=True)
+  per = 30 * 3
+  gear2 = kv_size(smol, GearSpec())                               # s = 2 %, r = 4/2
+  assert gear2.dense == 23040
+  assert gear2.honest == (40 + 16 + 8 + 12) * per == 6840
+  assert gear2.paper_table9 == pytest.approx(40 * per + 23040 * (1.9 + 4.0) / 100)  # 4959.36
+  assert round(gear2.percent("honest"), 1) == 29.7
+  assert round(gear2.percent("paper_table9"), 1) == 21.5
+  gear_l = kv_size(smol, GearSpec(sparsity=0.0, rank_prefill=8, rank_chunk=4))
+  assert gear_l.honest == (40 + 32 + 16) * per
+  assert gear_l.paper_table9 == pytest.approx(40 * per + 23040 * 1.9 * 2 / 100)
+  # 4-bit KCVT: codes 2 x 32 B, one key scale/zero per 64-token channel chunk and one value
+  # scale/zero per token (4 + 4 B): 72 B; Table 9's sparse cost over KCVT is s, not 2 s.
+  kcvt = dict(backbone="kcvt", bits=4)
+  gear4 = kv_size(smol, GearSpec(**kcvt))
+  assert gear4.honest == (72 + 16 + 8 + 12) * per
+  assert gear4.paper_table9 == pytest.approx(72 * per + 23040 * (1.9 + 2.0) / 100)
+  outlier4 = kv_size(smol, GearSpec(**kcvt, rank_prefill=0, rank_chunk=0))
+  assert outlier4.paper_table9 == pytest.approx(72 * per + 23040 * 2.0 / 100)
+  # The honest figure is the cache's own count (and the registry's).
+  from kvlowrank.methods import get_method
+  assert gear2.honest == get_method("gear").kv_bytes_per_token(smol, GearSpec(), None, None)
+  # Negative control: the conventions agree on a bare backbone and differ once S or L is
+  # on (the paper's overheads are below the fp16 factors' and indexed outliers' bytes).
+  bare = kv_size(smol, GearSpec(sparsity=0.0, rank_prefill=0, rank_chunk=0))
+  assert bare.honest == bare.paper_table9 == 40 * per
+  assert gear2.honest - gear2.paper_table9 > 0.08 * 23040
+
+
 @pytest.mark.parametrize("kwargs,field", [
     (dict(sparsity=-1.0), "GearSpec.sparsity"), (dict(sparsity=100.0), "GearSpec.sparsity"),
     (dict(buffer=48), "GearSpec.buffer"), (dict(buffer=300, group_size=60), "GearSpec.buffer"),
