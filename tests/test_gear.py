@@ -282,6 +282,58 @@ def test_negative_control_other_fill_reference_fails(gs, other):
     run_stream(gs, (7, 8, 9), 0, seed=1, ref_spec=other)
 
 
+def _padded_call(rng, k, v, n_valid, t, first):
+  """The eviction wrapper's layout: row r's n_valid[r] tokens (consecutive positions from
+  first[r], in order) at random columns of a T-column call, the rest padding (-1) holding
+  garbage K/V."""
+  b, _, kh, h = k.shape
+  cols = [np.sort(rng.choice(t, n, replace=False)) for n in n_valid]
+  kp = rng.standard_normal((b, t, kh, h)).astype(np.float32) * 50
+  vp = rng.standard_normal((b, t, kh, h)).astype(np.float32) * 50
+  pos = np.full((b, t), -1, np.int32)
+  for r, c in enumerate(cols):
+    kp[r, c], vp[r, c] = k[r, :len(c)], v[r, :len(c)]
+    pos[r, c] = first[r] + np.arange(len(c))
+  return jnp.asarray(kp), jnp.asarray(vp), jnp.asarray(pos)
+
+
+def test_padding_anywhere_in_a_row_equals_the_compacted_call():
+  """The eviction wrapper (`methods.evict`) calls update with every candidate: evicted
+  ones as padding (position -1) anywhere in a row, admitted ones at consecutive slots, and
+  a decode step as W + 1 candidates of which at most one is valid. The cache must equal
+  the one fed only the valid tokens (ragged prefill, then one-token steps): in particular
+  a row whose first chunk completes in a padded one-token step gets a streaming (r_g)
+  factor, not the prefill factor."""
+  rng = np.random.default_rng(8)
+  kh, h = SPEC.n_kv_heads, SPEC.head_dim
+  lens = np.array([13, 6])                     # row 1's first chunk completes in decode
+  mk = lambda t: (rng.standard_normal((2, t, kh, h)) * np.linspace(1, 6, h)).astype(np.float32)
+  k, v = mk(13), mk(13)
+  ref = GearCache.init(GSPEC, SPEC, batch=2, capacity=48, dtype=jnp.float32)
+  pos = np.where(np.arange(13)[None] < lens[:, None], np.arange(13), -1).astype(np.int32)
+  ref = prefilled = _update(ref, jnp.asarray(k), jnp.asarray(v), jnp.asarray(pos))
+  empty = GearCache.init(GSPEC, SPEC, batch=2, capacity=48, dtype=jnp.float32)
+  got = _update(empty, *_padded_call(rng, k, v, lens, 20, [0, 0]))
+  # Negative control below: two tokens swapped in the padded call.
+  swapped = _update(empty, *_padded_call(rng, k[:, [1, 0] + list(range(2, 13))], v, lens,
+                                         20, [0, 0]))
+  for step in range(12):
+    k1, v1 = mk(1), mk(1)
+    live = np.array([step % 3 != 1, True])    # row 0 idles on some steps
+    ref = _update(ref, jnp.asarray(k1), jnp.asarray(v1),
+                  jnp.asarray(np.where(live, lens, -1)[:, None], jnp.int32))
+    got = _update(got, *_padded_call(rng, k1, v1, live.astype(int), 5, lens))
+    lens = lens + live
+  assert [int(x) for x in got.n_pchunks] == [1, 0] == [int(x) for x in ref.n_pchunks]
+  assert [int(x) for x in got.lens] == [int(x) for x in ref.lens]
+  for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(ref)):
+    np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32),
+                               atol=1e-5, rtol=1e-5)
+  # Negative control: the padded prefill with two tokens swapped is another cache.
+  assert np.abs(np.asarray(_materialize(swapped)[0]) -
+                np.asarray(_materialize(prefilled)[0])).max() > 0.1
+
+
 def test_power_iteration_recovers_exact_low_rank():
   rng = np.random.default_rng(0)
   pi = jax.jit(power.power_iteration, static_argnums=2)
