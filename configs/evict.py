@@ -1,12 +1,13 @@
-r"""SnapKV-style eviction (kvlowrank.methods.evict) around the dense and KIVI caches.
+r"""SnapKV-style eviction (kvlowrank.methods.evict) around the dense, KIVI and GEAR caches.
 
   python experiments/evaluate.py --config=configs/evict.py:inner=kivi,budget=128 --workdir=runs/evict
   python experiments/evaluate.py --config=configs/evict.py:smoke --workdir=/tmp/smoke
   python experiments/sweep.py --config=configs/evict.py --workdir=runs/evict_sweep
 
-Args after `:` (k=v, comma-separated): model, inner (dense | kivi | any supported cache
-with its knobs under --config.evict.inner_specs.<inner>.*), budget (tokens kept per
-sequence and layer), window (recent tokens never evicted), bits (KIVI inner), seq_len,
+Args after `:` (k=v, comma-separated): model, inner (dense | kivi | gear | zack where
+registered: the caches with a section below, knobs via --config.evict.inner_specs.<inner>.*;
+also palu, xquant, fdc at their defaults; never xquant_cl), budget (tokens kept per
+sequence and layer), window (recent tokens never evicted), bits (KIVI/GEAR inner), seq_len,
 windows, prompt_len (decode mode: prompt prefilled in one call, then one token per call),
 smoke (stories260K, < 2 min; the random tiny model for inner=zack). get_sweep(): budgets {128, 256} x inner {dense, KIVI-2}.
 Eviction is judged in decode mode (SnapKV compresses at the end of the prompt), so only
@@ -14,6 +15,9 @@ that mode runs; kv_bytes_per_token counts the budget's share of a seq_len contex
 
 KIVI inside the budget: G = 32 and an exact residual R = 32 (not KIVI's 128): the inner
 cache holds budget - window tokens, and with R >= that KIVI would never quantize anything.
+GEAR inside the budget: the paper's GEAR (s = 2 %, r_p = 4, r_g = 2) over KIVI with
+g = n_b = 32 instead of 64, for the same reason (its n_b-token buffer stays exact). Not
+measured here (no expected numbers below).
 
 Stacking (issue 22 item 5): where the rotated caches are registered (`fdc` / `zack`), the
 config also holds inner_specs.zack (ZACK at 50% widths, 4-bit K'/V' KIVI-style, R = 32)
@@ -63,7 +67,9 @@ def get_config(arg=None):
       inner_specs=ConfigDict(dict(
           dense=ConfigDict(),
           kivi=ConfigDict(dict(bits=arg.bits, group_size=32, residual=32,
-                               scale_dtype="float16"))))))
+                               scale_dtype="float16")),
+          gear=ConfigDict(dict(bits=arg.bits, group_size=32, buffer=32, sparsity=2.0,
+                               rank_prefill=4, rank_chunk=2))))))
   if STACK:
     c.evict.inner_specs.zack = ConfigDict(dict(target_ratio=0.5, bits=4, group_size=16,
                                                residual=32, calibration="random"))
@@ -82,6 +88,8 @@ def get_config(arg=None):
     c.evict.bytes_context = c.eval.seq_len
     c.evict.inner_specs.kivi.group_size = 8     # head dim 8
     c.evict.inner_specs.kivi.residual = 16
+    c.evict.inner_specs.gear.group_size = 8     # as configs/gear.py's smoke
+    c.evict.inner_specs.gear.buffer = 16
     if arg.inner in ("zack", "fdc"):
       # Widths are multiples of 8 or more: stories260K's head dim 8 leaves nothing to
       # remove; the random tiny model (head dim 32) is the rotated family's smoke model.

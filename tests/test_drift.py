@@ -2,7 +2,8 @@
 generation path (token for token kvlowrank.generate), dense vs dense is exactly match 1 /
 KL 0, and the KL of a perturbed model equals a float64 numpy computation along the dense
 trajectory (negative controls: a perturbed model or a 2-bit cache drifts; the reverse KL
-direction does not match)."""
+direction does not match); a full-rank GEAR cache stays on the dense trajectory where its
+bare 2-bit backbone drifts."""
 
 import jax
 import jax.numpy as jnp
@@ -12,7 +13,7 @@ import pytest
 from kvlowrank import ModelSpec
 from kvlowrank.eval import drift as drift_lib
 from kvlowrank.generate import generate
-from kvlowrank.methods import DenseSpec, KiviSpec
+from kvlowrank.methods import DenseSpec, GearSpec, KiviSpec
 from kvlowrank.model import init_params
 from np_reference import np_forward
 
@@ -38,9 +39,15 @@ def _np_logp(params, seq, first, n):
   return logits - m - np.log(np.exp(logits - m).sum(-1, keepdims=True))
 
 
+# GEAR over 2-bit KIVI (g = 4) with an 8-token buffer: the 8-token prompt is one prefill
+# chunk, the 12 generated tokens complete one more chunk.
+GEAR = dict(bits=2, group_size=4, buffer=8)
+
+
 @pytest.mark.parametrize("method,mspec", [("dense", DenseSpec()),
                                           ("kivi", KiviSpec(bits=2, group_size=4,
-                                                            residual=4))])
+                                                            residual=4)),
+                                          ("gear", GearSpec(**GEAR))])
 def test_rollout_is_the_generation_path(method, mspec):
   toks, logp = drift_lib.rollout(PARAMS, SPEC, PROMPTS, N, method=method, method_spec=mspec,
                                  cache_dtype=F32)
@@ -84,6 +91,24 @@ def test_compressed_cache_drifts():
                       method_spec=KiviSpec(bits=2, group_size=4, residual=0),
                       cache_dtype=F32)
   assert r.kl > 1e-4 and 0.0 <= r.greedy_match <= 1.0
+
+
+def test_gear_cache_drift_full_rank_is_lossless_backbone_drifts():
+  """GEAR at rank r_p = r_g = n_b = H = 8: each compressed chunk's residual (8 x 8) has
+  rank <= 8, so the power iteration's orthonormal A spans it and D^ + S + A B^T = X up to
+  the fp16 rounding of A and B: the greedy tokens are the dense ones and the KL is at
+  round-off level. Negative control: the same 2-bit backbone without S and L drifts; the
+  paper's GEAR (s > 0, r below full) lies in between."""
+  def run(**kw):
+    return drift_lib.drift(PARAMS, PARAMS, SPEC, PROMPTS, N, method="gear",
+                           method_spec=GearSpec(**GEAR, **kw), cache_dtype=F32)
+  full = run(sparsity=0.0, rank_prefill=8, rank_chunk=8)
+  bare = run(sparsity=0.0, rank_prefill=0, rank_chunk=0)
+  gear = run(sparsity=20.0, rank_prefill=4, rank_chunk=2)
+  assert full.greedy_match == 1.0 and full.first_mismatch == N
+  assert full.kl < 1e-5 and full.kl_max < 1e-4
+  assert bare.kl > 1e-2 and bare.greedy_match < 1.0
+  assert full.kl < gear.kl < bare.kl
 
 
 def test_precomputed_reference_is_used_and_errors_name_the_argument():

@@ -1,7 +1,7 @@
 """Eviction wrapper (kvlowrank.methods.evict): the SnapKV policy vs a float64 numpy
 transcription, the window and budget invariants through the model, transparency when
-nothing is evicted (dense attention / the plain inner cache), dense and KIVI inner caches
-in forward, decode-mode perplexity and greedy generation, config errors."""
+nothing is evicted (dense attention / the plain inner cache), dense, KIVI and GEAR inner
+caches in forward, decode-mode perplexity and greedy generation, config errors."""
 
 import jax
 import jax.numpy as jnp
@@ -20,6 +20,9 @@ from kvlowrank.spec import ModelSpec
 SPEC = ModelSpec(vocab_size=64, dim=32, n_layers=1, n_heads=4, n_kv_heads=2, head_dim=16,
                  ffn_dim=64, max_seq_len=128)
 KIVI = {"bits": 2, "group_size": 8, "residual": 16}
+# GEAR over 2-bit KIVI (g = 4), n_b = 8, s = 20 %, r_p = 4, r_g = 2.
+GEAR = {"bits": 2, "group_size": 4, "buffer": 8, "sparsity": 20.0, "rank_prefill": 4,
+        "rank_chunk": 2}
 _forward = jax.jit(forward, static_argnums=(4,))
 _materialize = jax.jit(lambda cache: cache.materialize())
 
@@ -30,7 +33,7 @@ def params():
 
 
 def _spec(inner="dense", **kw):
-  return EvictSpec(inner=inner, inner_specs={"kivi": KIVI}, **kw)
+  return EvictSpec(inner=inner, inner_specs={"kivi": KIVI, "gear": GEAR}, **kw)
 
 
 def _run(params, es, tokens, prompt, method="evict", dtype=jnp.float32, capacity=None):
@@ -160,10 +163,13 @@ def test_prefill_selection_equals_snapkv_on_the_layer_inputs(params):
   assert not np.array_equal(np.asarray(valid[0]), first)
 
 
-@pytest.mark.parametrize("inner", ["kivi"])
+@pytest.mark.parametrize("inner", ["kivi", "gear"])
 def test_window_kept_and_budget_respected_through_decode(params, inner):
   b, t, prompt, budget, window = 2, 48, 24, 20, 6
   _, states = _run(params, _spec(inner, budget=budget, window=window), _tokens(b, t), prompt)
+  if inner == "gear":   # 14 inner tokens: one compressed 8-token chunk (prefill factor) + 6
+    assert np.asarray(states[-1][0].inner.lens).tolist() == [14, 14]
+    assert np.asarray(states[-1][0].inner.n_pchunks).tolist() == [1, 1]
   for caches in states:
     for cache in caches:
       n = int(cache.lens[0])
@@ -205,6 +211,71 @@ def test_kivi_inner_with_budget_covering_sequence_equals_kivi(params, window):
   pos = jnp.broadcast_to(jnp.arange(t), (b, t))
   exact, _ = _forward(params, tokens, pos, None, SPEC)
   assert np.abs(np.asarray(exact) - np.asarray(ref)).max() > 1e-2
+
+
+@pytest.mark.parametrize("prompt", [20, 5])
+def test_gear_inner_with_budget_covering_sequence_equals_gear(params, prompt):
+  """prompt 20: two chunks get GEAR's prefill factor; prompt 5 < n_b: the first chunk
+  completes in a decode step, which the wrapper pads to W + 1 candidates (one valid), and
+  must get a streaming (r_g) factor as in plain GEAR."""
+  from kvlowrank.methods import GearSpec  # pylint: disable=import-outside-toplevel
+  b, t = 2, 40
+  tokens = _tokens(b, t)
+  got, states = _run(params, _spec("gear", budget=64, window=8), tokens, prompt)
+  ref, ref_states = _run(params, GearSpec(**GEAR), tokens, prompt, method="gear")
+  np.testing.assert_array_equal(np.asarray(got), np.asarray(ref))
+  assert states[-1][0].ring == "exact"
+  np.testing.assert_array_equal(np.asarray(states[-1][0].inner.n_pchunks),
+                                np.asarray(ref_states[-1][0].n_pchunks))
+  # Negative controls: GEAR's compression is active (exact attention differs), and with
+  # eviction active the wrapper's output is not plain GEAR's.
+  pos = jnp.broadcast_to(jnp.arange(t), (b, t))
+  exact, _ = _forward(params, tokens, pos, None, SPEC)
+  assert np.abs(np.asarray(exact) - np.asarray(ref)).max() > 1e-2
+  small, _ = _run(params, _spec("gear", budget=16, window=6), tokens, prompt)
+  assert np.abs(np.asarray(small) - np.asarray(ref)).max() > 1e-2
+
+
+def test_gear_inner_holds_the_kept_tokens_as_plain_gear_would(params):
+  """After an evicting one-call prefill, layer 0's inner GEAR cache equals a plain GEAR
+  cache fed only the kept tokens' keys and values (that layer's own), in position order
+  at consecutive slots: the padding of the evicted candidates leaves no trace."""
+  from kvlowrank.methods import GearCache, GearSpec  # pylint: disable=import-outside-toplevel
+  b, t, budget, window = 2, 40, 20, 6
+  tokens = _tokens(b, t, seed=4)
+  pos = np.tile(np.arange(t, dtype=np.int32), (b, 1))
+  pos[1, :3] = -1                                        # ragged: row 1 left-padded
+  caches = init_caches("evict", _spec("gear", budget=budget, window=window), SPEC, params,
+                       batch=b, capacity=t, dtype=jnp.float32)
+  _, caches = _forward(params, tokens, jnp.asarray(pos), caches, SPEC)
+  inner, pos_map = caches[0].inner, np.asarray(caches[0].pos_map)
+  lp = params["layers"][0]
+  h = rms_norm(params["embed"][tokens], lp["attn_norm"], SPEC.norm_eps)
+  _, inputs = qkv_projections(lp, h, jnp.asarray(pos), SPEC)
+  n = budget - window
+  assert np.all(pos_map < t) and np.all(np.diff(pos_map, axis=1) > 0)   # full, in order
+
+  def plain(kept):
+    k, v = (jnp.asarray(np.stack([np.asarray(a[r])[kept[r]] for r in range(b)]))
+            for a in (inputs.k, inputs.v))
+    cache = GearCache.init(GearSpec(**GEAR), SPEC, batch=b, capacity=n, dtype=jnp.float32)
+    return cache.update(base.AttnInputs(x=None, k=k, k_pre=k, v=v, positions=jnp.asarray(
+        np.tile(np.arange(n, dtype=np.int32), (b, 1)))), {})
+
+  ref = plain(pos_map)
+  for a, r in zip(jax.tree.leaves(inner), jax.tree.leaves(ref)):
+    a, r = np.asarray(a), np.asarray(r)
+    if not np.issubdtype(r.dtype, np.floating):   # codes, outlier indices, lengths
+      np.testing.assert_array_equal(a, r)
+    else:   # K recomputed outside the jitted forward: fp16 factors may round 1 ulp apart
+      r = r.astype(np.float32)
+      np.testing.assert_allclose(a.astype(np.float32), r, rtol=0,
+                                 atol=2 ** -10 * max(1.0, np.abs(r).max()))
+  # Negative control: the first n valid tokens (no selection) give another cache.
+  first = np.stack([np.flatnonzero(pos[r] >= 0)[:n] for r in range(b)])
+  assert not np.array_equal(first, pos_map)
+  assert np.abs(np.asarray(_materialize(plain(first))[0]) -
+                np.asarray(_materialize(inner)[0])).max() > 1e-2
 
 
 def test_ring_through_a_scratch_inner_cache_matches_exact_ring(params):
@@ -289,6 +360,8 @@ def test_bad_config_is_one_line_naming_the_field(section, match):
 
 @pytest.mark.parametrize("section, match", [
     ({"inner": "xquant_cl"}, "EvictSpec.inner='xquant_cl' is not supported"),
+    ({"inner": "gear", "inner_specs": {"gear": {"group_size": 32, "buffer": 32}}},
+     "config.gear.group_size"),
     ({"inner": "palu", "ring": "exact"}, "EvictSpec.ring='exact'"),
     ({"inner": "kivi", "inner_specs": {"kivi": {"group_size": 12, "residual": 24}}},
      "group_size"),
@@ -313,6 +386,11 @@ def test_config_file_and_sweep_build():
   assert {(s.inner, s.budget) for s in inners} >= {(i, b) for i in ("dense", "kivi")
                                                    for b in (128, 256)}
   assert inners[3].inner_spec == KiviSpec(bits=2, group_size=32, residual=32)
+  from kvlowrank.methods import GearSpec  # pylint: disable=import-outside-toplevel
+  gear = from_config(module.get_config("inner=gear")).method_spec
+  assert gear.inner == "gear" and gear.inner_spec == GearSpec(group_size=32, buffer=32)
+  assert from_config(module.get_config("inner=gear,smoke=True")).method_spec.inner_spec == \
+      GearSpec(group_size=8, buffer=16)
   with pytest.raises(ValueError, match="EvictSpec.budget"):
     from_config(module.get_config("budget=16,window=32"))
   with pytest.raises(ValueError, match="unknown config arg 'bitz'"):

@@ -61,10 +61,21 @@ def ref_power(x, r, seed, iters):
   return a, b
 
 
+def ref_fill(x, m, how):
+  """x with the outliers m replaced along the last axis: "mean" of the other entries
+  (the official code) or "zero" (Eq. 5's X - S read literally)."""
+  if how == "zero":
+    return np.where(m, 0.0, x)
+  mean = np.where(m, 0, x).sum(-1, keepdims=True) / np.maximum((~m).sum(-1, keepdims=True), 1)
+  return np.where(m, mean, x)
+
+
 class GearRef:
   """One sequence, all KV heads: Algorithm 1 (prefill: one r_p factor over the whole
   compressed prompt; decode: the buffer compressed every n_b tokens with its own r_g
-  factor), outliers and quantization per chunk (the contract's choice), mean fill."""
+  factor), outliers and quantization per chunk (the contract's choice), the spec's fill.
+  The stored outlier S is X - D^ at the outliers with mean fill (D^ + S = X there) and X
+  with zero fill (Eq. 4; D^ + S = X + Q(0) there, the low rank sees -Q(0))."""
 
   def __init__(self, gs: GearSpec, h: int):
     self.gs, self.h, self.nb = gs, h, gs.buffer
@@ -81,16 +92,15 @@ class GearRef:
       xt = np.moveaxis(x, 0, -1)                                   # [K, H, nb]
       m = ref_outliers(xt, *outliers.counts(gs.sparsity, self.nb)) if gs.sparsity else \
           np.zeros(xt.shape, bool)
-      mean = np.where(m, 0, xt).sum(-1, keepdims=True) / np.maximum((~m).sum(-1, keepdims=True), 1)
-      fill = np.moveaxis(np.where(m, mean, xt), -1, 0)
+      fill = np.moveaxis(ref_fill(xt, m, gs.outlier_fill), -1, 0)
       m = np.moveaxis(m, -1, 0)
       d, tie = ref_quant(fill, gs.bits, 0, self.kg)
     else:     # vectors: a head's token
       m = ref_outliers(x, *outliers.counts(gs.sparsity, self.h)) if gs.sparsity else \
           np.zeros(x.shape, bool)
-      mean = np.where(m, 0, x).sum(-1, keepdims=True) / np.maximum((~m).sum(-1, keepdims=True), 1)
-      d, tie = ref_quant(np.where(m, mean, x), gs.bits, -1, self.vg)
-    s = np.where(m, (x - d).astype(np.float16).astype(np.float64), 0.0)
+      d, tie = ref_quant(ref_fill(x, m, gs.outlier_fill), gs.bits, -1, self.vg)
+    stored = x - d if gs.outlier_fill == "mean" else x
+    s = np.where(m, stored.astype(np.float16).astype(np.float64), 0.0)
     return d + s, x - d - s, tie.any(-1)
 
   def _compress(self, xk, xv, rank):
@@ -171,11 +181,11 @@ def _attend_both(cache, q, pos):
   return out, lse, dense, dlse
 
 
-def run_stream(gs, prefill_lens, n_decode, seed, corrupt=None, spec=SPEC):
+def run_stream(gs, prefill_lens, n_decode, seed, corrupt=None, spec=SPEC, ref_spec=None):
   """Ragged prefill then decode steps on random K/V (channel-dependent ranges, a few
   spikes); checks the cache against GearRef after every step and attend against dense
   attention over materialize(). corrupt: f(cache) -> cache applied before the final
-  check (negative controls)."""
+  check; ref_spec: the reference's spec if not gs (negative controls)."""
   rng = np.random.default_rng(seed)
   bsz, kh, h = len(prefill_lens), spec.n_kv_heads, spec.head_dim
   t0 = max(prefill_lens)
@@ -188,7 +198,7 @@ def run_stream(gs, prefill_lens, n_decode, seed, corrupt=None, spec=SPEC):
 
   k, v = mk(t0), mk(t0)
   pos = np.where(np.arange(t0)[None] < np.array(prefill_lens)[:, None], np.arange(t0), -1)
-  refs = [GearRef(gs, h) for _ in prefill_lens]
+  refs = [GearRef(ref_spec or gs, h) for _ in prefill_lens]
   for b, n in enumerate(prefill_lens):
     refs[b].prefill(k[b, :n].astype(np.float64), v[b, :n].astype(np.float64))
   cache = _update(cache, jnp.asarray(k), jnp.asarray(v), jnp.asarray(pos, jnp.int32))
@@ -217,11 +227,16 @@ def run_stream(gs, prefill_lens, n_decode, seed, corrupt=None, spec=SPEC):
   return cache, refs
 
 
+ZERO_FILL = dataclasses.replace(GSPEC, outlier_fill="zero")
+
+
 @pytest.mark.parametrize("gs", [
     GSPEC,                                                      # GEAR (Q + S + L)
+    ZERO_FILL,                                                  # GEAR, outliers -> 0
     dataclasses.replace(GSPEC, sparsity=0.0),                   # GEAR-L (Q + L)
     dataclasses.replace(GSPEC, rank_prefill=0, rank_chunk=0),   # outlier-only (Q + S)
-], ids=["gear", "gear_l", "outlier"])
+    dataclasses.replace(ZERO_FILL, rank_prefill=0, rank_chunk=0),
+], ids=["gear", "gear_zero_fill", "gear_l", "outlier", "outlier_zero_fill"])
 def test_matches_reference_around_buffer_boundary(gs):
   """Prefill n_b - 1, n_b, n_b + 1 tokens (GQA, batch 3), then decode across two more
   chunk boundaries."""
@@ -229,7 +244,8 @@ def test_matches_reference_around_buffer_boundary(gs):
   assert [int(x) for x in cache.n_pchunks] == [0, 1, 1]
   q_len, w_len = cache.segments()
   assert np.all(np.asarray(q_len) % gs.buffer == 0)
-  assert gs.variant == ("gear" if gs is GSPEC else "gear_l" if gs.sparsity == 0 else "outlier")
+  lowrank = gs.rank_prefill > 0
+  assert gs.variant == ("gear_l" if gs.sparsity == 0 else "gear" if lowrank else "outlier")
   assert (cache.sk_idx is None) == (gs.sparsity == 0)
   assert (cache.a_k is None) == (gs.rank_prefill == gs.rank_chunk == 0)
 
@@ -245,15 +261,77 @@ def test_kcvt_4bit_and_long_prefill_match_reference():
   assert cache.store.keys.group == 8 and cache.store.values.group == SPEC.head_dim
 
 
-def test_negative_control_dropped_chunk_factors_fail():
+@pytest.mark.parametrize("gs", [GSPEC, ZERO_FILL], ids=["mean_fill", "zero_fill"])
+def test_negative_control_dropped_chunk_factors_fail(gs):
   """Zeroing one streaming chunk's right factors (keys) must break the comparison."""
-  run_stream(GSPEC, (7, 8, 9), 9, seed=2)
+  run_stream(gs, (7, 8, 9), 9, seed=2)
 
   def drop(c):
     return dataclasses.replace(c, b_k=c.b_k.at[0, :, 1].set(0))   # row 0, chunk 1 (tokens 8-15)
 
-  with pytest.raises(AssertionError):
-    run_stream(GSPEC, (7, 8, 9), 9, seed=2, corrupt=drop)
+  with pytest.raises(AssertionError, match="Not equal to tolerance"):
+    run_stream(gs, (7, 8, 9), 9, seed=2, corrupt=drop)
+
+
+@pytest.mark.parametrize("gs,other", [(GSPEC, ZERO_FILL), (ZERO_FILL, GSPEC)],
+                         ids=["mean_vs_zero_ref", "zero_vs_mean_ref"])
+def test_negative_control_other_fill_reference_fails(gs, other):
+  """The two fills give different caches: each fails against the other's reference (so
+  the reference's fill is what the parametrized comparison checks)."""
+  with pytest.raises(AssertionError, match="Not equal to tolerance"):
+    run_stream(gs, (7, 8, 9), 0, seed=1, ref_spec=other)
+
+
+def _padded_call(rng, k, v, n_valid, t, first):
+  """The eviction wrapper's layout: row r's n_valid[r] tokens (consecutive positions from
+  first[r], in order) at random columns of a T-column call, the rest padding (-1) holding
+  garbage K/V."""
+  b, _, kh, h = k.shape
+  cols = [np.sort(rng.choice(t, n, replace=False)) for n in n_valid]
+  kp = rng.standard_normal((b, t, kh, h)).astype(np.float32) * 50
+  vp = rng.standard_normal((b, t, kh, h)).astype(np.float32) * 50
+  pos = np.full((b, t), -1, np.int32)
+  for r, c in enumerate(cols):
+    kp[r, c], vp[r, c] = k[r, :len(c)], v[r, :len(c)]
+    pos[r, c] = first[r] + np.arange(len(c))
+  return jnp.asarray(kp), jnp.asarray(vp), jnp.asarray(pos)
+
+
+def test_padding_anywhere_in_a_row_equals_the_compacted_call():
+  """The eviction wrapper (`methods.evict`) calls update with every candidate: evicted
+  ones as padding (position -1) anywhere in a row, admitted ones at consecutive slots, and
+  a decode step as W + 1 candidates of which at most one is valid. The cache must equal
+  the one fed only the valid tokens (ragged prefill, then one-token steps): in particular
+  a row whose first chunk completes in a padded one-token step gets a streaming (r_g)
+  factor, not the prefill factor."""
+  rng = np.random.default_rng(8)
+  kh, h = SPEC.n_kv_heads, SPEC.head_dim
+  lens = np.array([13, 6])                     # row 1's first chunk completes in decode
+  mk = lambda t: (rng.standard_normal((2, t, kh, h)) * np.linspace(1, 6, h)).astype(np.float32)
+  k, v = mk(13), mk(13)
+  ref = GearCache.init(GSPEC, SPEC, batch=2, capacity=48, dtype=jnp.float32)
+  pos = np.where(np.arange(13)[None] < lens[:, None], np.arange(13), -1).astype(np.int32)
+  ref = prefilled = _update(ref, jnp.asarray(k), jnp.asarray(v), jnp.asarray(pos))
+  empty = GearCache.init(GSPEC, SPEC, batch=2, capacity=48, dtype=jnp.float32)
+  got = _update(empty, *_padded_call(rng, k, v, lens, 20, [0, 0]))
+  # Negative control below: two tokens swapped in the padded call.
+  swapped = _update(empty, *_padded_call(rng, k[:, [1, 0] + list(range(2, 13))], v, lens,
+                                         20, [0, 0]))
+  for step in range(12):
+    k1, v1 = mk(1), mk(1)
+    live = np.array([step % 3 != 1, True])    # row 0 idles on some steps
+    ref = _update(ref, jnp.asarray(k1), jnp.asarray(v1),
+                  jnp.asarray(np.where(live, lens, -1)[:, None], jnp.int32))
+    got = _update(got, *_padded_call(rng, k1, v1, live.astype(int), 5, lens))
+    lens = lens + live
+  assert [int(x) for x in got.n_pchunks] == [1, 0] == [int(x) for x in ref.n_pchunks]
+  assert [int(x) for x in got.lens] == [int(x) for x in ref.lens]
+  for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(ref)):
+    np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32),
+                               atol=1e-5, rtol=1e-5)
+  # Negative control: the padded prefill with two tokens swapped is another cache.
+  assert np.abs(np.asarray(_materialize(swapped)[0]) -
+                np.asarray(_materialize(prefilled)[0])).max() > 0.1
 
 
 def test_power_iteration_recovers_exact_low_rank():
@@ -351,6 +429,43 @@ def test_nbytes_equals_arithmetic():
   oo = GearCache.init(dataclasses.replace(gs, rank_prefill=0, rank_chunk=0), spec, batch=1,
                       capacity=64)
   assert oo.nbytes_breakdown()["low_rank_left"] == 0
+
+
+def test_kv_size_in_both_conventions_equals_hand_arithmetic():
+  """kv_size on SmolLM2 (30 layers x 3 KV heads x H = 64; bf16 K + V = 30 x 3 x 256 =
+  23040 B/token). Honest, per layer and KV head: 2-bit KIVI codes 2 x 16 B + scale/zero
+  4 + 4 B (40 B backbone), left factors 2 x 2 RA B, right factors 2 x 2 x 64 r_g / 64 B,
+  outliers 3 B each (2 per 64-token key channel chunk: 6 B/token; 2 per value token: 6 B).
+  Paper convention: backbone + 23040 x (1.9 r_p / 4 + 2 s [KIVI] or s [KCVT]) / 100."""
+  from kvlowrank.methods.gear.size import kv_size
+  smol = ModelSpec(vocab_size=49152, dim=576, n_layers=30, n_heads=9, n_kv_heads=3,
+                   head_dim=64, ffn_dim=1536, tie_embeddings=True)
+  per = 30 * 3
+  gear2 = kv_size(smol, GearSpec())                               # s = 2 %, r = 4/2
+  assert gear2.dense == 23040
+  assert gear2.honest == (40 + 16 + 8 + 12) * per == 6840
+  assert gear2.paper_table9 == pytest.approx(40 * per + 23040 * (1.9 + 4.0) / 100)  # 4959.36
+  assert round(gear2.percent("honest"), 1) == 29.7
+  assert round(gear2.percent("paper_table9"), 1) == 21.5
+  gear_l = kv_size(smol, GearSpec(sparsity=0.0, rank_prefill=8, rank_chunk=4))
+  assert gear_l.honest == (40 + 32 + 16) * per
+  assert gear_l.paper_table9 == pytest.approx(40 * per + 23040 * 1.9 * 2 / 100)
+  # 4-bit KCVT: codes 2 x 32 B, one key scale/zero per 64-token channel chunk and one value
+  # scale/zero per token (4 + 4 B): 72 B; Table 9's sparse cost over KCVT is s, not 2 s.
+  kcvt = dict(backbone="kcvt", bits=4)
+  gear4 = kv_size(smol, GearSpec(**kcvt))
+  assert gear4.honest == (72 + 16 + 8 + 12) * per
+  assert gear4.paper_table9 == pytest.approx(72 * per + 23040 * (1.9 + 2.0) / 100)
+  outlier4 = kv_size(smol, GearSpec(**kcvt, rank_prefill=0, rank_chunk=0))
+  assert outlier4.paper_table9 == pytest.approx(72 * per + 23040 * 2.0 / 100)
+  # The honest figure is the cache's own count (and the registry's).
+  from kvlowrank.methods import get_method
+  assert gear2.honest == get_method("gear").kv_bytes_per_token(smol, GearSpec(), None, None)
+  # Negative control: the conventions agree on a bare backbone and differ once S or L is
+  # on (the paper's overheads are below the fp16 factors' and indexed outliers' bytes).
+  bare = kv_size(smol, GearSpec(sparsity=0.0, rank_prefill=0, rank_chunk=0))
+  assert bare.honest == bare.paper_table9 == 40 * per
+  assert gear2.honest - gear2.paper_table9 > 0.08 * 23040
 
 
 @pytest.mark.parametrize("kwargs,field", [

@@ -1,4 +1,8 @@
-"""Token eviction around any cache: SnapKV-style selection into a smaller inner cache.
+"""Token eviction around another cache: SnapKV-style selection into a smaller inner cache.
+
+Inner caches: dense, KIVI, GEAR, Palu, XQuant, FDC/ZACK (`check_inner`). Refused: XQuant-CL
+(its cross-layer accumulator adds each layer's delta to the previous layer's row of the
+same slot, so every layer must hold the same tokens, while eviction selects per layer).
 
 Policy choice (issue 22 item 5). H2O ranks tokens by attention accumulated over every
 decode step; our inner caches' decode kernels return (out, lse), not per-key
@@ -35,9 +39,10 @@ Attention: the inner cache with queries at their compact positions c(p) = #{inne
 at positions <= p} - 1 (so the inner's causal mask `slot <= c` is the original
 `position <= p`), merged by log-sum-exp (`model.attention.combine`) with attention over
 the tokens not in the inner cache:
-  * ring="exact" (auto for dense and KIVI, whose attention is softmax(q K^T) V over the
-    stored post-RoPE K, V): exact attention over every candidate of the call that was not
-    admitted, i.e. the window AND the tokens this call evicts. `step` is overridden for
+  * ring="exact" (auto for dense, KIVI and GEAR, whose attention is softmax(q K^T) V over
+    the stored post-RoPE K, V -- GEAR's D^ + S + L, factored): exact attention over every
+    candidate of the call that was not admitted, i.e. the window AND the tokens this call
+    evicts. `step` is overridden for
     this (update, then attend with the call's candidates): eviction takes effect after the
     call, so a prompt's queries see the whole prompt as in SnapKV's prefill, and the
     deeper layers' keys and values of the prompt are computed from full attention.
@@ -68,7 +73,8 @@ Choices and departures (deliberate):
   * When nothing is evicted (the budget covers the sequence) the wrapper is transparent:
     the inner cache sees the same tokens at the same positions and its output is returned
     unchanged.
-  * Models with sliding-window attention and cross-layer caches (XQuant-CL) are refused.
+  * Models with sliding-window attention and cross-layer caches (XQuant-CL, above) are
+    refused.
 """
 
 from __future__ import annotations
@@ -89,7 +95,7 @@ from kvlowrank.spec import ModelSpec
 
 # Inner caches whose attention is softmax(q K^T) V over the stored post-RoPE K and V at the
 # head width (ring="exact" applies; they read only inputs.k and inputs.v).
-KV_INNER = ("dense", "kivi")
+KV_INNER = ("dense", "kivi", "gear")
 # Inner caches that store post-RoPE keys (relative positions kept exactly).
 POST_ROPE_INNER = KV_INNER + ("fdc", "zack", "rotated")
 # Inner caches that re-apply RoPE at their slot positions (queries re-rotated).

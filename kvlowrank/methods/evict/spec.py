@@ -3,7 +3,7 @@
 Config layout (`method = "evict"`):
 
   evict.inner        registered method whose cache holds the kept tokens ("dense", "kivi",
-                     "palu", "xquant", the rotated caches once registered)
+                     "gear", "palu", "xquant", "fdc", "zack"; not "xquant_cl": cache.py)
   evict.inner_specs  {method name: its knobs}; only the entry of `inner` is used (absent =
                      the inner method's defaults), so one config can sweep over inners
   evict.budget       most tokens stored per sequence and layer (inner cache + window)

@@ -3,7 +3,8 @@
 spec.py: GearSpec (variants GEAR / GEAR-L / outlier-only); backbone.py: the quantizer
 interface the residual layer sits on (KIVI, KCVT; why not Palu/XQuant); outliers.py: S;
 power.py: Algorithm 2; cache.py: GearCache (Algorithm 1, streaming, factored attention);
-method.py: its registration. The decode kernel: kernels/gear (wired in at merge).
+method.py: its registration; size.py: KV bytes/token, ours and the paper's Table 9
+convention. The decode kernel: kernels/gear (wired in at merge).
 """
 
 from kvlowrank.methods.gear.cache import GearCache

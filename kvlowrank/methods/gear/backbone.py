@@ -17,6 +17,11 @@ project's one quantizer; both of the paper's backbones are instances of it:
     scale/zero per n_b tokens more); (2) a value group is one KV head's token vector, not
     the token's vector over all heads.
 
+Levels (paper vs code): the range is divided by 2^b - 1 (Eq. 2; the project's one
+quantizer, `kvlowrank_kernels.quant.quantizer`). The official code's outlier-aware path
+divides by `bits**2 - 1`: the same at the paper's 2 and 4 bits, but at 3 bits its top code
+8 does not fit in 3 bits and at 8 bits it uses only codes 0..63 of 0..255. Not copied.
+
 Not GEAR backbones here (GearSpec.backbone refuses them): Palu's quantized latents and
 XQuant's quantized rows. Both quantize something other than the post-RoPE K/V that
 attention reads (Palu: pre-RoPE per-group latents h = x A_k whose keys are rebuilt through

@@ -30,12 +30,14 @@ that becomes whole is compressed:
      (`outliers.py`: count, fill and stored value are paper-vs-code choices written there);
   2. D^ = Q_b(X with outliers filled) by the backbone; S = X - D^ (or X) at the outliers;
   3. R = X - D^ - S; per (batch element, KV head), power iteration (`power.py`, Alg. 2):
-     the prefill segment -- the chunks compressed by a row's first multi-token call
-     (T > 1, nothing compressed before) -- gets ONE rank-r_p factor over all of them, as
-     Algorithm 1's prefill; every other chunk its own rank-r_g factor of that chunk only
-     (never recomputed). A later multi-token call (chunked prefill) compresses its chunks
-     as streaming chunks (r_g each): evaluate with prefill_chunk = 0 for the paper's
-     single prefill factor.
+     the prefill segment -- the chunks compressed by a row's first call that brings it
+     more than one token (valid positions, counted per row; nothing compressed before) --
+     gets ONE rank-r_p factor over all of them, as Algorithm 1's prefill; every other
+     chunk its own rank-r_g factor of that chunk only (never recomputed). A later
+     multi-token call (chunked prefill) compresses its chunks as streaming chunks (r_g
+     each): evaluate with prefill_chunk = 0 for the paper's single prefill factor.
+     Padding (position -1) may sit anywhere in a row: the eviction wrapper
+     (`methods.evict`) hands every candidate, admitted ones at consecutive slots.
   Decode steps that complete no chunk skip the compression (lax.cond), as in KIVI.
 GQA: compressed per KV head. Attention (prefill and decode) follows the update, so a
 query sees the tokens of its own call compressed once their chunk is whole (GEAR prefill
@@ -199,7 +201,10 @@ class GearCache(base.KVCache):
       return _scatter_rows(e, slot, pos >= 0, new)
 
     ek, ev = window(self.k_win, inputs.k), window(self.v_win, inputs.v)
-    prefill_row = (q0 == 0) & (q1 > 0) if t > 1 else jnp.zeros((b,), bool)
+    # A row's prefill: its first call that brings it > 1 token and compresses a chunk
+    # (counted per row: a one-token step padded to T > 1 is a decode step).
+    n_new = jnp.sum(pos >= 0, axis=1)
+    prefill_row = (q0 == 0) & (q1 > 0) & (n_new > 1) if t > 1 else jnp.zeros((b,), bool)
     new = jax.lax.cond(jnp.any(q1 > q0), lambda c: c._compress(ek, ev, q0, q1, prefill_row, t > 1),
                        lambda c: c, self)
     idx = (q1 - q0)[:, None] + jnp.arange(nb)[None, :]

@@ -12,7 +12,7 @@ NK/NV = outlier slots per key channel of a chunk / per value token):
   value outliers                                3 NV
 The exact buffer (n_b tokens), the prefill factor bp (H r_p per head) and the lengths do
 not grow with the context and are excluded, as in KIVI's accounting. This is the honest
-count (indices and factors included); results/gear.md also gives the paper's Table 9
+count (indices and factors included); `size.kv_size` gives it next to the paper's Table 9
 convention.
 """
 

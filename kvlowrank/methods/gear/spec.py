@@ -45,7 +45,8 @@ class GearSpec:
   r_p = 4, r_g = 2, 3 power iterations).
 
   backbone: "kivi" | "kcvt" (module docstring);
-  bits: backbone bits for keys and values (2, 3, 4, 8);
+  bits: backbone bits for keys and values (2, 3, 4, 8); 2^b - 1 levels, not the official
+    code's bits**2 - 1 (`backbone.py`);
   group_size: g, the KIVI backbone's key group (tokens) and value group (channels);
     ignored by "kcvt";
   buffer: n_b, the streaming buffer: K and V stay exact until n_b tokens accumulate, then
