@@ -11,8 +11,8 @@ config or file ends in one line naming it and exit status 1 (--debug: the traceb
 import os
 
 # Before numpy loads OpenBLAS: on small CPU boxes its worker threads spin against
-# XLA:CPU's thread pool, and Palu's float64 SVD/Cholesky calibration ran 25x slower
-# (137 s vs 5 s for SmolLM2 on 2 cores). Set OPENBLAS_NUM_THREADS to override.
+# XLA:CPU's thread pool, and Palu's float64 SVD/Cholesky calibration ran an order of
+# magnitude slower on 2 cores. Set OPENBLAS_NUM_THREADS to override.
 if (os.cpu_count() or 1) <= 4:
   os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 

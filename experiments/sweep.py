@@ -13,8 +13,8 @@ reason and the sweep goes on (--fail_fast stops instead, before any work).
 import os
 
 # Before numpy loads OpenBLAS: on small CPU boxes its worker threads spin against
-# XLA:CPU's thread pool, and Palu's float64 SVD/Cholesky calibration ran 25x slower
-# (137 s vs 5 s for SmolLM2 on 2 cores). Set OPENBLAS_NUM_THREADS to override.
+# XLA:CPU's thread pool, and Palu's float64 SVD/Cholesky calibration ran an order of
+# magnitude slower on 2 cores. Set OPENBLAS_NUM_THREADS to override.
 if (os.cpu_count() or 1) <= 4:
   os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 

@@ -7,6 +7,7 @@ from kvlowrank.methods.rotated import calibration, compression, search, widths
 from kvlowrank.methods.rotated.spec import RotatedSpec
 from kvlowrank.resources import shared_dir
 from kvlowrank.spec import ModelSpec
+from np_params import np_init_params
 
 
 def np_eq1(theta, r):
@@ -76,9 +77,6 @@ SPEC = ModelSpec(vocab_size=64, dim=64, n_layers=2, n_heads=8, n_kv_heads=2, hea
 
 
 def _params(seed=0):
-  import sys, pathlib  # pylint: disable=C0415,C0410
-  sys.path.insert(0, str(pathlib.Path(__file__).parent))
-  from np_params import np_init_params  # pylint: disable=C0415
   return np_init_params(SPEC, seed=seed, scale=0.25)
 
 

@@ -13,9 +13,9 @@ block scheduler, which starts blocks in block-index order on whichever SM slot f
 first, performs the greedy step with real run times. `dispatch` simulates that rule; the
 tests check that it equals `lpt_assign` on the same order.
 Why not a persistent kernel with per-program task lists: the greedy step is sequential (an
-argmin over the machines per task); for ~10^3 chunks it costs milliseconds as an XLA while
-loop and tens of microseconds in a one-program Triton kernel, as long as the attention
-itself (60-300 us here). The dispatch form costs one small sort.
+argmin over the machines per task); for ~10^3 chunks it costs as much as the attention
+itself, as an XLA while loop or a one-program Triton kernel. The dispatch form costs one
+small sort.
 
 The kernel's tasks are (request, KV head group) (`triton_plan`: heads packed into the MMA's
 16 query rows), of cost ~ s_kv * sum over the group of (k_h + v_h), each cut into chunks
@@ -27,8 +27,7 @@ Orders (`order`; the kernel's `schedule` knob):
            costs, each row task's group chunks in consecutive programs (widest group first):
            with one chunk size, co-running programs read neighbouring slices of the same cache
            rows (the packed layout puts every head of a token in one row). On the H200 it
-           matched "lpt" on a Llama-3-8B layer and beat it by 5% on a Llama-2-7B one
-           (results/rotated_kernel.md);
+           matched or beat "lpt" (results/rotated_kernel.md);
   "static" chunk-id order (b, c, group), no sort (an ablation).
 """
 

@@ -16,8 +16,8 @@ and is cut along the sequence into chunks. Default: one chunk size for every gro
 n_chunks = ceil(target_chunks / (B * n_groups)) chunks per task at full capacity, so the groups'
 chunks of one (b, token range) read the same cache rows (`lpt`'s "rows" order runs them side
 by side). Chunk sizes ~ 1 / group width (FDC §5.2's row-block resizing applied to decode's
-chunks) were measured 1.1-1.2x slower on the H200 and removed (results/rotated_kernel.md;
-git history: commit 1b80474). Static chunk ids are (b, c, group): id =
+chunks) were slower on the H200 and removed (results/rotated_kernel.md; git history:
+commit 1b80474). Static chunk ids are (b, c, group): id =
 (b * n_chunks + c) * n_groups + group, n_chunks the largest group's count; chunks past a row's
 length (or past the capacity, in groups with larger chunks) are empty and write lse = -inf.
 """
@@ -35,9 +35,8 @@ KERNEL_DTYPES = ("bfloat16", "float16")
 MAX_WIDTH = 256          # widest tile (registers: a [16, 256] fp32 accumulator per program)
 MAX_GROUPS = 64          # query heads per KV head (rows of the query tile)
 DEFAULT_BLOCK_S = 64
-# Chunks at full capacity. The H200 sweeps (results/rotated_kernel.md) liked 396 for a
-# Llama-3-8B layer and 1056 for a Llama-2-7B one at 16K, batch 8; 792 was within 2-11% of
-# both.
+# Chunks at full capacity: a compromise between the best values of the H200 sweeps for a
+# Llama-3-8B and a Llama-2-7B layer (results/rotated_kernel.md).
 DEFAULT_TARGET_CHUNKS = 792
 DEFAULT_GROUP_WIDTH = 256  # columns of keys (and of values) per program at most
 MMA_ROWS = 16

@@ -27,9 +27,9 @@ compression scheme, so that the pipeline (kvlowrank.experiment) never special-ca
     bits=None,            # optional f(method_spec, cache_dtype) -> str for reports
   )
 
-Adding a method (e.g. Palu, XQuant): write kvlowrank/methods/<name>.py that builds a
-`Method` and calls `register_method(...)` at import, then import that module in
-kvlowrank/methods/__init__.py. Nothing else changes: configs set `method = "<name>"` and
+Adding a method: write a package kvlowrank/methods/<name>/ (its spec, cache, calibration if
+any, and method.py, which builds a `Method` and calls `register_method(...)` at import),
+then import that package in kvlowrank/methods/__init__.py. Nothing else changes: configs set `method = "<name>"` and
 a `<name>` section, sweeps list points like {"method": "<name>", "<name>.rank": 64}.
 """
 

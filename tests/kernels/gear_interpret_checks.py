@@ -12,8 +12,6 @@ import os
 import sys
 
 os.environ["TRITON_INTERPRET"] = "1"
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
 import dataclasses  # noqa: E402
 
 import jax  # noqa: E402

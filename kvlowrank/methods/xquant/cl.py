@@ -39,9 +39,8 @@ digest's reading A), and prefill and decode store identical codes (per-token axi
 
 Memory: the carry is one [B, S, D] fp32 array per forward call and layer, freed layer
 by layer. kvlowrank.model.segments (the layer-major decode-mode perplexity) keeps one
-carry per decode step for the next layer, i.e. steps·B·S·D·4 bytes per layer (1.2 GB
-for 255 steps of 4 x 512-token SmolLM2 windows); with batch 4 XLA on CPU asked for all
-CL layers' at once (33 GB), so decode-mode runs here use batch 1.
+carry per decode step for the next layer, i.e. steps·B·S·D·4 bytes per layer; XLA on CPU
+may ask for all CL layers' carries at once, so decode-mode runs here use batch 1.
 
 Choices the paper leaves open: deltas are quantized per token (`delta_axis`) in
 groups of `group_size` channels; the base latent of the GQA variant is the delta

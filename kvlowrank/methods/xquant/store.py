@@ -1,9 +1,9 @@
 """Append-only quantized token store for XQuant: rows of a [B, S, C] activation.
 
 One store holds one cached activation per layer (X, X·U_k, X·U_v or a cross-layer
-delta). Rows are written at slot = position and quantized with `kvlowrank.quant`
-(uniform asymmetric min/max, XQuant §2 / KIVI), in one of two layouts that share the
-code layout, so one dequant-matmul kernel reads both:
+delta). Rows are written at slot = position and quantized with the project's one
+quantizer, `kvlowrank_kernels.quant` (uniform asymmetric min/max, XQuant §2 / KIVI), in
+one of two layouts that share the code layout, so one dequant-matmul kernel reads both:
 
   codes  [B, S, words(C)] uint32, packed along the channel axis (kvlowrank_kernels.quant.packing)
   axis="token"   (per-token):   scale/zero [B, S, C/gc]   one pair per gc channels
