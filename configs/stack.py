@@ -22,6 +22,11 @@ eviction cache holds min(budget, T) of T tokens: its bytes are the inner's x bud
                                            0.4995, 0.2% fewer bytes than the two above:
                                            exact equality would need 341.33 tokens)
   ZACK, 75% kept (the stacked point's inner cache alone, for reference)  0.75
+  evict(dense), budget floor(2T/3) (the stacked point's eviction alone, for reference)
+                                           floor(2T/3) / T (T = 512: 0.666)
+and a second equal-bytes pair at a quarter of the dense bytes:
+  evict(dense), budget T/4                 0.25
+  evict(ZACK, 50% kept), budget T/2        0.25
 
 Expected (measured, 2-core CPU): see results/rotated.md ("Rotation + eviction").
 """
@@ -69,4 +74,8 @@ def get_sweep(arg=None):
           {"method": "zack"},
           {"method": "evict", "evict.inner": "dense", "evict.budget": t // 2},
           {"method": "evict", "evict.inner": "zack", "evict.budget": 2 * t // 3},
-          {"method": "zack", "zack.target_ratio": RATIO_STACKED}]
+          {"method": "zack", "zack.target_ratio": RATIO_STACKED},
+          {"method": "evict", "evict.inner": "dense", "evict.budget": 2 * t // 3},
+          {"method": "evict", "evict.inner": "dense", "evict.budget": t // 4},
+          {"method": "evict", "evict.inner": "zack", "evict.budget": t // 2,
+           "evict.inner_specs.zack.target_ratio": 0.5}]

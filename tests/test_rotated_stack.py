@@ -167,12 +167,16 @@ def test_stack_config_file_points():
     assert c.eval.seq_len == t and c.eval.modes == ("decode",) and c.evict.bytes_context == t
     exps = [from_config(apply_overrides(c, p), None if arg else SMOL)
             for p in module.get_sweep(arg)]
-    assert [e.method for e in exps] == ["dense", "zack", "evict", "evict", "zack"]
+    assert [e.method for e in exps] == ["dense", "zack", "evict", "evict", "zack", "evict",
+                                        "evict", "evict"]
     assert exps[1].method_spec.calibration == "data" and exps[1].method_spec.target_ratio == 0.5
     assert (exps[2].method_spec.inner, exps[2].method_spec.budget) == ("dense", t // 2)
     stacked = exps[3].method_spec
     assert (stacked.inner, stacked.budget) == ("zack", 2 * t // 3)
     assert stacked.inner_spec.target_ratio == 0.25 and stacked.inner_spec.calibration == "data"
     assert stacked.inner_spec.bits is None and exps[4].method_spec == stacked.inner_spec
+    assert [(e.method_spec.inner, e.method_spec.budget) for e in exps[5:]] == [
+        ("dense", 2 * t // 3), ("dense", t // 4), ("zack", t // 2)]
+    assert exps[7].method_spec.inner_spec == exps[1].method_spec
   with pytest.raises(ValueError, match="unknown config arg 'budget'"):
     module.get_config("budget=3")
