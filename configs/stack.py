@@ -34,8 +34,6 @@ Expected (measured, 2-core CPU): see results/rotated.md ("Rotation + eviction").
 import importlib.util
 from pathlib import Path
 
-from ml_collections import ConfigDict
-
 from kvlowrank.config_lib import parse_arg
 
 
