@@ -20,9 +20,11 @@ g = n_b = 32 instead of 64, for the same reason (its n_b-token buffer stays exac
 measured here (no expected numbers below).
 
 Stacking (issue 22 item 5): where the rotated caches are registered (`fdc` / `zack`), the
-config also holds inner_specs.zack (ZACK at 50% widths, 4-bit K'/V' KIVI-style, R = 32)
-and `inner=zack` composes rotation + quantization + eviction in one config; get_sweep()
-then adds that point at each budget.
+config also holds inner_specs.zack (ZACK at 50% widths, 4-bit K'/V' KIVI-style, R = 32,
+rotation fitted on the WikiText-2 calib windows: random tokens gave a far worse PPL,
+results/rotated.md) and `inner=zack` composes rotation + quantization + eviction in one
+config; get_sweep() then adds that point at each budget. Rotation + eviction vs each alone
+at equal bytes: configs/stack.py.
 
 Expected (measured 2026-11-25 on the loaded 2-core CPU box: SmolLM2-135M fp32, bf16 K/V,
 the first 2 WikiText-2 test windows of 512 tokens (windows=2), decode mode: prompt 256 in
@@ -72,7 +74,7 @@ def get_config(arg=None):
                                rank_prefill=4, rank_chunk=2))))))
   if STACK:
     c.evict.inner_specs.zack = ConfigDict(dict(target_ratio=0.5, bits=4, group_size=16,
-                                               residual=32, calibration="random"))
+                                               residual=32, calibration="data"))
   c.eval.seq_len = arg.seq_len
   c.eval.max_windows = arg.windows
   c.eval.batch_size = arg.windows

@@ -1,13 +1,15 @@
 r"""Binary search of the largest FDC/ZACK removal rate whose perplexity stays within 1% of
-dense on held-out WikiText-2 validation windows (the papers' "99% of baseline accuracy",
-translated to perplexity): `kvlowrank.methods.rotated.search.run_config_search`.
+dense on held-out WikiText-2 validation windows that share no token with the calibration
+windows (`kvlowrank.data.held_out`; the papers' "99% of baseline accuracy", translated to
+perplexity): `kvlowrank.methods.rotated.search.run_config_search`.
 
   python experiments/search_rate.py --config=configs/fdc.py --workdir=runs/fdc_search
   python experiments/search_rate.py --config=configs/zack.py:calibration=data \
       --workdir=runs/zack_search --tolerance=0.01 --steps=6
 
 Prints one line per evaluated rate and writes <workdir>/search_<method>.json (the rate, its
-perplexity and widths, the fraction of KV dims removed, the history).
+perplexity and widths, the fraction of KV dims removed, the history, the token offsets of
+the held-out and calibration windows).
 """
 
 import os
@@ -33,7 +35,8 @@ _WORKDIR = flags.DEFINE_string("workdir", None, "Output folder (search_<method>.
 _TOL = flags.DEFINE_float("tolerance", 0.01, "PPL bound: (1 + tolerance) x dense.")
 _HI = flags.DEFINE_float("hi", 0.5, "Upper end of the searched rates, < 1.")
 _STEPS = flags.DEFINE_integer("steps", 8, "Bisection steps after the two ends.")
-_WINDOWS = flags.DEFINE_integer("held_out_windows", 4, "Validation windows scored.")
+_WINDOWS = flags.DEFINE_integer("held_out_windows", 4, "Validation windows scored (disjoint "
+                                   "from the calibration windows).")
 flags.mark_flags_as_required(["config", "workdir"])
 
 

@@ -184,13 +184,54 @@ def test_binary_search_terminates_and_respects_tolerance():
     (dict(calibration="wiki"), r"RotatedSpec.calibration must be one of"),
     (dict(v_decomposition="qr"), r"RotatedSpec.v_decomposition must be one of"),
     (dict(bits=3), r"RotatedSpec.bits must be None or one of"),
-    (dict(bits=4, group_size=32), r"RotatedSpec.group_size must divide 16"),
+    (dict(bits=4, group_size=32), r"^RotatedSpec.width_multiple \(16\) must be a multiple of "
+                                  r"RotatedSpec.group_size \(32\) when bits is set"),
+    (dict(bits=4, width_multiple=8), r"^RotatedSpec.width_multiple \(8\) must be a multiple "
+                                     r"of RotatedSpec.group_size \(16\) when bits is set"),
+    (dict(group_size=0), r"RotatedSpec.group_size must be a positive int"),
     (dict(bits=4, residual=24), r"RotatedSpec.residual must be a multiple of group_size"),
     (dict(implementation="mosaic"), r"RotatedSpec.implementation must be None"),
 ])
 def test_bad_specs_name_the_field(kw, match):
-  with pytest.raises(ValueError, match=match):
+  with pytest.raises(ValueError, match=match) as e:
     RotatedSpec(**kw)
+  assert "\n" not in str(e.value)
+
+
+def test_width_multiple_and_quantizer_group_checked_before_calibration():
+  """width_multiple=8 is fine unquantized or with G | 8; with bits and G = 16 a V' group
+  would straddle two heads of width 8 + 8k: refused by the spec / the model check, before
+  the calibration runs (negative control: the accepted spec does calibrate and cache)."""
+  import jax.numpy as jnp  # pylint: disable=C0415
+  from kvlowrank.methods import get_method, init_caches  # pylint: disable=C0415
+  zack = get_method("zack")
+  RotatedSpec(width_multiple=8)
+  with pytest.raises(ValueError, match=r"RotatedSpec.width_multiple \(8\) must be a multiple "
+                                       r"of RotatedSpec.group_size \(16\)") as e:
+    zack.build_spec({"width_multiple": 8, "bits": 4}, SPEC)
+  assert "\n" not in str(e.value)
+  with pytest.raises(ValueError, match=r"^RotatedSpec.group_size \(16\) must divide the "
+                                       r"model's head_dim \(40\) when bits is set") as e:
+    zack.build_spec({"bits": 4}, SPEC.replace(head_dim=40))
+  assert "\n" not in str(e.value)
+  # Before any work: parsing the config file refuses it (no model loaded, no calibration).
+  if shared_dir() is not None:
+    from test_experiment_configs import config_module  # pylint: disable=C0415
+    from kvlowrank.experiment.spec import from_config  # pylint: disable=C0415
+    c = config_module("zack").get_config("bits=4")
+    c.zack.width_multiple = 8
+    with pytest.raises(ValueError, match=r"RotatedSpec.width_multiple \(8\)") as e:
+      from_config(c)
+    assert "\n" not in str(e.value)
+  # Accepted: G = 8 divides width_multiple = 8 and head_dim = 32; every head's width and
+  # packed offset is a multiple of G, so no V' group straddles two heads.
+  ok = zack.build_spec({"width_multiple": 8, "bits": 4, "group_size": 8, "residual": 16,
+                        "target_ratio": 0.4, "calibration": "data"}, SPEC)
+  toks = np.random.default_rng(0).integers(0, 64, (2, 24))
+  cp = zack.calibrate(_params(), SPEC, ok, toks, workdir=None)
+  [c0, _] = init_caches("zack", ok, SPEC, cp, batch=1, capacity=24, dtype=jnp.float32)
+  assert c0.quant is not None and all(w % 8 == 0 for w in c0.v_widths)
+  assert any(w % 16 for w in c0.k_widths + c0.v_widths)     # the 8-multiples are used
 
 
 def test_bad_configs_through_the_registry():

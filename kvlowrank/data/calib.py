@@ -40,6 +40,21 @@ class CalibSpec:
                        "evaluation text")
 
 
+def sample_starts(n_tokens: int, *, n_samples: int, seq_len: int, seed: int,
+                  source: str = "") -> np.ndarray:
+  """Start offsets of `sample_windows`' windows in a split of `n_tokens` tokens (window i
+  covers token indices [starts[i], starts[i] + seq_len)): seeded uniform offsets.
+
+  Raises:
+    ValueError: the split is shorter than one window (names calib.seq_len and the text).
+  """
+  if n_tokens < seq_len:
+    where = f" ({source.removeprefix('file:')})" if source else ""
+    raise ValueError(f"calibration text{where} has {n_tokens} tokens, fewer than "
+                     f"calib.seq_len={seq_len}")
+  return np.random.default_rng(seed).integers(0, n_tokens - seq_len + 1, size=n_samples)
+
+
 def sample_windows(ids: np.ndarray, *, n_samples: int, seq_len: int, seed: int,
                    source: str = "") -> np.ndarray:
   """`n_samples` windows at seeded uniform random offsets (GPTQ's sampler, numpy RNG).
@@ -50,15 +65,19 @@ def sample_windows(ids: np.ndarray, *, n_samples: int, seq_len: int, seed: int,
     seed: np.random.default_rng seed; equal seeds give equal samples.
     source: where the text came from (named in the error when it is too short).
   Returns:
-    int32 [n_samples, seq_len].
+    int32 [n_samples, seq_len] (window i = ids[starts[i]:][:seq_len], `sample_starts`).
   """
-  n = len(ids)
-  if n < seq_len:
-    where = f" ({source.removeprefix('file:')})" if source else ""
-    raise ValueError(f"calibration text{where} has {n} tokens, fewer than calib.seq_len="
-                     f"{seq_len}")
-  starts = np.random.default_rng(seed).integers(0, n - seq_len + 1, size=n_samples)
+  starts = sample_starts(len(ids), n_samples=n_samples, seq_len=seq_len, seed=seed,
+                         source=source)
   return np.stack([ids[s:s + seq_len] for s in starts]).astype(np.int32)
+
+
+def calibration_ids(tokenizer, spec: CalibSpec) -> tuple[np.ndarray, str, str]:
+  """The calibration split as one token stream: (int32 [N] ids, its text, where it came
+  from). `calibration_tokens` samples its windows from exactly these ids."""
+  txt, where = text_lib.load_text(spec.dataset, spec.split, source=spec.source, path=spec.path,
+                                  path_format=spec.path_format, field="calib")
+  return text_lib.tokenize(tokenizer, txt, add_bos=False, max_chars=spec.max_chars), txt, where
 
 
 def calibration_tokens(tokenizer, spec: CalibSpec) -> tuple[np.ndarray, str]:
@@ -70,8 +89,6 @@ def calibration_tokens(tokenizer, spec: CalibSpec) -> tuple[np.ndarray, str]:
   Returns:
     (int32 [n_samples, seq_len], description of the source text).
   """
-  txt, where = text_lib.load_text(spec.dataset, spec.split, source=spec.source, path=spec.path,
-                                  path_format=spec.path_format, field="calib")
-  ids = text_lib.tokenize(tokenizer, txt, add_bos=False, max_chars=spec.max_chars)
+  ids, _, where = calibration_ids(tokenizer, spec)
   return sample_windows(ids, n_samples=spec.n_samples, seq_len=spec.seq_len,
                         seed=spec.seed, source=where), where

@@ -15,7 +15,8 @@ With `bits` set the same two arrays are stored quantized instead, KIVI-style (K'
 in groups of G tokens, V' per token in groups of G channels, the last R tokens exact), by
 an inner KIVI cache (`kvlowrank.methods.kivi.cache.KiviCache` over one "head" of width Σk
 for keys and Σv for values: per-channel and per-token groups never mix heads since every
-width is a multiple of 16 and G divides 16).
+width is a multiple of width_multiple or head_dim, both multiples of G; RotatedSpec and the
+method's model check refuse anything else before calibration).
 
 Attention (prefill and decode, any GQA ratio, ragged rows): the query is rotated per KV
 head, q'_n = q_n R_{g(n)}[:, :k_g] (laid out [B, T, G, Σk] like the kernel's q_rot), and

@@ -100,6 +100,11 @@ def _validate(spec, rspec: RotatedSpec) -> None:
   if rspec.width_multiple > spec.head_dim:
     raise ValueError(f"RotatedSpec.width_multiple ({rspec.width_multiple}) must be <= the "
                      f"model's head_dim ({spec.head_dim})")
+  if rspec.bits is not None and spec.head_dim % rspec.group_size:
+    # Widths are capped at head_dim: a head kept whole has head_dim channels (spec.py).
+    raise ValueError(f"RotatedSpec.group_size ({rspec.group_size}) must divide the model's "
+                     f"head_dim ({spec.head_dim}) when bits is set: quantization groups of "
+                     f"V' channels would straddle two heads")
 
 
 FDC = register_method(Method(name="fdc", cache="fdc", spec_cls=RotatedSpec,

@@ -5,7 +5,9 @@ accuracy").
 Translation: the papers bound a task ACCURACY at >= 99% of the uncompressed model's; our
 harness measures perplexity, where lower is better, so the bound here is
 PPL(r) <= (1 + tolerance) · PPL(dense), tolerance = 0.01 by default ("within 1%"), on a
-held-out split (WikiText-2 validation windows, not the test split the reports use).
+held-out split: WikiText-2 validation windows (not the test split the reports use) that
+share no token with the calibration windows, which are drawn from the same validation
+split (`kvlowrank.data.held_out`: one token stream, disjoint index ranges).
 
 The search runs on r (the overall compression is monotone non-decreasing in r, and the
 papers search it through r's map F_p). Perplexity need not be exactly monotone in r, so the
@@ -130,18 +132,19 @@ def run_config_search(config, workdir, *, tolerance: float = 0.01, hi: float = 0
   """The rate search of an fdc/zack evaluation config (experiments/search_rate.py).
 
   Loads the config's model, calibrates on its calib section (Grams cached in workdir),
-  takes `held_out_windows` windows of eval.seq_len tokens from the START of the WikiText-2
-  validation split (the evaluation reports use the test split; the calibration windows,
-  when calibration="data", are drawn from the same validation split at random offsets),
-  searches the rate and writes workdir/search_<method>.json.
+  takes `held_out_windows` windows of eval.seq_len tokens of the data.dataset validation
+  split that share no token with the calibration windows (`kvlowrank.data.held_out`: the
+  calib windows are random offsets of that same split, the evaluation reports use the test
+  split), searches the rate and writes workdir/search_<method>.json.
 
   Returns:
-    the JSON record (rate, its PPL, dense PPL, bound, widths, removed fraction, history).
+    the JSON record (rate, its PPL, dense PPL, bound, widths, removed fraction, history,
+    the held-out and calibration windows' token offsets).
   """
   # Imported here: kvlowrank.experiment imports the methods package.
   import json  # pylint: disable=C0415
   from pathlib import Path  # pylint: disable=C0415
-  from kvlowrank.data import calib as calib_lib, text as text_lib  # pylint: disable=C0415
+  from kvlowrank.data import calib as calib_lib, held_out  # pylint: disable=C0415
   from kvlowrank.experiment import models  # pylint: disable=C0415
   from kvlowrank.experiment.spec import from_config  # pylint: disable=C0415
   from kvlowrank.methods.rotated.method import statistics  # pylint: disable=C0415
@@ -154,9 +157,10 @@ def run_config_search(config, workdir, *, tolerance: float = 0.01, hi: float = 0
   rspec = exp.method_spec.replace(target_ratio=None, allocation="adaptive")
   tok = model.require_tokenizer()
   calib_tokens, _ = calib_lib.calibration_tokens(tok, exp.calib)
-  txt, where = text_lib.load_text(exp.data.dataset, "validation", source=exp.data.source)
-  ids = text_lib.tokenize(tok, txt, add_bos=exp.data.add_bos, max_chars=exp.data.max_chars)
-  windows = text_lib.windows(ids, exp.eval.seq_len, held_out_windows)
+  ho = held_out.held_out_windows(tok, exp.calib, dataset=exp.data.dataset,
+                                 source=exp.data.source, seq_len=exp.eval.seq_len,
+                                 n_windows=held_out_windows, max_chars=exp.data.max_chars)
+  windows = ho.windows
   stats = statistics(model.params, model.spec, rspec, calib_tokens, workdir, exp.method)
   res, _, layout = search_model_rate(model.params, model.spec, rspec, stats, exp.method,
                                      windows, tolerance=tolerance, hi=hi, steps=steps,
@@ -164,8 +168,11 @@ def run_config_search(config, workdir, *, tolerance: float = 0.01, hi: float = 0
                                      batch_size=len(windows), progress=progress)
   record = {"method": exp.method, "rate": res.rate, "ppl": res.value,
             "dense_ppl": res.baseline, "bound": res.bound, "tolerance": tolerance,
-            "held_out": {"source": where, "windows": int(len(windows)),
-                         "seq_len": exp.eval.seq_len},
+            "held_out": {"source": ho.where, "windows": int(len(windows)),
+                         "seq_len": exp.eval.seq_len, "starts": list(ho.starts),
+                         "calib_starts": list(ho.calib_starts),
+                         "calib_seq_len": exp.calib.seq_len,
+                         "same_token_stream": ho.shared_text},
             "kv_dims_removed": layout.compression_ratio(),
             "k_widths": layout.k_widths, "v_widths": layout.v_widths,
             "calibration": rspec.calibration,

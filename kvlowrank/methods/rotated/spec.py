@@ -39,7 +39,8 @@ class RotatedSpec:
     width_multiple: kept widths are rounded UP to a multiple of this (16: the contract of
       the ragged decode kernel, tensor-core tiles) with real rotated components.
       Deliberate departure from both papers, which zero-pad to multiples of 16: the extra
-      components cost the same bytes and only improve accuracy. Must be a multiple of 8.
+      components cost the same bytes and only improve accuracy. Must be a multiple of 8,
+      and of `group_size` when `bits` is set.
     calibration: tokens for the Q-K rotation (and ZACK's value rotation): "random"
       (uniformly random vocabulary ids, FDC §5.1: >= 8K tokens) or "data" (the config's
       calib windows, WikiText-2 validation). Both use positions 0..calib.seq_len-1, which
@@ -54,7 +55,9 @@ class RotatedSpec:
       K' (per channel, groups of `group_size` tokens) and V' (per token, groups of
       `group_size` channels) through the KIVI cache code, with a `residual`-token exact
       window (FDC §6.4 / ZACK §6.2 stack KVQuant-4 the same way).
-    group_size, residual: the quantizer's group and exact window (KIVI's G and R).
+    group_size, residual: the quantizer's group and exact window (KIVI's G and R); with
+      `bits` set, G must divide width_multiple and the model's head_dim (a V' group never
+      straddles two heads).
     implementation: decode attention: None (the fastest that fits), "reference" or "triton"
       (the ragged-head kernel, `kvlowrank_kernels.rotated`).
   """
@@ -96,9 +99,16 @@ class RotatedSpec:
       raise ValueError(f"RotatedSpec.bits must be None or one of {SUPPORTED_BITS}, got "
                        f"{self.bits!r}")
     g = self.group_size
-    if isinstance(g, bool) or not isinstance(g, (int, np.integer)) or g <= 0 or 16 % g:
-      raise ValueError(f"RotatedSpec.group_size must divide 16 (every kept width is a "
-                       f"multiple of 16 channels), got {g!r}")
+    if isinstance(g, bool) or not isinstance(g, (int, np.integer)) or g <= 0:
+      raise ValueError(f"RotatedSpec.group_size must be a positive int, got {g!r}")
+    if self.bits is not None and m % g:
+      # V' is quantized per token in groups of g channels of the packed row [Σv]: a group
+      # must never straddle two heads, so every kept width (a multiple of width_multiple,
+      # or head_dim: `method._validate`) must be a multiple of g. Checked here, before any
+      # calibration.
+      raise ValueError(f"RotatedSpec.width_multiple ({m}) must be a multiple of "
+                       f"RotatedSpec.group_size ({g}) when bits is set: quantization groups "
+                       f"of V' channels would straddle two heads")
     if self.residual < 0 or self.residual % g:
       raise ValueError(f"RotatedSpec.residual must be a multiple of group_size ({g}) and "
                        f">= 0, got {self.residual}")
