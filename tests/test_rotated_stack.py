@@ -53,6 +53,16 @@ def test_rotation_quantization_eviction_compose():
   assert caches_nbytes(ev) < caches_nbytes(
       init_caches("evict", big, SPEC, cp, batch=2, capacity=48, dtype=jnp.float32))
   assert isinstance(ev[0].inner, rotated.RotatedCache) and ev[0].inner.quant is not None
+  # nbytes() counts storage, not the rotations the inner cache and its scratch copy keep:
+  # every array leaf = storage + weights, and the weights are the two copies' rk / bv.
+  c = ev[0]
+  leaves = sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(c))
+  assert c.nbytes() + c.weights_nbytes() == leaves
+  assert c.weights_nbytes() == c.inner.weights_nbytes() + c.scratch.weights_nbytes() > 0
+  assert c.nbytes() == (c.inner.nbytes() + c.scratch.nbytes() + c.pos_map.nbytes
+                        + c.ring_pos.nbytes + c.lens.nbytes + sum(
+                            a.nbytes for a in (c.ring_k, c.ring_v, c.ring_x, c.ring_kpre)
+                            if a is not None))
 
 
 # ------------------------------------------- eviction invariants, rotated inner cache

@@ -300,6 +300,21 @@ class EvictCache(base.KVCache):
     valid = valid.at[bidx, rdst].set(True, mode="drop")
     return k, v, valid
 
+  def nbytes(self) -> int:
+    """Cache storage: the inner cache's and the scratch copy's own `nbytes()` (without the
+    weights they keep beside it, e.g. FDC/ZACK's rotations, Palu's B), the window ring,
+    the position map and the lengths."""
+    own = (self.ring_k, self.ring_v, self.ring_x, self.ring_kpre, self.ring_pos,
+           self.pos_map, self.lens)
+    total = sum(a.size * a.dtype.itemsize for a in own if a is not None)
+    return int(total + self.inner.nbytes() + (0 if self.scratch is None
+                                              else self.scratch.nbytes()))
+
+  def weights_nbytes(self) -> int:
+    """Weights kept by the inner cache and by its scratch copy (each holds its own)."""
+    w = lambda c: getattr(c, "weights_nbytes", lambda: 0)() if c is not None else 0
+    return int(w(self.inner) + w(self.scratch))
+
   def stored_tokens(self):
     """[B] tokens held (inner + ring): never more than the budget."""
     return self.inner.lengths + jnp.sum(self.ring_pos >= 0, axis=1)
