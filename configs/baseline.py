@@ -8,10 +8,9 @@ path or name), seq_len, windows (0 = the whole test split), smoke (stories260K f
 ../shared, 2 windows of 256 tokens, < 1 min on CPU). Scalars via --config.x=...,
 e.g. --config.cache_dtype=float32 --config.eval.modes="('prefill',)".
 
-Expected (measured, 2-core CPU): smoke: PPL 95.981 (prefill) / 95.981 (decode) over
-2 x 255 predictions, ~9 s. Main subset (configs/main.py, SmolLM2-135M-Instruct fp32
-weights, bf16 cache, 4 x 512): 30.953 / 30.950. The full split at seq_len 2048 was not
-run on the CPU box (decode mode feeds ~150 windows x 2047 single-token steps).
+Measured: the dense row of results/main.md (SmolLM2-135M, the main job's 4 x 512
+subset). The full split at seq_len 2048 was not run on the CPU box (decode mode feeds ~150
+windows x 2047 single-token steps).
 """
 
 from kvlowrank.config_lib import parse_arg

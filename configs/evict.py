@@ -16,8 +16,8 @@ that mode runs; kv_bytes_per_token counts the budget's share of a seq_len contex
 KIVI inside the budget: G = 32 and an exact residual R = 32 (not KIVI's 128): the inner
 cache holds budget - window tokens, and with R >= that KIVI would never quantize anything.
 GEAR inside the budget: the paper's GEAR (s = 2 %, r_p = 4, r_g = 2) over KIVI with
-g = n_b = 32 instead of 64, for the same reason (its n_b-token buffer stays exact). Not
-measured here (no expected numbers below).
+g = n_b = 32 instead of 64, for the same reason (its n_b-token buffer stays exact). Its
+accuracy on SmolLM2 is not measured.
 
 Stacking (issue 22 item 5): where the rotated caches are registered (`fdc` / `zack`), the
 config also holds inner_specs.zack (ZACK at 50% widths, 4-bit K'/V' KIVI-style, R = 32,
@@ -26,26 +26,7 @@ results/rotated.md) and `inner=zack` composes rotation + quantization + eviction
 config; get_sweep() then adds that point at each budget. Rotation + eviction vs each alone
 at equal bytes: configs/stack.py.
 
-Expected (measured 2026-11-25 on the loaded 2-core CPU box: SmolLM2-135M fp32, bf16 K/V,
-the first 2 WikiText-2 test windows of 512 tokens (windows=2), decode mode: prompt 256 in
-one call, then 255 one-token calls; window = observe = 32, pool 5). PPL over all 511
-predictions / the 255 prompt predictions / the 256 predictions of tokens 256..511;
-KV B/token: kv_bytes_per_token at a 512-token context (allocated bytes / 512 in brackets):
-
-  | cache | PPL all | prompt | after prompt | KV B/token |
-  |---|---|---|---|---|
-  | dense | 28.224 | 34.088 | 23.386 | 23040 (23040) |
-  | KIVI-2 (G 32, R 128) | 40.808 | 56.163 | 29.688 | 4320 |
-  | KIVI-2 (G 32, R 32) | 44.237 | 60.604 | 32.330 | 4320 (5760) |
-  | evict(dense) budget 256 | 34.623 | 34.095 | 35.156 | 11520 (13020) |
-  | evict(dense) budget 128 | 38.047 | 34.088 | 42.448 | 5760 (7230) |
-  | evict(KIVI-2 R 32) budget 256 | 52.209 | 58.347 | 46.737 | 2160 (4830) |
-  | evict(KIVI-2 R 32) budget 128 | 46.593 | 47.066 | 46.128 | 1080 (3720) |
-
-(The prompt's own predictions see the whole prompt, as SnapKV's prefill: evict(dense)
-matches dense there. After the prompt the cache is full and each decode step evicts the
-token leaving the window. Stacked with KIVI-2 the quantization error dominates at both
-budgets on this 135M model; 2 windows, so differences of ~1 PPL are noise.)
+Measured: results/rotated.md, "Eviction" and "Rotation + eviction" (SmolLM2-135M).
 """
 
 from ml_collections import ConfigDict

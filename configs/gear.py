@@ -21,11 +21,7 @@ size: 2 windows of 512 tokens of WikiText-2 test (256 prompt + 256 decoded and s
 tokens each, one batch of 2), bf16 K/V, fp32 SmolLM2 weights: sized so the 20-point sweep
 fits ~25 min on the shared 2-core CPU box -- small, so PPL differences under ~0.3 are noise.
 
-Expected (measured 2026-11-25 on the shared 2-core CPU box; decode PPL, 2 x 511 tokens):
-dense 28.224, KIVI-2 (g = 64, R = 64) 57.119, GEAR-2 35.929, GEAR-L-2 42.554,
-outlier-only-2 42.749, KCVT-4 28.685, GEAR-4 (KCVT) 28.579 (the whole grid, KV bytes in
-both conventions and generation drift: results/gear.md). smoke: GEAR-2 decode PPL 96.707
-(~40 s; stories260K dense 95.981).
+Measured: results/gear.md (the whole grid, KV bytes in both conventions, drift, claims).
 
 get_sweep(): the dense baseline; KIVI-2 with the paper's baseline groups (g = 64, R = 64);
 the Fig. 4a grid s in {0, 1, 2, 4} % x r in {0, 2, 4, 8} over 2-bit KIVI (g = 64,

@@ -5,8 +5,7 @@ Command (the embedded SmolLM2-135M-Instruct GGUF, CPU OK):
   python experiments/generate.py --config=configs/generate.py
 
 Expected (greedy, fp32, CPU; measured): 'The capital of France is' ->
-  " Paris.\n\nThe answer is: 2018-01-22 12:12:53." (29 tokens, stops at EOS), about
-15 s of CPU time (model load ~5 s; most of the rest is compiling prefill + decode).
+  " Paris.\n\nThe answer is: 2018-01-22 12:12:53." (29 tokens, stops at EOS).
 `:chat` with --config.prompt="What is the capital of France?" gives
 "The capital of France is Paris."; `:smoke` (stories260K) gives
 ", there was a little girl named Lily. She loved to play outside in the park. ..."

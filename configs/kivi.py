@@ -9,11 +9,7 @@ whole test split), smoke (stories260K, G=8, R=32, < 1 min). Other knobs via
 --config.kivi.group_size=, --config.kivi.residual=, --config.kivi.v_bits=,
 --config.kivi.scale_dtype=; get_sweep() covers bits in {4, 2}.
 
-Expected (measured, 2-core CPU; dense smoke baseline 95.981 / 95.981):
-smoke 2-bit: PPL prefill 108.49, decode 98.93; smoke,bits=4: 95.90 / 96.92 (~22 s each;
-stories260K is a tiny TinyStories model, so on WikiText its PPL moves by noise-sized
-amounts either way at 3-8 bits). SmolLM2 main subset (configs/main.py): KIVI-4
-31.566 / 31.155, KIVI-2 54.747 / 41.662 vs dense 30.953 / 30.950.
+Measured: the KIVI rows of results/main.md (SmolLM2-135M, the main job's protocol).
 """
 
 from ml_collections import ConfigDict, config_dict

@@ -18,24 +18,7 @@ report.md and pareto.png into the workdir and prints where they went.
 
 Args after `:`: model, seq_len, windows, prompt_len, smoke (stories260K, < 2 min).
 
-Expected (measured 2026-11-25 on the 2-core CPU box, fp32 weights, bf16 K/V, 4 x 511
-scored tokens; all 12 points took 13 min 25 s wall incl. Palu / FDC / ZACK calibration;
-greedy match / KL: 2 prompts x 64 tokens):
-
-  | method | bits | KV bytes/token | vs bf16 | PPL prefill | PPL decode | greedy match | KL |
-  |---|---|---|---|---|---|---|---|
-  | dense (baseline) | 16 | 23040 | 1.00x | 30.953 | 30.953 | 1.000 | 0 |
-  | fdc | 16 | 11520 | 2.00x | 135.930 | 135.929 | 0.047 | 0.932 |
-  | palu | 16 | 11520 | 2.00x | 44.502 | 44.503 | 0.078 | 0.209 |
-  | zack | 16 | 11520 | 2.00x | 98.043 | 98.038 | 0.055 | 0.658 |
-  | kivi | 4 | 7200 | 3.20x | 31.551 | 31.130 | 0.883 | 0.004 |
-  | gear | 2 s2% r4/2 | 6840 | 3.37x | 43.183 | 40.247 | 0.156 | 0.103 |
-  | xquant | 4 | 6480 | 3.56x | 31.132 | 31.143 | 0.859 | 0.0079 |
-  | gear | 2 r4/2 | 5760 | 4.00x | 58.887 | 47.795 | 0.086 | 0.189 |
-  | kivi | 2 | 4320 | 5.33x | 54.297 | 41.096 | 0.078 | 0.211 |
-  | xquant_cl | 2+4x3 | 3888 | 5.93x | 42.959 | 43.631 | 0.109 | 0.167 |
-  | xquant | 2 | 3600 | 6.40x | 49.548 | 47.248 | 0.070 | 0.272 |
-  | palu | 3 | 3432 | 6.71x | 38.413 | 38.885 | 0.031 | 0.155 |
+Measured: results/main.md (the table this job prints, with its date, machine and time).
 """
 
 from ml_collections import ConfigDict, config_dict
@@ -87,6 +70,15 @@ def get_config(arg=None):
                               calibration="random" if name == "fdc" else "data",
                               bits=config_dict.placeholder(int), group_size=16, residual=32,
                               implementation=config_dict.placeholder(str)))
+  # Stacking (configs/evict.py documents the fields): SnapKV eviction around ZACK-50% with
+  # KIVI-style 4-bit K'/V', i.e. rotation + quantization + eviction in one cache, keeping
+  # half of a window's tokens; judged in decode mode only (SnapKV selects at the prompt's
+  # end), so its point runs that mode.
+  c.evict = ConfigDict(dict(
+      inner="zack", budget=arg.seq_len // 2, window=32, observe=32, pool=5, ring="auto",
+      bytes_context=arg.seq_len,
+      inner_specs=ConfigDict(dict(zack=ConfigDict(dict(
+          target_ratio=0.5, bits=4, group_size=16, residual=32, calibration="data"))))))
   c.eval.seq_len = arg.seq_len
   c.eval.max_windows = arg.windows
   c.eval.batch_size = arg.windows
@@ -106,6 +98,11 @@ def get_config(arg=None):
     c.gear.buffer = 16
     c.fdc.width_multiple = c.zack.width_multiple = 8   # head dim 8: full width only
     c.fdc.target_ratio = c.zack.target_ratio = 0.0
+    c.zack.group_size = 8                               # 4-bit K'/V' groups within a head
+    c.evict.budget, c.evict.window = c.eval.seq_len // 2, 16
+    c.evict.observe, c.evict.bytes_context = 16, c.eval.seq_len
+    c.evict.inner_specs.zack.update(dict(target_ratio=0.0, width_multiple=8, group_size=8,
+                                         residual=16))
   return c
 
 
@@ -122,6 +119,10 @@ def get_sweep(arg=None):
       {"method": "xquant_cl", "xquant_cl.bits": 2},
       {"method": "gear", "eval.prefill_chunk": 0},                          # GEAR-2
       {"method": "gear", "gear.sparsity": 0.0, "eval.prefill_chunk": 0},    # GEAR-L-2
+      {"method": "gear", "gear.rank_prefill": 0, "gear.rank_chunk": 0,      # outlier-only-2
+       "eval.prefill_chunk": 0},
       {"method": "fdc"},
       {"method": "zack"},
+      {"method": "zack", "zack.bits": 4},                                   # rotation + 4-bit
+      {"method": "evict", "eval.modes": ("decode",), "eval.prefill_chunk": 0},  # + eviction
   ]

@@ -9,7 +9,8 @@ Args after `:` (k=v, comma-separated): model, bits (2|3|4|8), cl (XQuant-CL inst
 XQuant), path (auto|x|latent: X itself or the GQA SVD latents; auto = the smaller
 footprint, latent on SmolLM2's 9q/3kv heads: 2·192 < 576), group_size (64 by default:
 SmolLM2's widths 576 and 192 are not multiples of the paper's 128), seq_len, windows,
-decode (false: prefill mode only, ~4x faster on CPU), smoke (stories260K, < 2 min). Other knobs via --config.xquant.<field> /
+decode (false: prefill mode only, faster on CPU), smoke (stories260K, < 2 min). Other
+knobs via --config.xquant.<field> /
 --config.xquant_cl.<field> (kvlowrank.cache.XQuantSpec / XQuantCLSpec: window,
 key_axis, value_axis, n_high_layers, high_bits, base_layer, delta_axis, layer_bits,
 scale_dtype, implementation).
@@ -21,12 +22,7 @@ WikiText-2 test windows of 512 tokens, prefill and decode modes).
 get_sweep(): XQuant 4/3/2 bits on the auto (latent) path and on the X path, XQuant-CL
 3/2 bits on both paths, and KIVI at 4/3/2 bits with the same group (64) and no exact
 window (the equal-bits comparison of the paper's Table 1/4), next to the dense cache.
-Expected (measured 2026-11-21, 2-core CPU, SmolLM2-135M, 4 x 511 scored tokens, PPL
-prefill; full table in results/xquant.md): dense 30.953 (23040 B/token); XQuant latent
-4/3/2-bit 31.138 / 32.624 / 48.305 (6480 / 5040 / 3600 B); XQuant-CL 3/2-bit 32.600 /
-41.671 (5184 / 3888 B); KIVI G=64 R=0 4/3/2-bit 31.423 / 34.447 / 91.009 (= XQuant's
-bytes); X path 4/2-bit 36.640 / 11295, CL X path 2-bit 61.455. ~25-60 s per prefill point.
-Smoke (stories260K): XQuant-4 97.53 / 97.62, CL-2 105.46 / 105.46 (prefill / decode).
+Measured: results/xquant.md (the full table, the paper's claims).
 """
 
 from ml_collections import ConfigDict, config_dict

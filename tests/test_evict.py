@@ -16,6 +16,7 @@ from kvlowrank.methods.evict import select
 from kvlowrank.model.params import init_params
 from kvlowrank.model.transformer import forward, qkv_projections, rms_norm
 from kvlowrank.spec import ModelSpec
+from decode_steps import prefill_then_decode
 
 SPEC = ModelSpec(vocab_size=64, dim=32, n_layers=1, n_heads=4, n_kv_heads=2, head_dim=16,
                  ffn_dim=64, max_seq_len=128)
@@ -42,13 +43,7 @@ def _run(params, es, tokens, prompt, method="evict", dtype=jnp.float32, capacity
   b, t = tokens.shape
   pos = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
   caches = init_caches(method, es, SPEC, params, batch=b, capacity=capacity or t, dtype=dtype)
-  logits, caches = _forward(params, tokens[:, :prompt], pos[:, :prompt], caches, SPEC)
-  out, states = [logits], [caches]
-  for i in range(prompt, t):
-    lg, caches = _forward(params, tokens[:, i:i + 1], pos[:, i:i + 1], caches, SPEC)
-    out.append(lg)
-    states.append(caches)
-  return jnp.concatenate(out, axis=1), states
+  return prefill_then_decode(params, SPEC, caches, tokens, pos, prompt)
 
 
 def _tokens(b, t, seed=1):

@@ -14,6 +14,7 @@ from kvlowrank.cache import caches_nbytes, init_caches
 from kvlowrank.methods import EvictSpec, get_method, rotated
 from kvlowrank.model.transformer import forward
 from kvlowrank.spec import ModelSpec
+from decode_steps import prefill_then_decode
 from np_params import np_init_params
 
 SPEC = ModelSpec(vocab_size=64, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=32,
@@ -53,6 +54,15 @@ def test_rotation_quantization_eviction_compose():
   assert caches_nbytes(ev) < caches_nbytes(
       init_caches("evict", big, SPEC, cp, batch=2, capacity=48, dtype=jnp.float32))
   assert isinstance(ev[0].inner, rotated.RotatedCache) and ev[0].inner.quant is not None
+  # A prompt longer than the inner store (window + prompt candidates > its slots, the
+  # evicted ones as padding) goes through the quantized inner cache too.
+  long_t = jnp.asarray(np.random.default_rng(2).integers(0, 64, (2, 96)))
+  long_pos = jnp.broadcast_to(jnp.arange(96, dtype=jnp.int32), (2, 96))
+  small = init_caches("evict", es, SPEC, cp, batch=2, capacity=96, dtype=jnp.float32)
+  assert 8 + 96 > small[0].inner.capacity
+  ll, small = _fwd(cp, long_t, long_pos, small, SPEC)
+  assert np.all(np.isfinite(np.asarray(ll)))
+  assert np.all(np.asarray(small[0].stored_tokens()) == 40)
   # nbytes() counts storage, not the rotations the inner cache and its scratch copy keep:
   # every array leaf = storage + weights, and the weights are the two copies' rk / bv.
   c = ev[0]
@@ -93,15 +103,9 @@ def _run(cp, method, mspec):
   """Prefill PROMPT tokens in one call, then one token per call: (logits [2, T, V], the
   caches after every call)."""
   toks = jnp.asarray(np.random.default_rng(1).integers(0, 64, (2, T)))
-  pos = _positions()
   caches = init_caches(method, mspec, SPEC, cp, batch=2, capacity=T, dtype=jnp.float32)
-  logits, caches = _fwd(cp, toks[:, :PROMPT], pos[:, :PROMPT], caches, SPEC)
-  out, states = [logits], [caches]
-  for i in range(PROMPT, T):
-    lg, caches = _fwd(cp, toks[:, i:i + 1], pos[:, i:i + 1], caches, SPEC)
-    out.append(lg)
-    states.append(caches)
-  return np.asarray(jnp.concatenate(out, axis=1)), states
+  logits, states = prefill_then_decode(cp, SPEC, caches, toks, _positions(), PROMPT)
+  return np.asarray(logits), states
 
 
 def _evict(recipe, budget, window=6, bits=None):

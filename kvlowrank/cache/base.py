@@ -151,6 +151,15 @@ def _checked_update(update):
   return wrapper
 
 
+def update_unchecked(cache, inputs: AttnInputs, lp):
+  """`cache.update` without its static token-count check (`check_capacity`), for callers
+  that hand it more token columns than it has slots, the surplus as padding (position -1):
+  the eviction wrapper (its evicted candidates), and a cache that stores through an inner
+  cache of its own capacity after checking its own (FDC/ZACK's quantized K'/V')."""
+  update = type(cache).update
+  return getattr(update, "__wrapped__", update)(cache, inputs, lp)
+
+
 class KVCache(abc.ABC):
   """Protocol every per-layer cache implements (see module docstring)."""
 

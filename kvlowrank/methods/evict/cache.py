@@ -127,14 +127,6 @@ def _compact_positions(slot_pos, valid, q_pos):
 
 
 
-def _update_compact(cache, inputs, lp):
-  """The inner cache's update without the static token-count check of the protocol
-  (`base.check_capacity`): the wrapper hands it every candidate of the call, the evicted
-  ones as padding (position -1) and the admitted ones at compact slots below its capacity
-  (`select.admit` keeps them within the budget), so more candidates than slots is fine."""
-  update = type(cache).update
-  return getattr(update, "__wrapped__", update)(cache, inputs, lp)
-
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class EvictCache(base.KVCache):
@@ -212,7 +204,7 @@ class EvictCache(base.KVCache):
       scores = jnp.zeros(valid.shape, jnp.float32)
     admitted, in_ring = select.admit(valid, scores, n_in, self.limit, w)
     slot = n_in[:, None] + jnp.cumsum(admitted, axis=1) - 1
-    inner = _update_compact(
+    inner = base.update_unchecked(
         self.inner,
         dataclasses.replace(e, positions=jnp.where(admitted, slot, -1).astype(jnp.int32)), lp)
     c = self.pos_map.shape[1]

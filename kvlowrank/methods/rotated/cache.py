@@ -234,7 +234,10 @@ class RotatedCache(base.KVCache):
     if self.quant is not None:
       inner = base.AttnInputs(x=inputs.x, k=kr[:, :, None], k_pre=kr[:, :, None],
                               v=vr[:, :, None], positions=pos)
-      return dataclasses.replace(self, quant=self.quant.update(inner, lp), lens=lens)
+      # Checked above against this cache's capacity (= the store's); an eviction wrapper
+      # may hand more columns than slots, the surplus padding (`base.update_unchecked`).
+      return dataclasses.replace(self, quant=base.update_unchecked(self.quant, inner, lp),
+                                 lens=lens)
     return dataclasses.replace(self, k_rot=base.scatter_slots(self.k_rot, kr, pos),
                                v_rot=base.scatter_slots(self.v_rot, vr, pos), lens=lens)
 
