@@ -24,7 +24,7 @@ WikiText-2 test windows of 512 tokens, prefill mode. get_sweep(): the claims of
 results/rotated.md (adaptive vs uniform, random vs WikiText calibration, FDC vs ZACK vs Palu
 at 50% of the KV dims, rotation + 4-bit vs each alone), next to dense, KIVI-4 and KIVI-2.
 
-Expected (measured, 2-core CPU): see results/rotated.md.
+Measured: results/rotated.md.
 """
 
 from ml_collections import ConfigDict, config_dict

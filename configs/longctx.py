@@ -31,7 +31,7 @@ contexts 256/512, dense and KIVI-2; seconds).
 Contexts count prompt + max_new_tokens (12): SmolLM2-135M-Instruct's window is 8192
 (llama.context_length of its GGUF), so 8K fills it exactly.
 
-Expected: results/longctx.md (measured on the CPU box with :cpu).
+Measured: results/longctx.md (on the CPU box with :cpu).
 """
 
 from ml_collections import ConfigDict, config_dict

@@ -22,7 +22,7 @@ Evaluation: the first 8 WikiText-2 test windows of 512 tokens, prefill mode (eve
 query attends to the compressed cache); calibration: 16 x 512-token windows of the
 WikiText-2 validation split (Fisher on the first 8), computed once per workdir.
 
-Expected (measured, 2-core CPU): see results/palu.md. On SmolLM2-135M (3 KV heads)
+Measured: results/palu.md. On SmolLM2-135M (3 KV heads)
 G-LRD gs-4 resolves to gs=3 = J-LRD. In the smoke sweep (head dim 8) M-LRD at 50% is
 infeasible (its group rank 8 is the rank multiple): the sweep records that point as
 failed, with the reason, and runs the other 23.

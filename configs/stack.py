@@ -28,7 +28,7 @@ and a second equal-bytes pair at a quarter of the dense bytes:
   evict(dense), budget T/4                 0.25
   evict(ZACK, 50% kept), budget T/2        0.25
 
-Expected (measured, 2-core CPU): see results/rotated.md ("Rotation + eviction").
+Measured: results/rotated.md ("Rotation + eviction").
 """
 
 import importlib.util

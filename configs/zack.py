@@ -11,7 +11,7 @@ Args after `:` and the sweep: as configs/fdc.py (one family, two recipes; the za
 has the same fields, kvlowrank.methods.rotated.RotatedSpec; v_decomposition is FDC's only).
 get_sweep() is configs/fdc.py's (FDC and ZACK points in one workdir).
 
-Expected (measured, 2-core CPU): see results/rotated.md.
+Measured: results/rotated.md.
 """
 
 import importlib.util

@@ -17,6 +17,7 @@ from kvlowrank.model.params import init_params
 from kvlowrank.model.transformer import forward, qkv_projections, rms_norm
 from kvlowrank.spec import ModelSpec
 from decode_steps import prefill_then_decode
+from docs_check import cites_results
 
 SPEC = ModelSpec(vocab_size=64, dim=32, n_layers=1, n_heads=4, n_kv_heads=2, head_dim=16,
                  ffn_dim=64, max_seq_len=128)
@@ -375,7 +376,7 @@ def test_config_file_and_sweep_build():
   spec = importlib.util.spec_from_file_location("_cfg_evict", path)
   module = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(module)
-  assert "python experiments/" in module.__doc__ and "Expected" in module.__doc__
+  assert "python experiments/" in module.__doc__ and cites_results(module.__doc__)
   config = module.get_config()
   inners = [from_config(apply_overrides(config, p)).method_spec for p in module.get_sweep()]
   assert {(s.inner, s.budget) for s in inners} >= {(i, b) for i in ("dense", "kivi")

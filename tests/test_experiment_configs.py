@@ -13,6 +13,7 @@ from kvlowrank.experiment import config as config_lib
 from kvlowrank.experiment.spec import from_config
 from kvlowrank.methods import get_method
 from kvlowrank.resources import shared_dir
+from docs_check import cites_results
 
 REPO = Path(__file__).resolve().parents[1]
 SMOL = ModelSpec(vocab_size=49152, dim=576, n_layers=30, n_heads=9, n_kv_heads=3,
@@ -125,7 +126,7 @@ def test_bad_drift_fields():
 @pytest.mark.parametrize("name", ["baseline", "kivi", "main"])
 def test_config_files(name):
   module = config_module(name)
-  assert "python experiments/" in module.__doc__ and "Expected" in module.__doc__
+  assert "python experiments/" in module.__doc__ and cites_results(module.__doc__)
   from_config(module.get_config())
   if shared_dir() is not None:
     from_config(module.get_config("smoke"))

@@ -12,6 +12,7 @@ from kvlowrank.methods import GearCache, GearSpec, init_caches
 from kvlowrank.methods.gear import outliers, power
 from kvlowrank.model.attention import dot_product_attention
 from kvlowrank.spec import ModelSpec
+from docs_check import cites_results
 
 SPEC = ModelSpec(vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16,
                  ffn_dim=64, max_seq_len=128)
@@ -512,7 +513,7 @@ def test_configs_build_every_sweep_point():
     spec = importlib.util.spec_from_file_location(f"_cfg_{name}", repo / "configs" / f"{name}.py")
     mods[name] = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mods[name])
-  assert "python experiments/" in mods["gear"].__doc__ and "Expected" in mods["gear"].__doc__
+  assert "python experiments/" in mods["gear"].__doc__ and cites_results(mods["gear"].__doc__)
   gear_points = [p for p in mods["gear"].get_sweep() if p["method"] == "gear"]
   assert len(gear_points) == 18
   grid = {(p.get("gear.sparsity"), p.get("gear.rank_prefill")) for p in gear_points}

@@ -8,6 +8,7 @@ from kvlowrank.methods.rotated.spec import RotatedSpec
 from kvlowrank.resources import shared_dir
 from kvlowrank.spec import ModelSpec
 from np_params import np_init_params
+from docs_check import cites_results
 
 
 def np_eq1(theta, r):
@@ -256,7 +257,7 @@ def test_config_files(name):
   from kvlowrank.experiment import config as config_lib  # pylint: disable=C0415
   from kvlowrank.experiment.spec import from_config  # pylint: disable=C0415
   module = config_module(name)
-  assert "python experiments/" in module.__doc__ and "Expected" in module.__doc__
+  assert "python experiments/" in module.__doc__ and cites_results(module.__doc__)
   c = module.get_config()
   assert from_config(c, SMOL).method == name
   assert from_config(c, SMOL).method_spec.calibration == ("random" if name == "fdc" else "data")

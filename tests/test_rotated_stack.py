@@ -16,6 +16,7 @@ from kvlowrank.model.transformer import forward
 from kvlowrank.spec import ModelSpec
 from decode_steps import prefill_then_decode
 from np_params import np_init_params
+from docs_check import cites_results
 
 SPEC = ModelSpec(vocab_size=64, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=32,
                  ffn_dim=48)
@@ -175,7 +176,7 @@ def test_stack_config_file_points():
   from kvlowrank.experiment.config import apply_overrides  # pylint: disable=C0415
   from kvlowrank.experiment.spec import from_config  # pylint: disable=C0415
   module = config_module("stack")
-  assert "python experiments/sweep.py" in module.__doc__ and "Expected" in module.__doc__
+  assert "python experiments/sweep.py" in module.__doc__ and cites_results(module.__doc__)
   for arg, t in ((None, 512), ("smoke", 256)):
     c = module.get_config(arg)
     assert c.eval.seq_len == t and c.eval.modes == ("decode",) and c.evict.bytes_context == t

@@ -12,6 +12,7 @@ from kvlowrank.experiment import config as config_lib
 from kvlowrank.experiment.spec import from_config
 from kvlowrank.methods import get_method
 from kvlowrank.resources import shared_dir
+from docs_check import cites_results
 
 REPO = Path(__file__).resolve().parents[1]
 SMOL = ModelSpec(vocab_size=49152, dim=576, n_layers=30, n_heads=9, n_kv_heads=3,
@@ -40,7 +41,7 @@ def test_every_sweep_point_resolves(name):
 
 def test_xquant_config_fields_and_bytes():
   module = _module("xquant")
-  assert "python experiments/" in module.__doc__ and "Expected" in module.__doc__
+  assert "python experiments/" in module.__doc__ and cites_results(module.__doc__)
   c = module.get_config("bits=2")
   xq = from_config(c, SMOL)
   kivi = from_config(config_lib.apply_overrides(c, {"method": "kivi"}), SMOL)

@@ -20,6 +20,7 @@ a sweep can tell finished points from new ones however it was interrupted.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import hashlib
 import importlib.util
 import json
@@ -104,10 +105,18 @@ def apply_smoke(c: ConfigDict) -> ConfigDict:
   return c
 
 
+def _jsonable(o):
+  """JSON form of what a resolved spec may hold: nested spec dataclasses (e.g. an eviction
+  spec's inner method spec) as their fields, other iterables as lists."""
+  if dataclasses.is_dataclass(o) and not isinstance(o, type):
+    return dataclasses.asdict(o)
+  return list(o)
+
+
 def _canonical(config) -> dict:
   d = config.to_dict() if isinstance(config, (ConfigDict, ml_collections.FrozenConfigDict)) \
       else copy.deepcopy(dict(config))
-  d = json.loads(json.dumps(d, sort_keys=True, default=list))
+  d = json.loads(json.dumps(d, sort_keys=True, default=_jsonable))
   for (section, key), default in HASH_NEUTRAL_DEFAULTS.items():
     if isinstance(d.get(section), dict) and d[section].get(key, default) == default:
       d[section].pop(key, None)
