@@ -401,7 +401,8 @@ def run_config(spec: ModelSpec, params, method: BenchMethod, context: int, batch
     q = _rand(jax.random.fold_in(key, 1), (batch, 1, spec.n_heads, spec.head_dim))
     qpos = jnp.full((batch, 1), context, jnp.int32)
     attn_s = spec.n_layers * _attend_seconds(caches[0], q, qpos, params["layers"][0], spec)
-  return dict(method=method.label, context=context, batch=batch, implementation=impl,
+  return dict(method=method.label, context=context, batch=batch, capacity=capacity,
+              implementation=impl,
               mesh=None if mesh is None else [mesh.shape[parallel.DATA],
                                               mesh.shape[parallel.MODEL]],
               dispatch_reason=reason, step_ms=1e3 * step_s,
