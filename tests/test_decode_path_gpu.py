@@ -21,6 +21,7 @@ Model: a 2-layer Llama of head dim 128 (the kernels' head dim), GQA 8/2, random 
    stated bf16 bound, and the tokens are identical up to a near tie
    (`test_greedy_generation_kernels_match_reference`). Negative control: one changed
    prompt token moves the logits outside the bound.
+XQuant-CL and eviction run 3 only (GENERATION_ONLY): their layers attend inside `step`.
 """
 
 import dataclasses
