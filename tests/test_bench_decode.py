@@ -87,3 +87,16 @@ def test_cross_layer_method_and_max_batch_check():
   assert not bad["fits"] and "batch must be positive" in bad["error"]
   res = dict(res, records=[dict(rec, max_batch_check=ok)])
   assert decode.table(res).splitlines()[-1].endswith(" ✓ |")
+
+
+def test_bytes_per_token_excludes_weights_kept_on_the_cache():
+  """XQuant keeps its SVD factors on the cache: the memory pre-check must count them once
+  as weights, not once per token (they made XQuant-2 "not fit" at 32K/B=8 on an 80 GB GPU)."""
+  m = decode.METHODS["xquant2"]
+  gqa = decode.dataclasses.replace(TINY, dim=512, n_kv_heads=1)   # XQuant latent: 2*128 < 512
+  params = decode.random_params(gqa, decode.jax.random.key(0), m)
+  per_token, kept = decode.bytes_per_token(gqa, params, m, probe=1024)
+  caches = decode.init_caches(m.cache, m.spec, gqa, params, batch=1, capacity=1024)
+  assert kept == sum(c.weights_nbytes() for c in caches) > 0
+  assert per_token * 1024 == decode.storage_bytes(caches) == decode.caches_nbytes(caches)
+  assert decode.array_bytes(caches) == per_token * 1024 + kept      # the control: all arrays

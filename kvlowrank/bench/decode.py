@@ -442,14 +442,20 @@ def max_batch(rec: dict, weight_bytes: int, limit: Optional[int],
   return data * max(0, int((limit - weight_bytes - margin) // per_seq))
 
 
+def _cache_weights(caches) -> int:
+  return sum(c.weights_nbytes() if hasattr(c, "weights_nbytes") else 0 for c in caches)
+
+
 def bytes_per_token(spec: ModelSpec, params, method: BenchMethod, probe: int = 2048, *,
-                    tp: int = 1) -> float:
-  """Cache bytes per token and sequence, from a real batch-1 cache of `probe` slots (with
-  tp > 1: one device's shard, `spec` being the global spec; abstract, nothing allocated)."""
+                    tp: int = 1) -> tuple[float, int]:
+  """(cache storage bytes per token and sequence, bytes of the model weights the caches
+  keep: `weights_nbytes()`, e.g. XQuant's SVD factors), from a real batch-1 cache of `probe`
+  slots (with tp > 1: one device's shard, `spec` being the global spec, the kept weights
+  counted as split over the tp devices; abstract, nothing allocated)."""
   if tp == 1:
     caches = init_caches(method.cache, method.spec, spec, params, batch=1, capacity=probe,
                          dtype=jnp.bfloat16)
-    return array_bytes(caches) / probe
+    return storage_bytes(caches) / probe, _cache_weights(caches)
   group = min(PALU_GROUP, spec.n_kv_heads // tp)
   widths = None
   if method.cache in ("fdc", "zack"):
@@ -463,7 +469,8 @@ def bytes_per_token(spec: ModelSpec, params, method: BenchMethod, probe: int = 2
     for leaf, s in zip(jax.tree.leaves(c), jax.tree.leaves(
         cs, is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))):
       total += leaf.size * leaf.dtype.itemsize // (tp if parallel.MODEL in tuple(s) else 1)
-  return total / probe
+  kept = _cache_weights(abstract) // tp
+  return (total - kept) / probe, kept
 
 
 def fits(per_token: float, context: int, batch: int, weight_bytes: int,
@@ -546,11 +553,12 @@ def run(model, *, methods: Sequence[str], configs: Sequence[tuple[int, int]],
       m = METHODS[name]
       if dev_mesh is None:
         params = random_params(spec, jax.random.key(1), m)
-        loaded[name] = (params, array_bytes(params), bytes_per_token(spec, params, m))
+        per_token, kept = bytes_per_token(spec, params, m)
+        loaded[name] = (params, array_bytes(params) + kept, per_token)
       else:   # per device: weights and (head-split caches) bytes per token of one shard
         params = sharded_params(spec, jax.random.key(1), m, dev_mesh)
-        per_token = bytes_per_token(spec, None, m, tp=tp)
-        loaded[name] = (params, device_bytes(params), per_token)
+        per_token, kept = bytes_per_token(spec, None, m, tp=tp)
+        loaded[name] = (params, device_bytes(params) + kept, per_token)
     return loaded[name]
 
   over = lambda: time.perf_counter() - t_start > time_budget_s
