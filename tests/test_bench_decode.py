@@ -65,6 +65,10 @@ def test_profile_records_ops_by_category():
   assert decode.ops.category("custom-call.3", "triton_ragged_kernel") == (
       "custom call (attention kernels)")
   assert decode.ops.category("custom-call.4", "sm90_xmma_gemm_bf16") == "matmul"
+  # As the H100 trace names them (jax-triton's and Mosaic GPU's custom calls).
+  for op, kernel in (("triton_kernel_call.534", "ragged_kernel"),
+                     ("entry_mosaic_gpu_kernel", "entry_mosaic_gpu_kernel")):
+    assert decode.ops.category(op, kernel) == "custom call (attention kernels)"
   assert decode.ops.category("loop_add_fusion") == "other fusion"
   assert "profile" not in res["records"][0] and decode.run(
       TINY, methods=["dense"], configs=[(256, 1)], steps=2,

@@ -27,7 +27,7 @@ import jax
 _CATEGORIES = (            # first match wins, on "<hlo op> <kernel>" lower-cased
     ("matmul", ("gemm", "xmma", "cutlass", "nvjet", "cublas", "dot")),
     ("custom call (attention kernels)", ("custom-call", "custom_call", "cudnn", "fmha",
-                                        "flash")),
+                                        "flash", "triton_kernel_call", "mosaic_gpu")),
     ("cache write (scatter / update-slice)", ("scatter", "dynamic-update-slice",
                                               "dynamic_update_slice")),
     ("copy / transpose", ("copy", "transpose")),
