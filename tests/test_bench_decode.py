@@ -93,6 +93,29 @@ def test_cross_layer_method_and_max_batch_check():
   assert decode.table(res).splitlines()[-1].endswith(" ✓ |")
 
 
+def test_max_batch_check_steps_down_to_the_largest_that_runs():
+  """An estimate that does not allocate: the check tries one sequence fewer at a time."""
+  calls = []
+
+  def fake_run(spec, params, method, context, b, **kw):
+    calls.append(b)
+    if b > 5:
+      raise RuntimeError(f"RESOURCE_EXHAUSTED: Out of memory at batch {b}")
+    return dict(tokens_per_s=100.0 * b, peak_bytes_process=b << 30)
+
+  got = decode.check_max_batch(TINY, None, None, 256, 7, tries=3, run=fake_run)
+  assert calls == [7, 6, 5] and got["largest_run"] == 5 and not got["fits"]
+  assert [f["batch"] for f in got["failed"]] == [7, 6] and "batch 7" in got["error"]
+  assert got["tokens_per_s"] == 500.0
+  none = decode.check_max_batch(TINY, None, None, 256, 9, tries=2, run=fake_run)
+  assert none["largest_run"] is None and not none["fits"]            # 9, 8: both fail
+  rec = dict(method="KIVI-2", context=256, batch=2, tokens_per_s=1.0, step_ms=2.0,
+             attention_ms=None, cache_nbytes=1, cache_device_bytes=1, peak_bytes_est=1,
+             max_batch=7, max_batch_check=got)
+  res = dict(model="tiny", records=[rec, dict(rec, method="dense", max_batch_check=None)])
+  assert " 7 ✗ (5 ✓) |" in decode.table(res)
+
+
 def test_bytes_per_token_excludes_weights_kept_on_the_cache():
   """XQuant keeps its SVD factors on the cache: the memory pre-check must count them once
   as weights, not once per token (they made XQuant-2 "not fit" at 32K/B=8 on an 80 GB GPU)."""

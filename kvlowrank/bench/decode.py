@@ -417,17 +417,29 @@ def run_config(spec: ModelSpec, params, method: BenchMethod, context: int, batch
 
 
 def check_max_batch(spec: ModelSpec, params, method: BenchMethod, context: int, batch: int,
-                    *, mesh=None) -> dict:
+                    *, mesh=None, tries: int = 3, run=None) -> dict:
   """Allocates, fills and runs `batch` rows at `context` (two decode steps): whether the
-  estimated largest batch really fits (`max_batch` is arithmetic on measured sizes)."""
-  try:
-    rec = run_config(spec, params, method, context, batch, steps=2, mesh=mesh,
-                     time_attention=False)
-  except Exception as e:  # pylint: disable=broad-except  (OOM: the answer)
-    return dict(batch=batch, fits=False, error=f"{type(e).__name__}: "
-                f"{str(e).splitlines()[0][:200]}")
-  return dict(batch=batch, fits=True, tokens_per_s=rec["tokens_per_s"],
-              peak_bytes_process=rec["peak_bytes_process"])
+  estimated largest batch really fits (`max_batch` is arithmetic on measured sizes). When it
+  does not, steps down one sequence at a time (at most `tries` batches in all) and reports
+  the largest that ran (`largest_run`; None if none did). `run`: run_config (tests)."""
+  run = run_config if run is None else run
+  failed, ran = [], None
+  for b in [batch] + list(range(batch - 1, max(batch - tries, 0), -1)):
+    try:
+      rec = run(spec, params, method, context, b, steps=2, mesh=mesh, time_attention=False)
+    except Exception as e:  # pylint: disable=broad-except  (OOM: the answer)
+      failed.append(dict(batch=b, error=f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"))
+      continue
+    ran = dict(batch=b, tokens_per_s=rec["tokens_per_s"],
+               peak_bytes_process=rec["peak_bytes_process"])
+    break
+  out = dict(batch=batch, fits=ran is not None and ran["batch"] == batch,
+             largest_run=None if ran is None else ran["batch"], failed=failed)
+  if failed:
+    out["error"] = failed[0]["error"]
+  if ran is not None:
+    out.update(tokens_per_s=ran["tokens_per_s"], peak_bytes_process=ran["peak_bytes_process"])
+  return out
 
 
 def max_batch(rec: dict, weight_bytes: int, limit: Optional[int],
@@ -648,7 +660,8 @@ def table(result: dict) -> str:
             f"{r['attention_ms']:.2f} ({100 * r['attention_share']:.0f}%)")
     label = r["method"] + (f" [{mesh[0]}x{mesh[1]}]" if mesh else "")
     check = r.get("max_batch_check")
-    mark = "" if check is None else (" ✓" if check["fits"] else " ✗")
+    mark = "" if check is None else (" ✓" if check["fits"] else (
+        " ✗" + (f" ({check['largest_run']} ✓)" if check.get("largest_run") else "")))
     lines.append(
         f"| {label} | {_ctx(r['context'])} | {r['batch']} | {r['tokens_per_s']:.1f} | "
         f"{vs} | {r['step_ms']:.2f} | {attn} | {cache} | {gib(r['peak_bytes_est'])} | "
