@@ -296,11 +296,14 @@ def sharded_caches(method: BenchMethod, spec: ModelSpec, params, *, batch: int,
   return jax.jit(make, out_shardings=out)(params)
 
 
+def _cache_weights(caches) -> int:
+  return sum(c.weights_nbytes() if hasattr(c, "weights_nbytes") else 0 for c in caches)
+
+
 def storage_bytes(caches) -> int:
   """Device bytes of the caches' arrays, less the model weights some caches keep beside
   their storage (Palu's B_k/B_v, XQuant's SVD factors: `weights_nbytes()`)."""
-  return sum(array_bytes(c) - (c.weights_nbytes() if hasattr(c, "weights_nbytes") else 0)
-             for c in caches)
+  return array_bytes(caches) - _cache_weights(caches)
 
 
 def _median_time(fn, steps: int) -> float:
@@ -454,16 +457,12 @@ def max_batch(rec: dict, weight_bytes: int, limit: Optional[int],
   return data * max(0, int((limit - weight_bytes - margin) // per_seq))
 
 
-def _cache_weights(caches) -> int:
-  return sum(c.weights_nbytes() if hasattr(c, "weights_nbytes") else 0 for c in caches)
-
-
 def bytes_per_token(spec: ModelSpec, params, method: BenchMethod, probe: int = 2048, *,
                     tp: int = 1) -> tuple[float, int]:
   """(cache storage bytes per token and sequence, bytes of the model weights the caches
   keep: `weights_nbytes()`, e.g. XQuant's SVD factors), from a real batch-1 cache of `probe`
-  slots (with tp > 1: one device's shard, `spec` being the global spec, the kept weights
-  counted as split over the tp devices; abstract, nothing allocated)."""
+  slots (with tp > 1: one device's shard, `spec` being the global spec; storage = the leaves
+  with a batch axis, as `device_storage_bytes` counts them; abstract, nothing allocated)."""
   if tp == 1:
     caches = init_caches(method.cache, method.spec, spec, params, batch=1, capacity=probe,
                          dtype=jnp.bfloat16)
@@ -476,13 +475,16 @@ def bytes_per_token(spec: ModelSpec, params, method: BenchMethod, probe: int = 2
       method.cache, method.spec, spec,
       _with_widths(random_params(spec, k, method, group, tp), widths), batch=1,
       capacity=probe, dtype=jnp.bfloat16), jax.random.key(0))
-  total = 0
+  storage = kept = 0
   for c, cs in zip(abstract, parallel.cache_specs(abstract)):
     for leaf, s in zip(jax.tree.leaves(c), jax.tree.leaves(
         cs, is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))):
-      total += leaf.size * leaf.dtype.itemsize // (tp if parallel.MODEL in tuple(s) else 1)
-  kept = _cache_weights(abstract) // tp
-  return (total - kept) / probe, kept
+      n = leaf.size * leaf.dtype.itemsize // (tp if parallel.MODEL in tuple(s) else 1)
+      if parallel.DATA in tuple(s):
+        storage += n
+      else:
+        kept += n
+  return storage / probe, kept
 
 
 def fits(per_token: float, context: int, batch: int, weight_bytes: int,
