@@ -13,7 +13,7 @@ decode (false: prefill mode only, faster on CPU), smoke (stories260K, < 2 min). 
 knobs via --config.xquant.<field> /
 --config.xquant_cl.<field> (kvlowrank.cache.XQuantSpec / XQuantCLSpec: window,
 key_axis, value_axis, n_high_layers, high_bits, base_layer, delta_axis, layer_bits,
-scale_dtype, implementation).
+scale_dtype, implementation; XQuant's decode_chunk).
 
 The XQuant-CL section follows the paper's Table 4 recipe: base layer 2, layers 0-2 at
 4 bits, deltas of layers 3.. at `bits`. Evaluation protocol = configs/main.py (first 4
@@ -36,7 +36,7 @@ def xquant_section(bits: int = 4, group_size: int = 64, path: str = "auto") -> C
   return ConfigDict(dict(bits=bits, group_size=group_size, window=0, path=path,
                          key_axis="channel", value_axis="token", n_high_layers=0,
                          high_bits=4, scale_dtype="float16",
-                         implementation=config_dict.placeholder(str)))
+                         implementation=config_dict.placeholder(str), decode_chunk=2048))
 
 
 def xquant_cl_section(bits: int = 2, group_size: int = 64, path: str = "auto") -> ConfigDict:

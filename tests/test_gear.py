@@ -354,6 +354,36 @@ def test_power_iteration_recovers_exact_low_rank():
   assert np.all(np.asarray(a)[:, 24:] == 0)
 
 
+def test_orthonormalize_spans_what_numpy_qr_spans():
+  """`power.orthonormalize` (Gram-Schmidt twice, no cuSOLVER) vs float64 numpy QR: the same
+  projector Q Q^T and orthonormal columns; a dependent column comes out zero and the
+  projector is still numpy's over the independent ones. Negative control: one pass of
+  classical Gram-Schmidt on near-parallel columns loses orthogonality."""
+  rng = np.random.default_rng(3)
+  m = rng.standard_normal((5, 40, 4))
+  m[..., 1] = m[..., 0] + 1e-3 * m[..., 1]                # near-parallel: cond ~ 1e3
+  q = np.asarray(power.orthonormalize(jnp.asarray(m, jnp.float32)), np.float64)
+  qn = np.linalg.qr(m)[0]
+  proj = lambda a: a @ np.swapaxes(a, -1, -2)
+  np.testing.assert_allclose(proj(q), proj(qn), atol=2e-4)
+  np.testing.assert_allclose(np.swapaxes(q, -1, -2) @ q, np.broadcast_to(np.eye(4), (5, 4, 4)),
+                             atol=1e-5)
+  dep = m.copy()
+  dep[..., 3] = 2.0 * dep[..., 0] - dep[..., 2]           # the last column is dependent
+  qd = np.asarray(power.orthonormalize(jnp.asarray(dep, jnp.float32)), np.float64)
+  assert np.all(qd[..., 3] == 0)
+  basis = np.linalg.qr(dep[..., :3])[0]
+  np.testing.assert_allclose(proj(qd), proj(basis), atol=2e-4)
+  assert np.all(np.asarray(power.orthonormalize(jnp.zeros((3, 2), jnp.float32))) == 0)
+  # Negative control: classical Gram-Schmidt, one pass, in float32.
+  x = jnp.asarray(m, jnp.float32)
+  c0 = x[..., 0] / jnp.linalg.norm(x[..., 0], axis=-1, keepdims=True)
+  v = x[..., 1] - jnp.sum(c0 * x[..., 1], -1, keepdims=True) * c0
+  c1 = v / jnp.linalg.norm(v, axis=-1, keepdims=True)
+  bad = np.asarray(jnp.stack([c0, c1], -1), np.float64)
+  assert np.abs(np.swapaxes(bad, -1, -2) @ bad - np.eye(2)).max() > 1e-5
+
+
 def test_outlier_counts_and_signs():
   assert outliers.counts(2.0, 64) == (1, 1)      # the paper's s = 2 %: one from each end
   assert outliers.counts(1.0, 64) == (1, 0)

@@ -29,12 +29,14 @@ kernel as they are:
   the quantized prefix [0, m) (m = min of the two quantized prefixes) are exactly ring
   slots [0, L - m): the kernels' exact window is the ring as stored.
 
-`update` handles prefill (T > 1) and decode (T = 1) with one traced code path:
-it assembles the exact values of positions [L0 - F, L0 + T) (ring + new tokens),
-quantizes every candidate key group / value token of that window, and scatters only
-those whose quantization KIVI's rules make due (masked writes, no Python branching
-on traced lengths). Rows are ragged: each row's new tokens must continue its own
-sequence (positions lens[b], lens[b]+1, ...; -1 = padding anywhere; positions >=
+`update` of T > 1 tokens (prefill) assembles the exact values of positions
+[L0 - F, L0 + T) (ring + new tokens), quantizes every candidate key group / value token
+of that window, and scatters only those whose quantization KIVI's rules make due (masked
+writes, no Python branching on traced lengths). A decode token (T = 1) takes a shorter
+path with the same result (`_decode_update`): it writes its ring slot, quantizes the one
+value that leaves the window and, once every F tokens, flushes the ring's keys (under a
+`lax.cond`; BENCHMARKS.md has the measured alternatives). Rows are ragged: each row's new tokens must continue
+its own sequence (positions lens[b], lens[b]+1, ...; -1 = padding anywhere; positions >=
 capacity are dropped like padding).
 
 Attention reads the post-update cache: tokens [0, m) from the quantized store and ring
@@ -225,6 +227,8 @@ class KiviCache(base.KVCache):
     g, f, r, cap = self.group_size, self.flush_block, self.residual, self.capacity
     b, t = inputs.positions.shape
     pos = jnp.where((inputs.positions >= 0) & (inputs.positions < cap), inputs.positions, -1)
+    if t == 1:
+      return self._decode_update(inputs, pos[:, 0])
     l0 = self.lens
     l1 = base.new_lengths(l0, pos)
     nqk0, nqv0 = self._n_quantized(l0)
@@ -275,6 +279,51 @@ class KiviCache(base.KVCache):
     e_idx = p - l0[:, None] + f
     return dataclasses.replace(self, store=store, k_res=_rows(ek, e_idx),
                                v_res=_rows(ev, e_idx), lens=l1)
+
+  def _decode_update(self, inputs: base.AttnInputs, pos):
+    """`update` for one new token per row (pos [B], -1 = padding): the same result as the
+    windowed path above, touching only the ring slot the token takes, the value leaving the
+    window and, once every F tokens, the ring's keys.
+
+    With the ring's invariant (slot i holds position i mod F), the new token at position
+    l0 takes slot l0 mod F, whose old occupant l0 - F is the value that leaves the window
+    now (R > 0, so F = R; with R = 0 the new value itself is quantized at once). When
+    l0 + 1 is a multiple of F, the ring holds positions [l0 + 1 - F, l0 + 1) in slot order:
+    exactly the key block to flush (under `lax.cond`, as above)."""
+    g, f, r = self.group_size, self.flush_block, self.residual
+    b = pos.shape[0]
+    valid = pos >= 0
+    l1 = base.new_lengths(self.lens, pos[:, None])
+    due = valid & (jnp.mod(l1, f) == 0)           # this token completes a key block
+    sd = jnp.dtype(self._scale_dtype())
+    dt = self.k_res.dtype
+    bi = jnp.arange(b)
+    slot = jnp.where(valid, jnp.mod(pos, f), f)                # f: dropped
+    k_new, v_new = inputs.k[:, 0].astype(dt), inputs.v[:, 0].astype(dt)
+    # The value quantized now: position pos - R (the slot's old occupant; R = 0: the new one).
+    vpos = pos - r
+    v_out = self.v_res[bi, jnp.mod(pos, f)] if r > 0 else v_new
+    vc, vs, vz = quantize_codes(v_out[:, None], bits=self.v_bits, axis=-1, group_size=g,
+                                scale_dtype=sd)
+    v_ok = valid & (vpos >= 0)
+    store = kstore.write_values(self.store, jnp.maximum(vpos, 0)[:, None], v_ok[:, None],
+                                vc, vs, vz)
+    if r == 0:
+      v_new = dequantize_codes(vc, vs, vz, axis=-1, group_size=g, dtype=dt)[:, 0]
+    k_res = self.k_res.at[bi, slot].set(k_new, mode="drop")
+    v_res = self.v_res.at[bi, slot].set(v_new, mode="drop")
+
+    def flush(store, k_res):
+      kc, ks, kz = quantize_codes(k_res, bits=self.k_bits, axis=1, group_size=g,
+                                  scale_dtype=sd)
+      grp = (l1 - f)[:, None] // g + jnp.arange(f // g)[None, :]
+      store = kstore.write_keys(store, grp, jnp.broadcast_to(due[:, None], grp.shape),
+                                kc, ks, kz)
+      k_seen = dequantize_codes(kc, ks, kz, axis=1, group_size=g, dtype=dt)
+      return store, jnp.where(due[:, None, None, None], k_seen, k_res)
+
+    store, k_res = jax.lax.cond(jnp.any(due), flush, lambda st, k: (st, k), store, k_res)
+    return dataclasses.replace(self, store=store, k_res=k_res, v_res=v_res, lens=l1)
 
   def _scale_dtype(self):
     if isinstance(self.store, kstore.PlanarStore):

@@ -38,9 +38,13 @@ Attention dispatch (`XCache.attend`; `implementation` in CACHE_IMPLEMENTATIONS).
 step (T == 1, no sliding window) on a GPU takes the first path that fits
 (`kernel_candidates`, `cache.dispatch`), fastest first as BENCHMARKS.md's XQuant section
 measured them:
-  * "xla": rematerialise K/V for every slot with the XLA dequantization and one 16-bit
-    GEMM with fp32 accumulation (cuBLAS), at the cache dtype, then the dense decode kernel
-    over them (`dense_attend`: cuDNN, else Triton), as a dense cache of those K/V would.
+  * "xla": rematerialise K/V with the XLA dequantization and one 16-bit GEMM with fp32
+    accumulation (cuBLAS), at the cache dtype, `XQuantSpec.decode_chunk` tokens at a time,
+    each chunk attended by the jnp attention and the chunks merged by their log-sum-exp
+    (`XCache.chunked_attend`): the step's temporary K/V are one chunk's, not the whole
+    cache's. With decode_chunk = 0 (or a cache no longer than a chunk): all slots at once,
+    then the dense decode kernel over them (`dense_attend`: cuDNN, else Triton), as a dense
+    cache of those K/V would.
   * "triton" (fused): keys [0, n) with n = min(positions held as codes by every store,
     q_pos + 1) go through `kvlowrank_kernels.xquant.remat_decode_attention` (the fused
     Triton kernel: K/V are rematerialised tile by tile in registers and never written to
@@ -64,6 +68,7 @@ cross-layer carry) and project it with one dense matmul, then attend as "xla" do
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Mapping
 from typing import Any, Optional
 
@@ -104,6 +109,9 @@ class XQuantSpec:
   scale_dtype: dtype of scales and zero points.
   implementation: None (the fastest that fits) | "reference" | "xla" | "triton" | "auto"
     (= None) | "reference_fused" (the module doc's attention dispatch).
+  decode_chunk: tokens rematerialised at a time by the "xla" decode path (rounded down to
+    a multiple of the stores' token groups and flush blocks), which bounds its temporary
+    K/V to one chunk; 0 = the whole cache at once.
   """
 
   bits: Optional[int] = 4
@@ -116,6 +124,7 @@ class XQuantSpec:
   high_bits: int = 4
   scale_dtype: str = "float16"
   implementation: Optional[str] = None
+  decode_chunk: int = 2048
 
   def __post_init__(self):
     _check_bits(self.bits, "XQuantSpec.bits")
@@ -125,7 +134,7 @@ class XQuantSpec:
     for f in ("key_axis", "value_axis"):
       if getattr(self, f) not in AXES:
         raise ValueError(f"XQuantSpec.{f} must be one of {AXES}, got {getattr(self, f)!r}")
-    for f in ("group_size", "window", "n_high_layers"):
+    for f in ("group_size", "window", "n_high_layers", "decode_chunk"):
       v = getattr(self, f)
       if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < (f == "group_size"):
         raise ValueError(f"XQuantSpec.{f} must be an int >= {int(f == 'group_size')}, got {v!r}")
@@ -262,6 +271,7 @@ class XCache(base.KVCache):
   sliding_window: Optional[int] = base.static_field(default=None)
   kv_heads: int = base.static_field(default=1)
   dtype: str = base.static_field(default="bfloat16")   # of K/V rematerialised by "xla"
+  decode_chunk: int = base.static_field(default=2048)  # XQuantSpec.decode_chunk
 
   name = "xquant"
 
@@ -295,7 +305,7 @@ class XCache(base.KVCache):
       stores = (mk(uk.shape[1], xspec.key_axis), mk(uv.shape[1], xspec.value_axis))
     return cls(stores=stores, proj=proj, path=path, implementation=xspec.implementation,
                sliding_window=spec.sliding_window, kv_heads=spec.n_kv_heads,
-               dtype=jnp.dtype(dtype).name)
+               dtype=jnp.dtype(dtype).name, decode_chunk=xspec.decode_chunk)
 
   @property
   def capacity(self) -> int:
@@ -317,8 +327,9 @@ class XCache(base.KVCache):
     return dataclasses.replace(self, stores=(self.stores[0].append(xk, pos),
                                              self.stores[1].append(xv, pos)))
 
-  def rematerialize(self, lp, spec: ModelSpec, dtype, implementation=None):
-    """(k post-RoPE, v) [B,S,K,H] for every slot, from the stored representation."""
+  def rematerialize(self, lp, spec: ModelSpec, dtype, implementation=None, start=0):
+    """(k post-RoPE, v) [B,S,K,H] for every slot, from the stored representation (slot s
+    at position start + s: `start` is set for a window of the stores, `chunked_attend`)."""
     impl = self.implementation if implementation is None else implementation
     if self.path == "x":
       kv = remat(self.stores[0], jnp.concatenate([lp["wk"], lp["wv"]], axis=1), impl)
@@ -327,7 +338,45 @@ class XCache(base.KVCache):
       _, rk, _, rv = self.proj
       k_pre = remat(self.stores[0], rk, impl)
       v = remat(self.stores[1], rv, impl)
-    return kv_from_rows(k_pre, v, lp, spec, dtype)
+    b, s = k_pre.shape[:2]
+    pos = start + jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
+    return kv_from_rows(k_pre, v, lp, spec, dtype, positions=pos)
+
+  def chunks(self) -> tuple[int, int, int]:
+    """(chunk C, full chunks n, remainder r): the "xla" decode path rematerialises slots
+    [jC, (j+1)C) for j < n, then [nC, nC + r) (`XQuantSpec.decode_chunk`); C is a multiple
+    of every store's flush block and per-channel token group, so a chunk's start is one
+    (`TokenStore.window`)."""
+    step = 1
+    for st in self.stores:
+      for m in (st.flush, st.group if st.axis == "channel" and st.bits is not None else 0):
+        step = step * m // math.gcd(step, m) if m else step
+    c = max(step, self.decode_chunk // step * step)
+    return c, self.capacity // c, self.capacity % c
+
+  def chunked_attend(self, q, q_positions, lp, spec: ModelSpec):
+    """The "xla" decode path with bounded temporaries: per chunk of `chunks()` slots,
+    rematerialise its K/V (XLA dequantization + cuBLAS GEMM, at the cache dtype) and attend
+    to it with the jnp attention (fp32), one chunk after another (`lax.map`); the chunks
+    are merged by their log-sum-exp (`model.attention.combine`).
+
+    Returns:
+      (out [B, T, N, H] q.dtype, lse [B, T, N]).
+    """
+    c, n, r = self.chunks()
+
+    def part(start, size):
+      view = dataclasses.replace(self, stores=tuple(st.window(start, size)
+                                                    for st in self.stores))
+      k, v = view.rematerialize(lp, spec, self.dtype, "xla", start=start)
+      b = k.shape[0]
+      pos = start + jnp.broadcast_to(jnp.arange(size, dtype=jnp.int32), (b, size))
+      return dot_product_attention(q, k, v, q_positions, pos, pos < self.lengths[:, None],
+                                   out_dtype=jnp.float32)
+
+    outs, lses = jax.lax.map(lambda j: part(j * c, c), jnp.arange(n, dtype=jnp.int32))
+    parts = [(outs[j], lses[j]) for j in range(n)] + ([part(n * c, r)] if r else [])
+    return combine(parts, out_dtype=q.dtype)
 
   def kernel_candidates(self, q_shape):
     """The decode paths for queries [B, N, H], fastest first (module doc)."""
@@ -350,6 +399,8 @@ class XCache(base.KVCache):
     if impl == "triton":
       return fused_decode(self, q, q_positions, lp, spec, "triton")
     if impl == "xla":
+      if self.decode_chunk and self.chunks()[0] < self.capacity:
+        return self.chunked_attend(q, q_positions, lp, spec)
       k, v = self.rematerialize(lp, spec, self.dtype, "xla")
       return dense_attend(k, v, self.lengths, q, q_positions, lp, spec, self.sliding_window)
     k, v = self.rematerialize(lp, spec, q.dtype, req)

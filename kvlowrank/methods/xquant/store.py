@@ -243,6 +243,32 @@ class TokenStore:
       x = jnp.where((positions >= nq)[..., None], tail, x)
     return x.astype(dtype)
 
+  def window(self, start, size: int) -> "TokenStore":
+    """Slots [start, start + size) as a store of capacity `size`: what `remat` of one chunk
+    of the cache reads (no copy beyond the slices).
+
+    Args:
+      start: int (may be traced), a multiple of the flush block F and, per channel, of the
+        token group.
+      size: static; a multiple of F unless the window reaches the capacity.
+    Returns:
+      The window, lengths clip(lens - start, 0, size) (its n_quantized and exact tail are
+      then those of the whole store, shifted by start).
+    """
+    sl = lambda a, lo, n: jax.lax.dynamic_slice_in_dim(a, lo, n, axis=1)
+    lens = jnp.clip(self.lens - start, 0, size).astype(jnp.int32)
+    if self.bits is None:
+      return dataclasses.replace(self, raw=sl(self.raw, start, size), lens=lens, cap=size)
+    if self.axis == "token":
+      rows = size
+      scale, zero = sl(self.scale, start, size), sl(self.zero, start, size)
+    else:   # whole token groups (the store allocates them), cut back to `size` by `remat`
+      g = self.group
+      rows = -(-size // g) * g
+      scale, zero = sl(self.scale, start // g, rows // g), sl(self.zero, start // g, rows // g)
+    return dataclasses.replace(self, codes=sl(self.codes, start, rows), scale=scale,
+                               zero=zero, lens=lens, cap=size)
+
   def packed(self):
     """The quantized rows as the dequant-matmul ops take them (PackedRows)."""
     return PackedRows(codes=self.codes, scale=self.scale, zero=self.zero, bits=self.bits,
