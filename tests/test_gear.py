@@ -355,26 +355,31 @@ def test_power_iteration_recovers_exact_low_rank():
 
 
 def test_orthonormalize_spans_what_numpy_qr_spans():
-  """`power.orthonormalize` (Gram-Schmidt twice, no cuSOLVER) vs float64 numpy QR: the same
-  projector Q Q^T and orthonormal columns; a dependent column comes out zero and the
-  projector is still numpy's over the independent ones. Negative control: one pass of
-  classical Gram-Schmidt on near-parallel columns loses orthogonality."""
+  """`power.orthonormalize` (Householder in jnp, no cuSOLVER) vs float64 numpy QR: the same
+  projector Q Q^T and orthonormal columns, also for near-parallel columns; for dependent
+  or zero columns Q is still an orthonormal basis containing them (Q Q^T M = M), as
+  LAPACK's. Negative control: one pass of classical Gram-Schmidt on the near-parallel
+  columns loses orthogonality."""
   rng = np.random.default_rng(3)
   m = rng.standard_normal((5, 40, 4))
   m[..., 1] = m[..., 0] + 1e-3 * m[..., 1]                # near-parallel: cond ~ 1e3
+  eye = lambda r: np.broadcast_to(np.eye(r), (5, r, r))
   q = np.asarray(power.orthonormalize(jnp.asarray(m, jnp.float32)), np.float64)
   qn = np.linalg.qr(m)[0]
   proj = lambda a: a @ np.swapaxes(a, -1, -2)
   np.testing.assert_allclose(proj(q), proj(qn), atol=2e-4)
-  np.testing.assert_allclose(np.swapaxes(q, -1, -2) @ q, np.broadcast_to(np.eye(4), (5, 4, 4)),
-                             atol=1e-5)
+  np.testing.assert_allclose(np.swapaxes(q, -1, -2) @ q, eye(4), atol=2e-6)
   dep = m.copy()
   dep[..., 3] = 2.0 * dep[..., 0] - dep[..., 2]           # the last column is dependent
-  qd = np.asarray(power.orthonormalize(jnp.asarray(dep, jnp.float32)), np.float64)
-  assert np.all(qd[..., 3] == 0)
-  basis = np.linalg.qr(dep[..., :3])[0]
-  np.testing.assert_allclose(proj(qd), proj(basis), atol=2e-4)
-  assert np.all(np.asarray(power.orthonormalize(jnp.zeros((3, 2), jnp.float32))) == 0)
+  dep[1, :, 2] = 0.0                                      # and a zero column
+  for x in (dep, np.zeros((5, 40, 4))):
+    qd = np.asarray(power.orthonormalize(jnp.asarray(x, jnp.float32)), np.float64)
+    np.testing.assert_allclose(np.swapaxes(qd, -1, -2) @ qd, eye(4), atol=2e-6)
+    np.testing.assert_allclose(proj(qd) @ x, x, atol=1e-4)
+  # Full rank r = n: Q spans everything, so the power iteration reproduces the matrix.
+  sq = rng.standard_normal((3, 8, 8))
+  a, b = power.power_iteration(jnp.asarray(sq, jnp.float32), power.init_right(0, 8, 8), 3)
+  np.testing.assert_allclose(np.asarray(a @ jnp.swapaxes(b, -1, -2)), sq, atol=1e-4)
   # Negative control: classical Gram-Schmidt, one pass, in float32.
   x = jnp.asarray(m, jnp.float32)
   c0 = x[..., 0] / jnp.linalg.norm(x[..., 0], axis=-1, keepdims=True)

@@ -9,25 +9,16 @@ For X [..., n, d] (one (batch element, KV head) residual per leading index) and 
 so X ~= A B^T with A [n, r] orthonormal and B = X^T A (A B^T = A A^T X). fp32 throughout,
 as the official code (`fake_poweriteration_group`: torch.rand init, fp32, --loop 3).
 
-QR (`orthonormalize`): Gram-Schmidt with one re-orthogonalisation pass over the r <= 8
-columns, in jnp, instead of `jnp.linalg.qr` (the official code's torch.linalg.qr). Only Q
-is used, and A B^T = A A^T X depends on span(A) alone, so the column signs that differ from
-LAPACK's do not change the cache. The reason is the GPU: `jnp.linalg.qr` runs as cuSOLVER
-calls (geqrf + orgqr) inside the chunk compression's `lax.cond`, and removing them cut the
-GEAR-L-2 decode step by 1.7 ms at Llama-3-8B 32K B=8 on an H100 (BENCHMARKS.md).
-A column that is zero (or dependent on the earlier ones) gets a zero Q column where LAPACK
-picks an arbitrary orthonormal completion; either way its term in A A^T X is zero.
-
-Init (`init_right`): B0 = uniform [0, 1) of shape [d, r] from jax.random.key(seed), shared
-by every (batch element, head, chunk) -- the official code draws a fresh torch.rand per
-call; a fixed seeded B0 makes the cache a deterministic function of its inputs (and lets
-the float64 test reference start from the same B0). A is never read before its first
-assignment, so its init does not matter. L <= 8 (`GearSpec.iterations`): without the
-intermediate normalisation the first L-1 products grow like sigma_1^(2(L-1)), fine in fp32.
-
-Rows of X that are all zero (tokens outside a segment) get zero rows in A whenever
-A = X B has full column rank (its columns lie in the span of X's non-zero rows); `factor`
-also zeroes them explicitly (rows outside `row_mask`).
+QR (`orthonormalize`): Householder QR over the r <= 8 columns in jnp, instead of
+`jnp.linalg.qr` (the official code's torch.linalg.qr). Only Q is used, and
+A B^T = A A^T X depends on span(A) alone, so column signs that differ from LAPACK's do not
+change the cache. The reason is the GPU: `jnp.linalg.qr` runs as cuSOLVER calls (geqrf +
+orgqr) inside the chunk compression's `lax.cond`, and removing them cut the GEAR-L-2 decode
+step by 1.7 ms at Llama-3-8B 32K B=8 on an H100 (BENCHMARKS.md). Householder, not
+Gram-Schmidt: after L-1 unnormalised iterations the columns are nearly parallel
+(condition ~ (sigma_1 / sigma_r)^(2(L-1))), and Householder's Q stays orthonormal, with a
+full basis for rank-deficient input as LAPACK's, where Gram-Schmidt loses the trailing
+directions (a full-rank factor then no longer reproduces its chunk: tests/test_drift.py).
 """
 
 from __future__ import annotations
@@ -44,21 +35,26 @@ def init_right(seed: int, d: int, r: int):
 
 
 def orthonormalize(m):
-  """Q of m [..., n, r] (r small, static): Gram-Schmidt, each column projected out twice
-  ("twice is enough", Giraud et al. 2005). Columns whose remainder is below 1e-6 of their
-  norm (zero or dependent) come out zero."""
-  cols = []
-  for j in range(m.shape[-1]):
-    a = m[..., j]
-    v = a
-    for _ in range(2):
-      for q in cols:
-        v = v - jnp.sum(q * v, axis=-1, keepdims=True) * q
-    norm = jnp.sqrt(jnp.sum(v * v, axis=-1, keepdims=True))
-    ref = jnp.sqrt(jnp.sum(a * a, axis=-1, keepdims=True))
-    ok = norm > 1e-6 * ref
-    cols.append(jnp.where(ok, v / jnp.where(ok, norm, 1.0), 0.0))
-  return jnp.stack(cols, axis=-1)
+  """Q [..., n, r] of m [..., n, r] (n >= r; r small, static): Householder QR, Q = H_0 ...
+  H_{r-1} [I_r; 0]. A zero column (rank-deficient input) skips its reflection, so Q is
+  orthonormal for every input, as LAPACK's."""
+  n, r = m.shape[-2:]
+  rows = jnp.arange(n)
+  a = m
+  refl = []
+  for j in range(r):
+    x = jnp.where(rows >= j, a[..., j], 0.0)                       # [..., n]
+    alpha = jnp.sqrt(jnp.sum(x * x, axis=-1, keepdims=True))
+    sign = jnp.where(x[..., j:j + 1] >= 0, 1.0, -1.0)
+    v = x + jnp.where(rows == j, sign * alpha, 0.0)
+    vv = jnp.sum(v * v, axis=-1, keepdims=True)
+    beta = jnp.where(vv > 0, 2.0 / jnp.where(vv > 0, vv, 1.0), 0.0)  # 0: H = I
+    a = a - (beta * v)[..., :, None] * jnp.sum(v[..., :, None] * a, axis=-2, keepdims=True)
+    refl.append((v, beta))
+  q = jnp.broadcast_to(jnp.eye(n, r, dtype=m.dtype), m.shape)
+  for v, beta in reversed(refl):
+    q = q - (beta * v)[..., :, None] * jnp.sum(v[..., :, None] * q, axis=-2, keepdims=True)
+  return q
 
 
 def power_iteration(x, b0, iterations: int):
