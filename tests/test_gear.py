@@ -376,6 +376,9 @@ def test_orthonormalize_spans_what_numpy_qr_spans():
     qd = np.asarray(power.orthonormalize(jnp.asarray(x, jnp.float32)), np.float64)
     np.testing.assert_allclose(np.swapaxes(qd, -1, -2) @ qd, eye(4), atol=2e-6)
     np.testing.assert_allclose(proj(qd) @ x, x, atol=1e-4)
+  # Columns whose squares overflow fp32 (the power iteration's unnormalised products).
+  big = np.asarray(power.orthonormalize(jnp.asarray(m * 1e25, jnp.float32)), np.float64)
+  np.testing.assert_allclose(proj(big), proj(qn), atol=2e-4)
   # Full rank r = n: Q spans everything, so the power iteration reproduces the matrix.
   sq = rng.standard_normal((3, 8, 8))
   a, b = power.power_iteration(jnp.asarray(sq, jnp.float32), power.init_right(0, 8, 8), 3)

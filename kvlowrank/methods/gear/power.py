@@ -37,10 +37,14 @@ def init_right(seed: int, d: int, r: int):
 def orthonormalize(m):
   """Q [..., n, r] of m [..., n, r] (n >= r; r small, static): Householder QR, Q = H_0 ...
   H_{r-1} [I_r; 0]. A zero column (rank-deficient input) skips its reflection, so Q is
-  orthonormal for every input, as LAPACK's."""
+  orthonormal for every input, as LAPACK's. Each column is first divided by its largest
+  magnitude (Q does not change under positive column scaling): the power iteration's
+  unnormalised columns reach sigma_1^4 and more, whose squares would overflow fp32, where
+  LAPACK's scaled norms do not."""
   n, r = m.shape[-2:]
   rows = jnp.arange(n)
-  a = m
+  peak = jnp.max(jnp.abs(m), axis=-2, keepdims=True)
+  a = m / jnp.where(peak > 0, peak, 1.0)
   refl = []
   for j in range(r):
     x = jnp.where(rows >= j, a[..., j], 0.0)                       # [..., n]
