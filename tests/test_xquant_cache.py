@@ -415,8 +415,9 @@ def test_triton_attend_within_error_model(path, dtype):
 def test_chunked_xla_attend_equals_whole_cache(path, window):
   """`XCache.chunked_attend` (the "xla" decode path, `decode_chunk` tokens at a time, LSE
   merged) equals attention over the whole cache rematerialised the same way ("xla": 16-bit
-  GEMM operands), and the reference path within that rounding, at every layer, with full chunks, a remainder chunk, per-channel key latents whose groups
-  straddle nothing, an exact tail and a padding query row. Negative control: chunks
+  GEMM operands), and the reference path within that rounding, at every layer, with full
+  chunks, a remainder chunk, per-channel key latents whose groups straddle nothing, an
+  exact tail and a padding query row. Negative control: chunks
   rematerialised at the wrong positions (start off by one chunk) change the output."""
   params, tokens, pos = _setup(GQA)
   xs = XQuantSpec(bits=3, path=path, group_size=16, window=window, decode_chunk=32)
@@ -430,6 +431,7 @@ def test_chunked_xla_attend_equals_whole_cache(path, window):
   assert c0.chunks() == (32, 2, 16)
   q = jax.random.normal(jax.random.key(6), (2, 1, GQA.n_heads, GQA.head_dim), jnp.float32)
   qpos = jnp.asarray([[t - 1], [-1]], jnp.int32)   # row 1: a padding query
+
   def whole(c, q, qpos, lp):
     k, v = c.rematerialize(lp, GQA, c.dtype, "xla")
     sp = jnp.broadcast_to(jnp.arange(k.shape[1], dtype=jnp.int32), k.shape[:2])

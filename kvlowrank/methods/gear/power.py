@@ -19,6 +19,18 @@ Gram-Schmidt: after L-1 unnormalised iterations the columns are nearly parallel
 (condition ~ (sigma_1 / sigma_r)^(2(L-1))), and Householder's Q stays orthonormal, with a
 full basis for rank-deficient input as LAPACK's, where Gram-Schmidt loses the trailing
 directions (a full-rank factor then no longer reproduces its chunk: tests/test_drift.py).
+
+Init (`init_right`): B0 = uniform [0, 1) of shape [d, r] from jax.random.key(seed), shared
+by every (batch element, head, chunk) -- the official code draws a fresh torch.rand per
+call; a fixed seeded B0 makes the cache a deterministic function of its inputs (and lets
+the float64 test reference start from the same B0). A is never read before its first
+assignment, so its init does not matter. L <= 8 (`GearSpec.iterations`): without the
+intermediate normalisation the first L-1 products grow like sigma_1^(2(L-1)), fine in fp32
+for the products themselves; their squares are not, which `orthonormalize` scales away.
+
+Rows of X that are all zero (tokens outside a segment) get zero rows in A whenever
+A = X B has full column rank (its columns lie in the span of X's non-zero rows); `factor`
+also zeroes them explicitly (rows outside `row_mask`).
 """
 
 from __future__ import annotations

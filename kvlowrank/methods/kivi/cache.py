@@ -35,9 +35,9 @@ of that window, and scatters only those whose quantization KIVI's rules make due
 writes, no Python branching on traced lengths). A decode token (T = 1) takes a shorter
 path with the same result (`_decode_update`): it writes its ring slot, quantizes the one
 value that leaves the window and, once every F tokens, flushes the ring's keys (under a
-`lax.cond`; BENCHMARKS.md has the measured alternatives). Rows are ragged: each row's new tokens must continue
-its own sequence (positions lens[b], lens[b]+1, ...; -1 = padding anywhere; positions >=
-capacity are dropped like padding).
+`lax.cond`; BENCHMARKS.md has the measured alternatives). Rows are ragged: each row's new
+tokens must continue its own sequence (positions lens[b], lens[b]+1, ...; -1 = padding
+anywhere; positions >= capacity are dropped like padding).
 
 Attention reads the post-update cache: tokens [0, m) from the quantized store and ring
 slots [0, L - m); the two segments are merged by their log-sum-exp. A decode step (T = 1)
@@ -291,27 +291,25 @@ class KiviCache(base.KVCache):
     l0 + 1 is a multiple of F, the ring holds positions [l0 + 1 - F, l0 + 1) in slot order:
     exactly the key block to flush (under `lax.cond`, as above)."""
     g, f, r = self.group_size, self.flush_block, self.residual
-    b = pos.shape[0]
     valid = pos >= 0
     l1 = base.new_lengths(self.lens, pos[:, None])
     due = valid & (jnp.mod(l1, f) == 0)           # this token completes a key block
     sd = jnp.dtype(self._scale_dtype())
     dt = self.k_res.dtype
-    bi = jnp.arange(b)
-    slot = jnp.where(valid, jnp.mod(pos, f), f)                # f: dropped
-    k_new, v_new = inputs.k[:, 0].astype(dt), inputs.v[:, 0].astype(dt)
+    slot = jnp.mod(pos, f)[:, None]                            # [B, 1]
+    k_new, v_new = inputs.k.astype(dt), inputs.v.astype(dt)    # [B, 1, K, H]
     # The value quantized now: position pos - R (the slot's old occupant; R = 0: the new one).
     vpos = pos - r
-    v_out = self.v_res[bi, jnp.mod(pos, f)] if r > 0 else v_new
-    vc, vs, vz = quantize_codes(v_out[:, None], bits=self.v_bits, axis=-1, group_size=g,
+    v_out = _rows(self.v_res, slot) if r > 0 else v_new
+    vc, vs, vz = quantize_codes(v_out, bits=self.v_bits, axis=-1, group_size=g,
                                 scale_dtype=sd)
     v_ok = valid & (vpos >= 0)
     store = kstore.write_values(self.store, jnp.maximum(vpos, 0)[:, None], v_ok[:, None],
                                 vc, vs, vz)
     if r == 0:
-      v_new = dequantize_codes(vc, vs, vz, axis=-1, group_size=g, dtype=dt)[:, 0]
-    k_res = self.k_res.at[bi, slot].set(k_new, mode="drop")
-    v_res = self.v_res.at[bi, slot].set(v_new, mode="drop")
+      v_new = dequantize_codes(vc, vs, vz, axis=-1, group_size=g, dtype=dt)
+    k_res = _scatter_rows(self.k_res, slot, valid[:, None], k_new)
+    v_res = _scatter_rows(self.v_res, slot, valid[:, None], v_new)
 
     def flush(store, k_res):
       kc, ks, kz = quantize_codes(k_res, bits=self.k_bits, axis=1, group_size=g,
