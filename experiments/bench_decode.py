@@ -14,14 +14,13 @@ Several GPUs of one host (`kvlowrank.parallel`: KV heads over "model", rows over
       --configs=32768x8,32768x32
 """
 
-import json
-
 from absl import app
 from absl import flags
 
 from kvlowrank.bench import decode, ops
 from kvlowrank.experiment import cli
 from kvlowrank.bench.env import environment
+from kvlowrank.experiment import records
 
 _MODEL = flags.DEFINE_enum("model", "llama3-8b", sorted(decode.MODELS), "Model shape.")
 _METHODS = flags.DEFINE_list("methods", list(decode.METHODS), "Methods (decode.METHODS).")
@@ -33,7 +32,9 @@ _LAYERS = flags.DEFINE_integer("layers", 0, "Layers (0: the model's).")
 _PREFILL = flags.DEFINE_list("prefill_methods", [], "Methods whose long prefill is timed.")
 _PREFILL_LEN = flags.DEFINE_integer("prefill_length", 32768, "Prefill prompt length.")
 _BUDGET = flags.DEFINE_float("time_budget", 1e9, "Seconds; later configurations are skipped.")
-_OUT = flags.DEFINE_string("out", None, "JSON output path.")
+_OUT = flags.DEFINE_string(
+    "out", None, "JSON output path (rewritten after every record: a cut run keeps them; "
+    "`complete` is true once the run finished).")
 _PNG = flags.DEFINE_string("png", None, "Plot output path (tokens/s per method).")
 _PROFILE = flags.DEFINE_bool("profile", False,
                               "Also trace each step: device time per XLA op and category.")
@@ -84,13 +85,18 @@ def main(argv):
       assert len(mesh) == 2
     except (ValueError, AssertionError):
       raise app.UsageError(f"--mesh: expected DATAxMODEL, got {_MESH.value!r}")
+  env = environment()
+  save = None
+  if _OUT.value:
+    save = lambda res: records.write_json(_OUT.value, dict(res, environment=env))
   result = decode.run(_MODEL.value, methods=_METHODS.value, configs=configs,
                       steps=_STEPS.value,
                       n_layers=_LAYERS.value or None, prefill_methods=_PREFILL.value,
                       prefill_length=_PREFILL_LEN.value, time_budget_s=_BUDGET.value,
                       log=lambda s: print(s, flush=True), mesh=mesh,
-                      profile=_PROFILE.value, check_batch=_CHECK_BATCH.value)
-  result["environment"] = environment()
+                      profile=_PROFILE.value, check_batch=_CHECK_BATCH.value,
+                      on_progress=save)
+  result["environment"] = env
   print(decode.table(result))
   for rec in result["records"]:
     if rec.get("step_ops"):
@@ -99,9 +105,8 @@ def main(argv):
             f"\n{ops.op_table(rec['step_ops'])}")
   for s in result["skipped"]:
     print(f"not run: {s['method']} ctx={s['context']} B={s['batch']}: {s['why']}")
-  if _OUT.value:
-    with open(_OUT.value, "w") as f:
-      json.dump(result, f, indent=1)
+  if save is not None:
+    save(result)
     print(f"wrote {_OUT.value}")
   if _PNG.value and result["records"]:
     plot(result, _PNG.value)

@@ -127,3 +127,32 @@ def test_bytes_per_token_excludes_weights_kept_on_the_cache():
   assert kept == sum(c.weights_nbytes() for c in caches) > 0
   assert per_token * 1024 == decode.storage_bytes(caches) == decode.caches_nbytes(caches)
   assert decode.array_bytes(caches) == per_token * 1024 + kept      # the control: all arrays
+
+
+def test_progress_saves_every_record_and_survives_a_cut(tmp_path):
+  """`on_progress` gets the result so far after each record (complete False; the return
+  value is complete); saved with `records.write_json`, a run cut after its first record
+  (KeyboardInterrupt from the callback, as a kill would) leaves that record readable."""
+  import json
+  from kvlowrank.experiment import records
+  seen = []
+  res = decode.run(TINY, methods=["dense", "kivi2"], configs=[(256, 1)], steps=1,
+                   log=lambda s: None, on_progress=lambda r: seen.append(r))
+  assert [len(r["records"]) for r in seen] == [1, 2]
+  assert [r["complete"] for r in seen] == [False, False] and res["complete"]
+  assert [r["method"] for r in res["records"]] == ["dense", "KIVI-2"]
+  rec = res["records"][0]
+  assert min(rec["setup_s"], rec["compile_s"], rec["timed_s"], rec["attention_timing_s"]) > 0
+
+  out = tmp_path / "cut.json"
+
+  def save_then_die(r):
+    records.write_json(out, r)
+    raise KeyboardInterrupt
+
+  with pytest.raises(KeyboardInterrupt):
+    decode.run(TINY, methods=["dense", "kivi2"], configs=[(256, 1)], steps=1,
+               log=lambda s: None, on_progress=save_then_die)
+  saved = json.loads(out.read_text())
+  assert [r["method"] for r in saved["records"]] == ["dense"] and not saved["complete"]
+  assert sorted(p.name for p in tmp_path.iterdir()) == ["cut.json"]   # no temp file left

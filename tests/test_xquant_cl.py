@@ -179,3 +179,75 @@ def test_invalid_configs_raise_clear_errors():
   with pytest.raises(ValueError, match="no carry"):
     c[2].advance(jnp.zeros((1, 1, 64)), jnp.zeros((1, 1), jnp.int32), None)
   assert isinstance(c[1], XCLCache) and c[1].is_base and not c[2].is_base
+
+
+@pytest.mark.parametrize("spec,path,window", [(MHA, "x", 0), (GQA, "latent", 0),
+                                              (GQA, "x", 16)],
+                         ids=["mha-x", "gqa-latent", "gqa-x-window"])
+def test_chunked_xla_step_equals_whole_cache(spec, path, window):
+  """`XCLCache.chunked_step` (the "xla" decode step, `decode_chunk` slots at a time, the
+  carry updated in place, chunks merged by their LSE) equals the whole-cache step
+  (`advance` + K/V of every slot + attention) at every layer of the chain: the outputs,
+  the LSE, the carry handed on and the stored deltas; two full chunks, a remainder chunk, an
+  exact tail (window) and a padding query row. Negative control: the chunks' K/V rotated at
+  positions one chunk late change the output."""
+  from kvlowrank.cache.base import AttnInputs
+  from kvlowrank.methods.xquant import cl
+  from kvlowrank.model.attention import dot_product_attention
+  params = init_params(spec, jax.random.key(3), scale=0.15)
+  cspec = XQuantCLSpec(bits=3, group_size=16, path=path, window=window, base_layer=1,
+                       decode_chunk=32)
+  caches = init_caches("xquant_cl", cspec, spec, params, batch=2, capacity=80,
+                       dtype=jnp.float32)
+  t = 70
+  toks = jax.random.randint(jax.random.key(4), (2, t), 0, spec.vocab_size)
+  p = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (2, t)).at[1, 60:].set(-1)
+  _, caches = _fwd(params, toks, p, caches, spec)
+  assert caches[1].chunks() == (32, 2, 16)
+  qpos = jnp.asarray([[t], [-1]], jnp.int32)          # row 1: a padding query
+  rng = np.random.default_rng(5)
+  acc_whole = acc_chunk = None
+  for layer in range(cspec.base_layer, spec.n_layers):
+    c, lp = caches[layer], params["layers"][layer]
+    x = jnp.asarray(rng.standard_normal((2, 1, spec.dim)), jnp.float32)
+    q = jnp.asarray(rng.standard_normal((2, 1, spec.n_heads, spec.head_dim)), jnp.float32)
+    inputs = AttnInputs(x=x, k=None, k_pre=None, v=None, positions=qpos)
+    want_c, acc_whole = c.advance(x, qpos, acc_whole, "xla")
+    kv = jnp.matmul(acc_whole, jnp.concatenate([lp["wk"], lp["wv"]], axis=1))
+    k, v = cl.kv_from_rows(kv[..., :spec.kv_dim], kv[..., spec.kv_dim:], lp, spec,
+                           jnp.float32)
+    sp = jnp.broadcast_to(jnp.arange(80, dtype=jnp.int32), (2, 80))
+    want, wlse = dot_product_attention(q, k, v, qpos, sp, sp < want_c.lengths[:, None],
+                                       out_dtype=jnp.float32)
+    step = jax.jit(lambda c, a: c.chunked_step(inputs, q, lp, a, spec))
+    out, lse, got_c, acc_chunk = step(c, acc_chunk)
+    np.testing.assert_allclose(np.asarray(out), np.asarray(want), atol=2e-6, rtol=0)
+    np.testing.assert_allclose(np.asarray(lse)[0], np.asarray(wlse)[0], atol=2e-6)
+    assert np.all(np.asarray(out)[1] == 0)
+    # The carry at every filled slot (slots past a row's length hold whatever a chunk's
+    # exact-tail overlay left there; nothing reads them: attention masks them and the next
+    # layer gathers only the new tokens' slots).
+    filled = np.asarray(sp < want_c.lengths[:, None])
+    np.testing.assert_allclose(np.asarray(acc_chunk)[filled], np.asarray(acc_whole)[filled],
+                               atol=1e-6)
+    for a, b in zip(jax.tree.leaves(got_c.store), jax.tree.leaves(want_c.store)):
+      np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  # Negative control: K rotated one chunk late.
+  orig = cl.kv_from_rows
+  late = lambda k_pre, v, lp, spec, dtype, positions=None: orig(k_pre, v, lp, spec, dtype,
+                                                                positions=positions + 32)
+  c, lp = caches[-1], params["layers"][-1]
+  cl.kv_from_rows = late
+  try:
+    bad = c.chunked_step(inputs, q, lp, acc_chunk, spec)[0]
+  finally:
+    cl.kv_from_rows = orig
+  good = c.chunked_step(inputs, q, lp, acc_chunk, spec)[0]
+  assert np.abs(np.asarray(bad) - np.asarray(good)).max() > 1e-3
+
+
+def test_decode_chunk_must_be_a_non_negative_int():
+  with pytest.raises(ValueError, match="XQuantCLSpec.decode_chunk"):
+    XQuantCLSpec(decode_chunk=-1)
+  with pytest.raises(ValueError, match="XQuantCLSpec.decode_chunk"):
+    XQuantCLSpec(decode_chunk=1.5)

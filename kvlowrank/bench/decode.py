@@ -339,6 +339,7 @@ def run_config(spec: ModelSpec, params, method: BenchMethod, context: int, batch
   key = jax.random.key(seed)
   reps = LOOP_REPEATS + 1 + (1 if profile else 0)          # warm-up, timed, traced loops
   capacity = -(-(context + reps * steps + 8) // 256) * 256
+  t_setup = time.perf_counter()
   if mesh is None:
     caches = init_caches(method.cache, method.spec, spec, params, batch=batch,
                          capacity=capacity, dtype=jnp.bfloat16)
@@ -346,6 +347,7 @@ def run_config(spec: ModelSpec, params, method: BenchMethod, context: int, batch
     parallel.check_layout(spec, mesh, batch=batch)
     caches = sharded_caches(method, spec, params, batch=batch, capacity=capacity, mesh=mesh)
   caches = fill_caches(caches, key, context)
+  setup_s = time.perf_counter() - t_setup
   local = spec if mesh is None else parallel.local_spec(spec, mesh.shape[parallel.MODEL])
   impl, reason = caches[0].choose_implementation((batch, 1, local.n_heads, spec.head_dim))
   nbytes = caches_nbytes(caches)
@@ -380,6 +382,7 @@ def run_config(spec: ModelSpec, params, method: BenchMethod, context: int, batch
     state["pos"] += steps
     return state["tok"]
 
+  t_timed = time.perf_counter()
   jax.block_until_ready(run_loop())                                  # warm-up
   times = []
   for _ in range(LOOP_REPEATS):
@@ -395,15 +398,19 @@ def run_config(spec: ModelSpec, params, method: BenchMethod, context: int, batch
                     ops=[dict(o, seconds=o["seconds"] / steps, launches=o["launches"] / steps)
                          for o in step_ops["ops"][:40]])
 
+  timed_s = time.perf_counter() - t_timed
+
   # Attention alone: layer 0's attend for one query token on its cache (the call the step
   # makes in every layer; the layers' caches and shapes are alike), times the layers.
   caches = state["caches"]
-  attn_s = None
+  attn_s = attention_timing_s = None
   cross_layer = type(caches[0]).step is not KVCache.step    # XQuant-CL: no per-layer attend
   if mesh is None and time_attention and not cross_layer:
     q = _rand(jax.random.fold_in(key, 1), (batch, 1, spec.n_heads, spec.head_dim))
     qpos = jnp.full((batch, 1), context, jnp.int32)
+    t_attn = time.perf_counter()
     attn_s = spec.n_layers * _attend_seconds(caches[0], q, qpos, params["layers"][0], spec)
+    attention_timing_s = time.perf_counter() - t_attn
   return dict(method=method.label, context=context, batch=batch, capacity=capacity,
               implementation=impl,
               mesh=None if mesh is None else [mesh.shape[parallel.DATA],
@@ -416,7 +423,10 @@ def run_config(spec: ModelSpec, params, method: BenchMethod, context: int, batch
               cache_nbytes=nbytes, cache_device_bytes=on_device,
               device_bytes_in_use=in_use, step_temp_bytes=temp,
               peak_bytes_est=None if in_use is None or temp is None else in_use + temp,
-              peak_bytes_process=memory.peak_bytes(), compile_s=compile_s, step_ops=step_ops)
+              peak_bytes_process=memory.peak_bytes(), step_ops=step_ops,
+              # Wall seconds of this record's phases (where a slow run spends its time).
+              setup_s=setup_s, compile_s=compile_s, timed_s=timed_s,
+              attention_timing_s=attention_timing_s)
 
 
 def check_max_batch(spec: ModelSpec, params, method: BenchMethod, context: int, batch: int,
@@ -521,7 +531,8 @@ def run(model, *, methods: Sequence[str], configs: Sequence[tuple[int, int]],
         prefill_methods: Sequence[str] = (), prefill_length: int = 32768,
         time_budget_s: float = 1e9, log: Callable[[str], None] = print,
         mesh: Optional[tuple[int, int]] = None, profile: bool = False,
-        check_batch: bool = False) -> dict:
+        check_batch: bool = False,
+        on_progress: Optional[Callable[[dict], None]] = None) -> dict:
   """The benchmark for one model (module docstring): a dict with the records.
 
   Args:
@@ -534,6 +545,9 @@ def run(model, *, methods: Sequence[str], configs: Sequence[tuple[int, int]],
     profile: also record each step's device time per XLA op (`step_ops`).
     check_batch: after each method's first record at a context, allocate and run its
       estimated largest batch there (`check_max_batch`; the record's `max_batch_check`).
+    on_progress: called with the result so far (the dict this returns, `complete` False)
+      after every record, skip and prefill, so a caller can save it (a run cut short by a
+      time limit keeps what it measured).
   The prefills run first. Configurations whose caches cannot fit are skipped, and once
   `time_budget_s` is spent the rest are listed as not run.
   """
@@ -561,10 +575,20 @@ def run(model, *, methods: Sequence[str], configs: Sequence[tuple[int, int]],
   recs, skipped, prefills = [], [], []
   loaded, checked = {}, set()
 
+  def result(complete):
+    return dict(model=model, n_layers=spec.n_layers, memory_limit=limit, records=list(recs),
+                skipped=list(skipped), prefill=list(prefills),
+                wall_s=time.perf_counter() - t_start, complete=complete)
+
+  def progress():
+    if on_progress is not None:
+      on_progress(result(False))
+
   def params_for(name):
     if name not in loaded:
       loaded.clear()
       m = METHODS[name]
+      t0 = time.perf_counter()
       if dev_mesh is None:
         params = random_params(spec, jax.random.key(1), m)
         per_token, kept = bytes_per_token(spec, params, m)
@@ -573,6 +597,8 @@ def run(model, *, methods: Sequence[str], configs: Sequence[tuple[int, int]],
         params = sharded_params(spec, jax.random.key(1), m, dev_mesh)
         per_token, kept = bytes_per_token(spec, None, m, tp=tp)
         loaded[name] = (params, device_bytes(params) + kept, per_token)
+      jax.block_until_ready(params)
+      log(f"{m.label}: random weights in {time.perf_counter() - t0:.0f} s")
     return loaded[name]
 
   over = lambda: time.perf_counter() - t_start > time_budget_s
@@ -588,6 +614,7 @@ def run(model, *, methods: Sequence[str], configs: Sequence[tuple[int, int]],
       prefills.append(dict(method=method.label, prompt=prefill_length,
                            error=f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"))
       log(f"prefill {method.label} failed: {prefills[-1]['error']}")
+    progress()
   for ctx, b in configs:           # then the decode configurations, in priority order
     for name in methods:
       method = METHODS[name]
@@ -599,6 +626,7 @@ def run(model, *, methods: Sequence[str], configs: Sequence[tuple[int, int]],
       if b % dp or not fits(per_token, ctx, b // dp, weights, limit):
         skipped.append(dict(method=method.label, context=ctx, batch=b, why="memory"))
         log(f"skip {method.label} ctx={ctx} B={b}: does not fit")
+        progress()
         continue
       try:
         rec = run_config(spec, params, method, ctx, b, steps=steps, mesh=dev_mesh,
@@ -607,13 +635,16 @@ def run(model, *, methods: Sequence[str], configs: Sequence[tuple[int, int]],
         skipped.append(dict(method=method.label, context=ctx, batch=b,
                             why=f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"))
         log(f"fail {method.label} ctx={ctx} B={b}: {skipped[-1]['why']}")
+        progress()
         continue
       rec["weight_bytes"] = weights
       rec["max_batch"] = max_batch(rec, weights, limit, data=dp)
       if check_batch and rec["max_batch"] and (name, ctx) not in checked and not over():
         checked.add((name, ctx))
+        t0 = time.perf_counter()
         rec["max_batch_check"] = check_max_batch(spec, params, method, ctx, rec["max_batch"],
                                                  mesh=dev_mesh)
+        rec["max_batch_check"]["wall_s"] = time.perf_counter() - t0
         log(f"{method.label} ctx={ctx}: max batch {rec['max_batch']} allocated and run: "
             f"{rec['max_batch_check']}")
       recs.append(rec)
@@ -624,9 +655,12 @@ def run(model, *, methods: Sequence[str], configs: Sequence[tuple[int, int]],
              f" (attention {rec['attention_ms']:7.2f} ms)")
           + f", cache {rec['cache_device_bytes'] / 2**30:6.2f} GiB"
           + (" per device" if dev_mesh is not None else "") + ", "
-          f"max batch {rec['max_batch']}, compile {rec['compile_s']:.0f} s")
-  return dict(model=model, n_layers=spec.n_layers, memory_limit=limit, records=recs,
-              skipped=skipped, prefill=prefills, wall_s=time.perf_counter() - t_start)
+          f"max batch {rec['max_batch']}; set-up {rec['setup_s']:.0f} s, compile "
+          f"{rec['compile_s']:.0f} s, timed loops {rec['timed_s']:.0f} s"
+          + ("" if rec["attention_timing_s"] is None else
+             f", attention timing {rec['attention_timing_s']:.0f} s"))
+      progress()
+  return result(True)
 
 
 def speedups(result: dict) -> list[dict]:

@@ -1,4 +1,5 @@
-"""Results files: one JSON object per line, appended atomically.
+"""Results files: one JSON object per line, appended atomically; whole JSON documents
+rewritten atomically (`write_json`, the benchmarks' results).
 
 `append` rewrites the file through a temporary file in the same folder and `os.replace`,
 so a reader (or a sweep restarted after a kill at any instant) sees either the file
@@ -70,11 +71,26 @@ def append(path, record: dict, *, replace: bool = False) -> None:
     old = "".join(keep).encode("utf-8")
   if old and not old.endswith(b"\n"):
     old += b"\n"
+  _write_atomic(path, old + line.encode("utf-8"), mode)
+
+
+def write_json(path, obj: dict) -> None:
+  """Writes one JSON document atomically (temp file + fsync + os.replace): a benchmark
+  that rewrites its results after every measurement leaves a whole, readable file at any
+  instant, so a run cut short (a time limit, a kill) keeps what it measured."""
+  path = Path(path)
+  path.parent.mkdir(parents=True, exist_ok=True)
+  mode = path.stat().st_mode & 0o7777 if path.exists() else 0o666 & ~_umask()
+  _write_atomic(path, (json.dumps(obj, indent=1, allow_nan=True) + "\n").encode("utf-8"),
+                mode)
+
+
+def _write_atomic(path: Path, data: bytes, mode: int) -> None:
   fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
   try:
     os.fchmod(fd, mode)
     with os.fdopen(fd, "wb") as f:
-      f.write(old + line.encode("utf-8"))
+      f.write(data)
       f.flush()
       os.fsync(f.fileno())
     os.replace(tmp, path)

@@ -245,6 +245,20 @@ def remat(store: TokenStore, w, implementation: str):
   return out[:, :store.capacity]
 
 
+def chunk_plan(stores, decode_chunk: int) -> tuple[int, int, int]:
+  """(chunk C, full chunks n, remainder r) of the "xla" decode path over `stores` (same
+  capacity): it rematerialises slots [jC, (j+1)C) for j < n, then [nC, nC + r)
+  (`XQuantSpec.decode_chunk`); C is a multiple of every store's flush block and per-channel
+  token group, so a chunk's start is one (`TokenStore.window`)."""
+  step = 1
+  for st in stores:
+    for m in (st.flush, st.group if st.axis == "channel" and st.bits is not None else 0):
+      step = step * m // math.gcd(step, m) if m else step
+  c = max(step, decode_chunk // step * step)
+  cap = stores[0].capacity
+  return c, cap // c, cap % c
+
+
 def kv_from_rows(k_pre, v, lp, spec: ModelSpec, dtype, positions=None):
   """[B,S,kv_dim] pre-bias K and V -> (k post-RoPE, v) [B,S,K,H] at `positions` [B,S]
   (default: slot positions 0..S-1)."""
@@ -343,16 +357,8 @@ class XCache(base.KVCache):
     return kv_from_rows(k_pre, v, lp, spec, dtype, positions=pos)
 
   def chunks(self) -> tuple[int, int, int]:
-    """(chunk C, full chunks n, remainder r): the "xla" decode path rematerialises slots
-    [jC, (j+1)C) for j < n, then [nC, nC + r) (`XQuantSpec.decode_chunk`); C is a multiple
-    of every store's flush block and per-channel token group, so a chunk's start is one
-    (`TokenStore.window`)."""
-    step = 1
-    for st in self.stores:
-      for m in (st.flush, st.group if st.axis == "channel" and st.bits is not None else 0):
-        step = step * m // math.gcd(step, m) if m else step
-    c = max(step, self.decode_chunk // step * step)
-    return c, self.capacity // c, self.capacity % c
+    """`chunk_plan` of this cache's stores (the "xla" decode path's chunks)."""
+    return chunk_plan(self.stores, self.decode_chunk)
 
   def chunked_attend(self, q, q_positions, lp, spec: ModelSpec):
     """The "xla" decode path with bounded temporaries: per chunk of `chunks()` slots,

@@ -38,9 +38,17 @@ only K/V see X̂ (queries, residual stream and MLP use the exact activations: th
 digest's reading A), and prefill and decode store identical codes (per-token axis).
 
 Memory: the carry is one [B, S, D] fp32 array per forward call and layer, freed layer
-by layer. kvlowrank.model.segments (the layer-major decode-mode perplexity) keeps one
-carry per decode step for the next layer, i.e. steps·B·S·D·4 bytes per layer; XLA on CPU
-may ask for all CL layers' carries at once, so decode-mode runs here use batch 1.
+by layer. The GPU decode path ("xla") walks the slots `decode_chunk` at a time
+(`XCLCache.chunked_step`): per chunk it adds the dequantized deltas into the carry in place,
+rematerialises that chunk's K/V and attends to it, and the chunks are merged by their
+log-sum-exp, so a layer's temporaries beside the carry are one chunk's (the whole-cache path
+held the previous carry, the deltas, the new carry and K/V of every slot at once). The
+carry itself stays: a decode step needs X̂_i of every slot at every layer, and X̂_i is
+D wide and fp32, so for a GQA model one carry is several layers' worth of a dense KV cache
+(Llama-3-8B: 16 KiB per token against 4 KiB of K/V per layer).
+kvlowrank.model.segments (the layer-major decode-mode perplexity) keeps one carry per
+decode step for the next layer, i.e. steps·B·S·D·4 bytes per layer; XLA on CPU may ask
+for all CL layers' carries at once, so decode-mode runs here use batch 1.
 
 Choices the paper leaves open: deltas are quantized per token (`delta_axis`) in
 groups of `group_size` channels; the base latent of the GQA variant is the delta
@@ -59,9 +67,10 @@ import numpy as np
 from kvlowrank.cache import base
 from kvlowrank.cache import dispatch
 from kvlowrank.methods.xquant.cache import (PATHS, XCache, XQuantSpec, as_spec, choose_path,
-                                            dense_attend, kv_from_rows, remat,
+                                            chunk_plan, dense_attend, kv_from_rows, remat,
                                             rematerialised_kv_fit, svd_factors)
 from kvlowrank.methods.xquant.store import AXES, TokenStore, _rows
+from kvlowrank.model.attention import combine, dot_product_attention
 from kvlowrank_kernels.quant import packing
 from kvlowrank.spec import ModelSpec
 
@@ -76,7 +85,8 @@ class XQuantCLSpec:
   base_layer: first layer of the cross-layer chain (the accumulator's base).
   n_high_layers / high_bits: layers i < n_high_layers use high_bits (base included).
   layer_bits: optional explicit bits per layer (length n_layers), overrides both.
-  group_size, window, path, scale_dtype, implementation: as in XQuantSpec.
+  group_size, window, path, scale_dtype, implementation, decode_chunk: as in XQuantSpec
+    (decode_chunk: slots per chunk of the "xla" decode path, `XCLCache.chunked_step`).
   delta_axis: quantization axis of the deltas ("token" as XQuant-MHA; "channel").
   key_axis / value_axis: axes of the plain latent layers before the base.
   """
@@ -94,10 +104,14 @@ class XQuantCLSpec:
   value_axis: str = "token"
   scale_dtype: str = "float16"
   implementation: Optional[str] = None
+  decode_chunk: int = 2048
 
   def __post_init__(self):
     if self.bits is not None:
       packing.check_bits(self.bits, "XQuantCLSpec.bits")
+    d = self.decode_chunk
+    if isinstance(d, bool) or not isinstance(d, (int, np.integer)) or d < 0:
+      raise ValueError(f"XQuantCLSpec.decode_chunk must be an int >= 0, got {d!r}")
     packing.check_bits(self.high_bits, "XQuantCLSpec.high_bits")
     for i, b in enumerate(self.layer_bits):
       if b is not None:
@@ -119,7 +133,8 @@ class XQuantCLSpec:
     return XQuantSpec(bits=self.bits, group_size=self.group_size, window=self.window,
                       path=self.path, key_axis=self.key_axis, value_axis=self.value_axis,
                       n_high_layers=self.n_high_layers, high_bits=self.high_bits,
-                      scale_dtype=self.scale_dtype, implementation=self.implementation)
+                      scale_dtype=self.scale_dtype, implementation=self.implementation,
+                      decode_chunk=self.decode_chunk)
 
   def bits_of(self, i: int) -> Optional[int]:
     if self.layer_bits:
@@ -146,6 +161,7 @@ class XCLCache(base.KVCache):
   sliding_window: Optional[int] = base.static_field(default=None)
   kv_heads: int = base.static_field(default=1)
   dtype: str = base.static_field(default="bfloat16")   # of K/V rematerialised by "xla"
+  decode_chunk: int = base.static_field(default=2048)  # XQuantCLSpec.decode_chunk
 
   name = "xquant_cl"
 
@@ -169,7 +185,8 @@ class XCLCache(base.KVCache):
                             scale_dtype=cspec.scale_dtype, field="XQuantCLSpec")
     return cls(store=store, u=u, is_base=layer == cspec.base_layer,
                implementation=cspec.implementation, sliding_window=spec.sliding_window,
-               kv_heads=spec.n_kv_heads, dtype=jnp.dtype(dtype).name)
+               kv_heads=spec.n_kv_heads, dtype=jnp.dtype(dtype).name,
+               decode_chunk=cspec.decode_chunk)
 
   @property
   def capacity(self) -> int:
@@ -182,6 +199,24 @@ class XCLCache(base.KVCache):
   def _zeros_like_acc(self, x):
     return jnp.zeros((x.shape[0], self.capacity, x.shape[-1]), jnp.float32)
 
+  def chunks(self) -> tuple[int, int, int]:
+    """(chunk C, full chunks n, remainder r) of the "xla" decode path (`chunk_plan`)."""
+    return chunk_plan((self.store,), self.decode_chunk)
+
+  def _residual(self, x, positions, acc_prev):
+    """(acc_prev, the store with the new tokens' deltas appended)."""
+    if acc_prev is None:
+      if not self.is_base:
+        raise ValueError("XQuant-CL delta layer got no carry: the previous layer must be an "
+                         "XQuant-CL layer of the same forward call (check base_layer)")
+      acc_prev = self._zeros_like_acc(x)
+      r = x.astype(jnp.float32)                 # X̂_{b−1} = 0
+    else:
+      r = x.astype(jnp.float32) - _gather_slots(acc_prev, positions)
+    if self.u is not None:
+      r = jnp.matmul(r, self.u, precision=_HI)
+    return acc_prev, self.store.append(r, positions)
+
   def advance(self, x, positions, acc_prev, implementation=None):
     """Stores the new tokens' deltas and returns (cache, X̂_i [B, S, D] fp32).
 
@@ -192,21 +227,54 @@ class XCLCache(base.KVCache):
       implementation: the dequant-matmul op of the latent path's deq(·)·U_kvᵀ (default: the
         cache's own).
     """
-    if acc_prev is None:
-      if not self.is_base:
-        raise ValueError("XQuant-CL delta layer got no carry: the previous layer must be an "
-                         "XQuant-CL layer of the same forward call (check base_layer)")
-      acc_prev = self._zeros_like_acc(x)
-    r = x.astype(jnp.float32) - _gather_slots(acc_prev, positions)
-    if self.u is not None:
-      r = jnp.matmul(r, self.u, precision=_HI)
-    store = self.store.append(r, positions)
+    acc_prev, store = self._residual(x, positions, acc_prev)
     if self.u is None:
       delta = store.rows(jnp.float32)
     else:   # deq(·)·U_kvᵀ, through the dequant-matmul op for the quantized rows
       impl = self.implementation if implementation is None else implementation
       delta = remat(store, self.u.T, impl)
     return dataclasses.replace(self, store=store), acc_prev + delta
+
+  def chunked_step(self, inputs: base.AttnInputs, q, lp, acc_prev, spec: ModelSpec):
+    """The "xla" decode step with bounded temporaries (module doc, Memory): stores the new
+    tokens' deltas, then per chunk of `chunks()` slots (`lax.scan`, the carry updated in
+    place) X̂_i = X̂_{i−1} + deq(deltas), its K/V by one 16-bit GEMM with fp32
+    accumulation at the cache dtype (as the whole-cache "xla" path), the jnp attention of
+    q over them (fp32); the chunks are merged by their log-sum-exp.
+
+    Returns:
+      (out [B, T, N, H] q.dtype, lse [B, T, N], cache, X̂_i [B, S, D] fp32).
+    """
+    acc, store = self._residual(inputs.x, inputs.positions, acc_prev)
+    cache = dataclasses.replace(self, store=store)
+    c, n, r = cache.chunks()
+    dt = jnp.dtype(self.dtype)
+    w = jnp.concatenate([lp["wk"], lp["wv"]], axis=1).astype(dt)
+    lens = store.lens
+
+    def part(acc, start, size):
+      win = store.window(start, size)
+      delta = win.rows(jnp.float32) if self.u is None else remat(win, self.u.T, "xla")
+      acc = jax.lax.dynamic_update_slice_in_dim(
+          acc, jax.lax.dynamic_slice_in_dim(acc, start, size, axis=1) + delta, start, axis=1)
+      # Read back from the updated carry: the old one then has a single reader (the
+      # update itself), which XLA runs in place (else it copies the carry every chunk).
+      a = jax.lax.dynamic_slice_in_dim(acc, start, size, axis=1)
+      kv = jnp.matmul(a.astype(dt), w, preferred_element_type=jnp.float32)
+      pos = start + jnp.broadcast_to(jnp.arange(size, dtype=jnp.int32), a.shape[:2])
+      k, v = kv_from_rows(kv[..., :spec.kv_dim], kv[..., spec.kv_dim:], lp, spec, dt,
+                          positions=pos)
+      return acc, dot_product_attention(q, k, v, inputs.positions, pos,
+                                        pos < lens[:, None], out_dtype=jnp.float32)
+
+    acc, (outs, lses) = jax.lax.scan(lambda a, j: part(a, j * c, c), acc,
+                                     jnp.arange(n, dtype=jnp.int32))
+    parts = [(outs[j], lses[j]) for j in range(n)]
+    if r:
+      acc, last = part(acc, n * c, r)
+      parts.append(last)
+    out, lse = combine(parts, out_dtype=q.dtype)
+    return out, lse, cache, acc
 
   def kernel_candidates(self, q_shape):
     """"xla": K/V projected from X̂_i by one 16-bit GEMM with fp32 accumulation at the cache
@@ -226,6 +294,8 @@ class XCLCache(base.KVCache):
     acc_prev = None if self.is_base else carry
     impl = self.decode_implementation(q.shape)
     w = jnp.concatenate([lp["wk"], lp["wv"]], axis=1)
+    if impl == "xla" and self.decode_chunk and self.chunks()[0] < self.capacity:
+      return self.chunked_step(inputs, q, lp, acc_prev, spec)
     if impl == "xla":
       cache, acc = self.advance(inputs.x, inputs.positions, acc_prev, "xla")
       dt = jnp.dtype(self.dtype)
