@@ -59,6 +59,9 @@ METHODS = {
     "xquant2-fused": ("xquant", XQuantSpec(bits=2, group_size=128, implementation="triton"),
                       ("triton",)),
     "xquant2-latent": ("xquant", XQuantSpec(bits=2, group_size=128, path="latent"), ("xla",)),
+    # The "xla" path in chunks (`decode_chunk`; the default 2048 exceeds these caches).
+    "xquant2-chunked": ("xquant", XQuantSpec(bits=2, group_size=128, decode_chunk=64),
+                        ("xla",)),
     "gear2": ("gear", GearSpec(), ("triton",)),
     "gearl2": ("gear", GearSpec(sparsity=0.0), ("triton",)),
     "fdc50": ("fdc", RotatedSpec(), ("triton",)),
@@ -66,10 +69,12 @@ METHODS = {
     # Generation only (no per-layer `attend` of their own: XQuant-CL's layers need the
     # cross-layer carry; eviction's attention is its inner cache's plus the window's).
     "xquant_cl2": ("xquant_cl", XQuantCLSpec(bits=2, group_size=128), ("xla",)),
+    "xquant_cl2-chunked": ("xquant_cl", XQuantCLSpec(bits=2, group_size=128, decode_chunk=64),
+                           ("xla",)),
     "evict-kivi2": ("evict", EvictSpec(inner="kivi", budget=128, window=16,
                                        inner_specs={"kivi": {"residual": 32}}), ("mosaic",)),
 }
-GENERATION_ONLY = ("xquant_cl2", "evict-kivi2")
+GENERATION_ONLY = ("xquant_cl2", "xquant_cl2-chunked", "evict-kivi2")
 
 
 def _reference_spec(mspec):
