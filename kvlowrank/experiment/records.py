@@ -61,31 +61,30 @@ def append(path, record: dict, *, replace: bool = False) -> None:
       overwrites a point, or a failed point that now ran).
   """
   path = Path(path)
-  path.parent.mkdir(parents=True, exist_ok=True)
   line = json.dumps(record, sort_keys=True, allow_nan=True) + "\n"
   old = path.read_bytes() if path.exists() else b""
-  mode = path.stat().st_mode & 0o7777 if path.exists() else 0o666 & ~_umask()
   if replace and old:
     keep = [ln for ln in old.decode("utf-8").splitlines(keepends=True)
             if not ln.strip() or json.loads(ln).get("key") != record.get("key")]
     old = "".join(keep).encode("utf-8")
   if old and not old.endswith(b"\n"):
     old += b"\n"
-  _write_atomic(path, old + line.encode("utf-8"), mode)
+  _write_atomic(path, old + line.encode("utf-8"))
 
 
 def write_json(path, obj: dict) -> None:
   """Writes one JSON document atomically (temp file + fsync + os.replace): a benchmark
   that rewrites its results after every measurement leaves a whole, readable file at any
   instant, so a run cut short (a time limit, a kill) keeps what it measured."""
-  path = Path(path)
+  _write_atomic(Path(path),
+                (json.dumps(obj, indent=1, allow_nan=True) + "\n").encode("utf-8"))
+
+
+def _write_atomic(path: Path, data: bytes) -> None:
+  """Replaces path's contents by data (creating its folder; the file keeps its mode, or
+  gets 0666 & ~umask when new)."""
   path.parent.mkdir(parents=True, exist_ok=True)
   mode = path.stat().st_mode & 0o7777 if path.exists() else 0o666 & ~_umask()
-  _write_atomic(path, (json.dumps(obj, indent=1, allow_nan=True) + "\n").encode("utf-8"),
-                mode)
-
-
-def _write_atomic(path: Path, data: bytes, mode: int) -> None:
   fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
   try:
     os.fchmod(fd, mode)

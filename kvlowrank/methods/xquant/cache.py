@@ -259,6 +259,36 @@ def chunk_plan(stores, decode_chunk: int) -> tuple[int, int, int]:
   return c, cap // c, cap % c
 
 
+def attend_in_chunks(q, q_positions, lengths, plan, kv_of, carry=None):
+  """Attention of q over slots walked in the chunks of `plan` (`chunk_plan`), one after
+  another (`lax.scan`, then the remainder chunk), each by the jnp attention (fp32) over
+  that chunk's K/V with slots >= lengths masked; the chunks are merged by their
+  log-sum-exp (`model.attention.combine`). The "xla" decode paths of XQuant and XQuant-CL.
+
+  Args:
+    kv_of: (carry, start, size) -> (carry, k, v [B, size, K, H]) of slots
+      [start, start + size), threading `carry` from chunk to chunk.
+  Returns:
+    (out [B, T, N, H] q.dtype, lse [B, T, N], the final carry).
+  """
+  c, n, r = plan
+
+  def part(carry, start, size):
+    carry, k, v = kv_of(carry, start, size)
+    pos = start + jnp.broadcast_to(jnp.arange(size, dtype=jnp.int32), k.shape[:2])
+    return carry, dot_product_attention(q, k, v, q_positions, pos, pos < lengths[:, None],
+                                        out_dtype=jnp.float32)
+
+  carry, (outs, lses) = jax.lax.scan(lambda a, j: part(a, j * c, c), carry,
+                                     jnp.arange(n, dtype=jnp.int32))
+  parts = [(outs[j], lses[j]) for j in range(n)]
+  if r:
+    carry, last = part(carry, n * c, r)
+    parts.append(last)
+  out, lse = combine(parts, out_dtype=q.dtype)
+  return out, lse, carry
+
+
 def kv_from_rows(k_pre, v, lp, spec: ModelSpec, dtype, positions=None):
   """[B,S,kv_dim] pre-bias K and V -> (k post-RoPE, v) [B,S,K,H] at `positions` [B,S]
   (default: slot positions 0..S-1)."""
@@ -363,26 +393,18 @@ class XCache(base.KVCache):
   def chunked_attend(self, q, q_positions, lp, spec: ModelSpec):
     """The "xla" decode path with bounded temporaries: per chunk of `chunks()` slots,
     rematerialise its K/V (XLA dequantization + cuBLAS GEMM, at the cache dtype) and attend
-    to it with the jnp attention (fp32), one chunk after another (`lax.map`); the chunks
-    are merged by their log-sum-exp (`model.attention.combine`).
+    to it with the jnp attention (fp32), one chunk after another (`attend_in_chunks`).
 
     Returns:
       (out [B, T, N, H] q.dtype, lse [B, T, N]).
     """
-    c, n, r = self.chunks()
-
-    def part(start, size):
+    def kv_of(carry, start, size):
       view = dataclasses.replace(self, stores=tuple(st.window(start, size)
                                                     for st in self.stores))
-      k, v = view.rematerialize(lp, spec, self.dtype, "xla", start=start)
-      b = k.shape[0]
-      pos = start + jnp.broadcast_to(jnp.arange(size, dtype=jnp.int32), (b, size))
-      return dot_product_attention(q, k, v, q_positions, pos, pos < self.lengths[:, None],
-                                   out_dtype=jnp.float32)
+      return carry, *view.rematerialize(lp, spec, self.dtype, "xla", start=start)
 
-    outs, lses = jax.lax.map(lambda j: part(j * c, c), jnp.arange(n, dtype=jnp.int32))
-    parts = [(outs[j], lses[j]) for j in range(n)] + ([part(n * c, r)] if r else [])
-    return combine(parts, out_dtype=q.dtype)
+    out, lse, _ = attend_in_chunks(q, q_positions, self.lengths, self.chunks(), kv_of)
+    return out, lse
 
   def kernel_candidates(self, q_shape):
     """The decode paths for queries [B, N, H], fastest first (module doc)."""

@@ -66,11 +66,11 @@ import numpy as np
 
 from kvlowrank.cache import base
 from kvlowrank.cache import dispatch
-from kvlowrank.methods.xquant.cache import (PATHS, XCache, XQuantSpec, as_spec, choose_path,
-                                            chunk_plan, dense_attend, kv_from_rows, remat,
+from kvlowrank.methods.xquant.cache import (PATHS, XCache, XQuantSpec, as_spec,
+                                            attend_in_chunks, choose_path, chunk_plan,
+                                            dense_attend, kv_from_rows, remat,
                                             rematerialised_kv_fit, svd_factors)
 from kvlowrank.methods.xquant.store import AXES, TokenStore, _rows
-from kvlowrank.model.attention import combine, dot_product_attention
 from kvlowrank_kernels.quant import packing
 from kvlowrank.spec import ModelSpec
 
@@ -240,19 +240,17 @@ class XCLCache(base.KVCache):
     tokens' deltas, then per chunk of `chunks()` slots (`lax.scan`, the carry updated in
     place) X̂_i = X̂_{i−1} + deq(deltas), its K/V by one 16-bit GEMM with fp32
     accumulation at the cache dtype (as the whole-cache "xla" path), the jnp attention of
-    q over them (fp32); the chunks are merged by their log-sum-exp.
+    q over them (fp32): `attend_in_chunks`.
 
     Returns:
       (out [B, T, N, H] q.dtype, lse [B, T, N], cache, X̂_i [B, S, D] fp32).
     """
     acc, store = self._residual(inputs.x, inputs.positions, acc_prev)
     cache = dataclasses.replace(self, store=store)
-    c, n, r = cache.chunks()
     dt = jnp.dtype(self.dtype)
     w = jnp.concatenate([lp["wk"], lp["wv"]], axis=1).astype(dt)
-    lens = store.lens
 
-    def part(acc, start, size):
+    def kv_of(acc, start, size):
       win = store.window(start, size)
       delta = win.rows(jnp.float32) if self.u is None else remat(win, self.u.T, "xla")
       acc = jax.lax.dynamic_update_slice_in_dim(
@@ -262,18 +260,11 @@ class XCLCache(base.KVCache):
       a = jax.lax.dynamic_slice_in_dim(acc, start, size, axis=1)
       kv = jnp.matmul(a.astype(dt), w, preferred_element_type=jnp.float32)
       pos = start + jnp.broadcast_to(jnp.arange(size, dtype=jnp.int32), a.shape[:2])
-      k, v = kv_from_rows(kv[..., :spec.kv_dim], kv[..., spec.kv_dim:], lp, spec, dt,
-                          positions=pos)
-      return acc, dot_product_attention(q, k, v, inputs.positions, pos,
-                                        pos < lens[:, None], out_dtype=jnp.float32)
+      return acc, *kv_from_rows(kv[..., :spec.kv_dim], kv[..., spec.kv_dim:], lp, spec, dt,
+                                positions=pos)
 
-    acc, (outs, lses) = jax.lax.scan(lambda a, j: part(a, j * c, c), acc,
-                                     jnp.arange(n, dtype=jnp.int32))
-    parts = [(outs[j], lses[j]) for j in range(n)]
-    if r:
-      acc, last = part(acc, n * c, r)
-      parts.append(last)
-    out, lse = combine(parts, out_dtype=q.dtype)
+    out, lse, acc = attend_in_chunks(q, inputs.positions, store.lens, cache.chunks(), kv_of,
+                                     acc)
     return out, lse, cache, acc
 
   def kernel_candidates(self, q_shape):
