@@ -30,7 +30,8 @@ if ("xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", "")
 # module. A persistent compilation cache shared by the run's workers (and the subprocesses
 # they start) compiles each of them once. Measured 2026-11-27 on the 2-core box with a
 # cold cache: test_api + test_drift + test_evict 134 s instead of 152 s; the whole CPU
-# suite in a clean-clone CI run 11 min 8 s, against 11 min 35 s and 11 min 47 s without. The
+# suite in clean-clone CI runs 11:08, 10:59 and 12:00 with it, 11:35 and 11:47 without
+# (within run-to-run variance). The
 # folder is one per pytest run: the process that imports this first (xdist's controller)
 # names it, its workers and their subprocesses inherit the variable, and it removes the
 # folder when the run ends. A cache folder set by the user is left alone. CPU only, as the
