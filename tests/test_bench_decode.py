@@ -109,6 +109,19 @@ def test_max_batch_check_steps_down_to_the_largest_that_runs():
   assert got["tokens_per_s"] == 500.0
   none = decode.check_max_batch(TINY, None, None, 256, 9, tries=2, run=fake_run)
   assert none["largest_run"] is None and not none["fits"]            # 9, 8: both fail
+  # A large estimate a few percent high: after one fewer, 97%, 90%, 75% of it.
+  assert decode.step_down(214, 5) == [214, 213, 207, 192, 160]
+  assert decode.step_down(2, 5) == [2, 1] and decode.step_down(0, 3) == [0]
+  tried = []
+
+  def fits_200(spec, params, method, context, b, **kw):
+    tried.append(b)
+    if b > 200:
+      raise RuntimeError("RESOURCE_EXHAUSTED")
+    return dict(tokens_per_s=1.0, peak_bytes_process=0)
+
+  far = decode.check_max_batch(TINY, None, None, 256, 214, run=fits_200)
+  assert tried == [214, 213, 207, 192] and far["largest_run"] == 192 and not far["fits"]
   rec = dict(method="KIVI-2", context=256, batch=2, tokens_per_s=1.0, step_ms=2.0,
              attention_ms=None, cache_nbytes=1, cache_device_bytes=1, peak_bytes_est=1,
              max_batch=7, max_batch_check=got)

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from kvlowrank.methods import KiviCache, KiviSpec, init_caches
+from kvlowrank.methods.kivi import cache as kivi_cache
 from kvlowrank.cache.base import AttnInputs
 from kvlowrank.model.attention import dot_product_attention
 from kvlowrank.model.params import init_params
@@ -217,6 +218,29 @@ def test_warp_and_planar_layouts_hold_the_same_cache():
   bad = dataclasses.replace(warp, store=dataclasses.replace(
       st, vc=st.vc.at[0, 0, 0, 0, 5].set(st.vc[0, 0, 0, 0, 5] ^ 3)))
   assert not np.array_equal(np.asarray(bad.materialize()[1]), np.asarray(warp.materialize()[1]))
+
+
+@pytest.mark.parametrize("layout,spec", [("planar", SPEC), ("warp", WARP_SPEC)])
+def test_decode_flush_under_cond_matches_reference_stream(monkeypatch, layout, spec):
+  """The decode key flush has two paths (`kivi.cache.MASKED_FLUSH_MAX`): every step with
+  masked writes (small rings, what the tests above run) and under a lax.cond (large
+  rings). The cond path, forced here, matches the same float64 reference; the traced
+  decode update has a cond on that path only (negative control)."""
+  ks = KiviSpec(bits=2, group_size=8 if layout == "planar" else 32,
+                residual=16 if layout == "planar" else 32, layout=layout)
+  c = KiviCache.init(ks, spec, batch=2, capacity=64, dtype=jnp.float32)
+  one = jnp.zeros((2, 1, spec.n_kv_heads, spec.head_dim), jnp.float32)
+  trace = lambda: str(jax.make_jaxpr(lambda c: c.update(
+      AttnInputs(x=None, k=one, k_pre=one, v=one, positions=jnp.zeros((2, 1), jnp.int32)),
+      {}))(c))
+  assert "cond[" not in trace()
+  monkeypatch.setattr(kivi_cache, "MASKED_FLUSH_MAX", 0)
+  assert "cond[" in trace()
+  _update.clear_cache()          # the jitted update traced the masked path above
+  try:
+    run_stream(ks, (21, 13) if layout == "planar" else (40, 17), 30, seed=11, spec=spec)
+  finally:
+    _update.clear_cache()
 
 
 def test_negative_control_dropped_token_fails():

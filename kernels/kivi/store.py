@@ -156,6 +156,9 @@ def _warp_tables():
     key_words [4, 256]: the block's word indices holding key group w (tokens 32 w ..),
     key_tok, key_ch [256, 8, 2]: (token within the group, channel) of each code of those
       words, in (word, slot k, element e) order (the same for every group);
+    key_axes: the same map as a transpose: a group's codes [32, 128] split into 12 binary
+      axes (token bits high to low, then channel bits), transposed by key_axes, are the
+      words' codes in (word, element e, slot k) order, i.e. [256, 16] code 8 e + k;
     key_scale_ch [256]: channel of each half of a key group's scale row (its (s, z)
       entries: key_scale_sz [256]);
     val_words [128, 32]: the words holding token t's value codes; val_ch, val_shift
@@ -175,6 +178,7 @@ def _warp_tables():
              np.array_equal(kd[key_words[w]], kd[key_words[0]]) for w in range(4)):
     raise AssertionError("warp layout: key groups are not laid out alike")
   key_ch = kd[key_words[0]]
+  key_axes = _bit_transpose(key_tok, key_ch)
   # scale rows: [4 g, 8, 4, 2, (s, z), 2 e] flat; entry (g, ...) is channel kx of group kg
   sz = np.broadcast_to(np.arange(2)[:, None], (2, 2))
   ch = np.stack([kx[0], kx[0]], axis=-2)                      # [8, 4, 2, (s, z), 2]
@@ -204,9 +208,31 @@ def _warp_tables():
         raise AssertionError("warp layout: a value scale is not stored exactly once")
       w, c, quad, jh, e = hit[0]
       val_scale_idx[t, gv] = flat[w, c, quad, jh, :, e]
-  return dict(key_words=key_words, key_tok=key_tok, key_ch=key_ch, key_scale_ch=key_scale_ch,
+  return dict(key_words=key_words, key_tok=key_tok, key_ch=key_ch, key_axes=key_axes,
+              key_scale_ch=key_scale_ch,
               key_scale_sz=key_scale_sz, val_words=val_words, val_ch=val_ch,
               val_shift=val_shift, val_scale_idx=val_scale_idx)
+
+
+def _bit_transpose(key_tok, key_ch):
+  """The axes order that turns a key group's codes [32 tok, 128 ch], reshaped to 12 binary
+  axes (tok bits 4..0, ch bits 6..0), into its words' codes [256 words, 2 e, 8 k] (word
+  bits 7..0, e, k bits 2..0), found from the layout's maps; AssertionError if the map is
+  not a permutation of bits (then a transpose cannot express it)."""
+  word, slot, elem = np.meshgrid(np.arange(256), np.arange(8), np.arange(2), indexing="ij")
+  src = [(key_tok >> b) & 1 for b in range(4, -1, -1)] + [(key_ch >> b) & 1
+                                                            for b in range(6, -1, -1)]
+  dst = ([(word >> b) & 1 for b in range(7, -1, -1)] + [elem]
+         + [(slot >> b) & 1 for b in range(2, -1, -1)])
+  axes = []
+  for d in dst:
+    hit = [i for i, a in enumerate(src) if np.array_equal(a, d)]
+    if len(hit) != 1:
+      raise AssertionError("warp layout: the key code map is not a permutation of bits")
+    axes.append(hit[0])
+  if sorted(axes) != list(range(12)):
+    raise AssertionError("warp layout: the key code map is not a permutation of bits")
+  return tuple(axes)
 
 
 def _flat(a):
@@ -222,8 +248,12 @@ def _warp_keys(store: ml.KiviMosaic, groups, ok, codes, scale, zero):
   blk, w = groups // 4, groups % 4                                   # [B, Gc]
   c = codes.reshape(b, gc, ml.GROUP, k, ml.HEAD_DIM)
   c = jnp.moveaxis(c, 3, 2)                                          # [B, Gc, K, 32, H]
-  c = c[:, :, :, t["key_tok"], t["key_ch"]]                          # [B, Gc, K, 256, 8, 2]
-  c = jnp.swapaxes(c, -1, -2).reshape(b, gc, k, 256, 16)              # code 8 e + k
+  # The layout's (token, channel) of each word's code is a permutation of index bits, so
+  # one transpose places the codes (not a gather by key_tok / key_ch: decode runs this
+  # every step).
+  axes = (0, 1, 2) + tuple(3 + a for a in t["key_axes"])
+  c = c.reshape((b, gc, k) + (2,) * 12).transpose(axes)
+  c = c.reshape(b, gc, k, 256, 16)                                   # code 8 e + k
   words = packing.pack_words(c, ml.BITS)[..., 0]                     # [B, Gc, K, 256]
   idx = blk[:, :, None] * 1024 + jnp.asarray(t["key_words"])[w]      # [B, Gc, 256]
   idx = _drop(idx, ok[:, :, None], nb * 1024).reshape(b, gc * 256)

@@ -34,8 +34,9 @@ kernel as they are:
 of that window, and scatters only those whose quantization KIVI's rules make due (masked
 writes, no Python branching on traced lengths). A decode token (T = 1) takes a shorter
 path with the same result (`_decode_update`): it writes its ring slot, quantizes the one
-value that leaves the window and, once every F tokens, flushes the ring's keys (under a
-`lax.cond`; BENCHMARKS.md has the measured alternatives). Rows are ragged: each row's new
+value that leaves the window and, for the rows whose key block completes, flushes the
+ring's keys (every step with masked writes for small rings, else under a `lax.cond`:
+`MASKED_FLUSH_MAX`; BENCHMARKS.md has the measurements). Rows are ragged: each row's new
 tokens must continue its own sequence (positions lens[b], lens[b]+1, ...; -1 = padding
 anywhere; positions >= capacity are dropped like padding).
 
@@ -156,6 +157,10 @@ class KiviSpec:
 
 
 _rows, _scatter_rows = base.gather_rows, base.scatter_rows
+# Decode key flush: every step (masked writes) while the ring k_res has at most this many
+# elements (B·F·K·H), else under a lax.cond (`KiviCache._decode_update`). Set from two
+# H200 whole-model measurements that bracket it: 2^20 (faster every step), 2^21 (slower).
+MASKED_FLUSH_MAX = 1 << 20
 
 
 @jax.tree_util.register_dataclass
@@ -262,7 +267,7 @@ class KiviCache(base.KVCache):
       k_seen = dequantize_codes(kc, ks, kz, axis=1, group_size=g, dtype=dt)
       return store, _scatter_rows(ek, kw_idx, tok_ok, k_seen)
 
-    # A key block is flushed once every F tokens: the other decode steps skip the work.
+    # Calls that complete no key block (short chunks of a chunked prefill) skip the work.
     store, ek = jax.lax.cond(jnp.any(nqk1 > nqk0), flush, lambda st, e: (st, e), self.store, ek)
     # Values: per-token groups of G channels; positions [l0 - r, l0 - r + t) may leave
     # the window in this step; those in [nqv0, nqv1) are written.
@@ -283,13 +288,24 @@ class KiviCache(base.KVCache):
   def _decode_update(self, inputs: base.AttnInputs, pos):
     """`update` for one new token per row (pos [B], -1 = padding): the same result as the
     windowed path above, touching only the ring slot the token takes, the value leaving the
-    window and, once every F tokens, the ring's keys.
+    window and, for the rows that complete a key block, the ring's keys.
 
     With the ring's invariant (slot i holds position i mod F), the new token at position
     l0 takes slot l0 mod F, whose old occupant l0 - F is the value that leaves the window
     now (R > 0, so F = R; with R = 0 the new value itself is quantized at once). When
     l0 + 1 is a multiple of F, the ring holds positions [l0 + 1 - F, l0 + 1) in slot order:
-    exactly the key block to flush (under `lax.cond`, as above)."""
+    exactly the key block to flush.
+
+    The flush (quantize the ring's keys, write them where due) runs in one of two ways,
+    chosen statically by the ring's size B·F·K·H (`MASKED_FLUSH_MAX`):
+      * small rings: every step, its store writes dropped and the ring kept where no block
+        completes. This avoids a `lax.cond`, which stops the GPU stream while the host
+        reads the predicate, at the price of the flush's work on every step;
+      * large rings: under a per-layer `lax.cond` on "any row due".
+    On the H200 (2026-11-27, whole-model decode steps, BENCHMARKS.md) every-step won at
+    Llama-3-8B 32K × 8 (ring 1 Mi elements: 7.94-7.99 ms vs 8.58 ms per step) and lost
+    at Llama-2-7B 32K × 4 (2 Mi: 11.48 ms vs 10.72 ms). (GEAR keeps its cond: its chunk
+    compression, a power iteration, is not small.)"""
     g, f, r = self.group_size, self.flush_block, self.residual
     valid = pos >= 0
     l1 = base.new_lengths(self.lens, pos[:, None])
@@ -320,7 +336,10 @@ class KiviCache(base.KVCache):
       k_seen = dequantize_codes(kc, ks, kz, axis=1, group_size=g, dtype=dt)
       return store, jnp.where(due[:, None, None, None], k_seen, k_res)
 
-    store, k_res = jax.lax.cond(jnp.any(due), flush, lambda st, k: (st, k), store, k_res)
+    if k_res.size <= MASKED_FLUSH_MAX:
+      store, k_res = flush(store, k_res)
+    else:
+      store, k_res = jax.lax.cond(jnp.any(due), flush, lambda st, k: (st, k), store, k_res)
     return dataclasses.replace(self, store=store, k_res=k_res, v_res=v_res, lens=l1)
 
   def _scale_dtype(self):
