@@ -11,8 +11,11 @@ import pytest
 
 from kvlowrank.methods import init_caches
 from kvlowrank.methods.xquant import cache as xquant
+from kvlowrank.methods.xquant import cl as xquant_cl
 from kvlowrank.cache import dispatch
-from kvlowrank.methods.xquant.cache import XQuantSpec, choose_path, svd_factors
+from kvlowrank.methods.xquant import factors
+from kvlowrank.methods.xquant.cache import XQuantSpec, choose_path
+from kvlowrank.methods.xquant.factors import svd_factors
 from kvlowrank.methods.xquant.store import TokenStore
 from kvlowrank.model.params import init_params
 from kvlowrank.model.transformer import forward
@@ -86,6 +89,42 @@ def test_svd_factors_exact():
   np.testing.assert_allclose(u.T @ u, np.eye(32), atol=1e-12)
   np.testing.assert_allclose(u @ r, w, atol=1e-12)
   assert not np.allclose(u[:, :31] @ r[:31], w, atol=1e-3)  # a truncation is not exact
+
+
+@pytest.mark.parametrize("method", ["xquant", "xquant_cl"])
+def test_latent_factors_computed_once_per_weights(monkeypatch, method):
+  """The latent path's SVD runs once per layer's weights: a second init_caches over the
+  same params reuses it (same factors); new weight arrays (copies) recompute it, and the
+  entries go when their weights are freed (negative controls)."""
+  from kvlowrank.methods import XQuantCLSpec  # pylint: disable=import-outside-toplevel
+  calls = []
+  real = factors.svd_factors
+  counting = lambda w: calls.append(w.shape) or real(w)
+  monkeypatch.setattr(xquant, "svd_factors", counting)
+  monkeypatch.setattr(xquant_cl, "svd_factors", counting)
+  mspec = (XQuantSpec(bits=4, path="latent", group_size=16) if method == "xquant"
+           else XQuantCLSpec(bits=4, path="latent", group_size=16))
+  basis = (lambda c: c.proj) if method == "xquant" else (lambda c: (c.u,))
+  params = init_params(GQA, jax.random.key(3), scale=0.15)
+  before = factors.cached_count()
+  first = init_caches(method, mspec, GQA, params, batch=1, capacity=32)
+  n_first = len(calls)
+  assert n_first >= GQA.n_layers - (method == "xquant_cl")  # base layer: XCache's own factors
+  again = init_caches(method, mspec, GQA, params, batch=2, capacity=64)
+  assert len(calls) == n_first                                  # reused
+  for a, b in zip(first, again):
+    for x, y in zip(basis(a), basis(b)):
+      if x is not None:
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+  copy = jax.tree.map(lambda a: a + 0, params)                  # new arrays, same values
+  init_caches(method, mspec, GQA, copy, batch=1, capacity=32)
+  assert len(calls) == 2 * n_first                              # recomputed
+  grown = factors.cached_count()
+  assert grown > before
+  del copy
+  import gc  # pylint: disable=import-outside-toplevel
+  gc.collect()
+  assert factors.cached_count() < grown                         # freed with their weights
 
 
 def test_auto_path_picks_smaller_footprint():

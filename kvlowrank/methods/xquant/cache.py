@@ -78,6 +78,7 @@ import numpy as np
 
 from kvlowrank.cache import base, dispatch
 from kvlowrank.methods.dense.cache import DenseCache
+from kvlowrank.methods.xquant.factors import cached, svd_factors
 from kvlowrank.methods.xquant.store import AXES, TokenStore
 from kvlowrank.model.attention import combine, dot_product_attention
 from kvlowrank.model.rope import apply_rope, interleaved_to_half_perm, rope_cos_sin
@@ -156,16 +157,6 @@ def choose_path(spec: ModelSpec, path: str = "auto") -> str:
   if path != "auto":
     return path
   return "latent" if 2 * spec.kv_dim < spec.dim else "x"
-
-
-def svd_factors(w) -> tuple[np.ndarray, np.ndarray]:
-  """Thin SVD W = U·(ΣBᵀ) in float64: returns (U [D, r], ΣBᵀ [r, N]), r = min(D, N).
-
-  Exact (no truncation): U has orthonormal columns, so X·U·(ΣBᵀ) = X·W.
-  """
-  w64 = np.asarray(jax.device_get(w), np.float64)
-  u, s, vt = np.linalg.svd(w64, full_matrices=False)
-  return u, s[:, None] * vt
 
 
 def op_implementation(implementation: Optional[str]) -> str:
@@ -343,9 +334,14 @@ class XCache(base.KVCache):
       stores, proj = (mk(spec.dim, "token"),), ()
     else:
       wdt = lp["wk"].dtype
-      uk, rk = svd_factors(lp["wk"])
-      uv, rv = svd_factors(lp["wv"])
-      proj = tuple(jnp.asarray(a, wdt) for a in (uk, rk, uv, rv))
+
+      def factors():
+        uk, rk = svd_factors(lp["wk"])
+        uv, rv = svd_factors(lp["wv"])
+        return tuple(np.asarray(a, wdt) for a in (uk, rk, uv, rv))
+
+      proj = tuple(jnp.asarray(a) for a in cached((lp["wk"], lp["wv"]), "xquant", factors))
+      uk, uv = proj[0], proj[2]
       stores = (mk(uk.shape[1], xspec.key_axis), mk(uv.shape[1], xspec.value_axis))
     return cls(stores=stores, proj=proj, path=path, implementation=xspec.implementation,
                sliding_window=spec.sliding_window, kv_heads=spec.n_kv_heads,

@@ -69,7 +69,8 @@ from kvlowrank.cache import dispatch
 from kvlowrank.methods.xquant.cache import (PATHS, XCache, XQuantSpec, as_spec,
                                             attend_in_chunks, choose_path, chunk_plan,
                                             dense_attend, kv_from_rows, remat,
-                                            rematerialised_kv_fit, svd_factors)
+                                            rematerialised_kv_fit)
+from kvlowrank.methods.xquant.factors import cached, svd_factors
 from kvlowrank.methods.xquant.store import AXES, TokenStore, _rows
 from kvlowrank_kernels.quant import packing
 from kvlowrank.spec import ModelSpec
@@ -176,8 +177,10 @@ class XCLCache(base.KVCache):
     u = None
     width = spec.dim
     if choose_path(spec, cspec.path) == "latent":
-      u_np, _ = svd_factors(jnp.concatenate([lp["wk"], lp["wv"]], axis=1))
-      u = jnp.asarray(u_np, jnp.float32)   # the accumulator is fp32, so is its basis
+      # the accumulator is fp32, so is its basis
+      u_np, = cached((lp["wk"], lp["wv"]), "xquant_cl", lambda: (np.asarray(svd_factors(
+          jnp.concatenate([lp["wk"], lp["wv"]], axis=1))[0], np.float32),))
+      u = jnp.asarray(u_np)
       width = u.shape[1]
     store = TokenStore.init(batch=batch, capacity=capacity, width=width,
                             bits=cspec.bits_of(layer), axis=cspec.delta_axis,

@@ -1,0 +1,52 @@
+"""The latent path's weight factors (XQuant and XQuant-CL), computed once per weights.
+
+`svd_factors` is a float64 SVD on the host. For a Llama-3-8B layer it is seconds per
+matrix ([W_k | W_v] is 4096 x 2048: 11.6 s on a 2-core CPU; XQuant-CL's 32 layers took
+83 s of the H200 machine's set-up on 2026-11-27), and every `init_caches` call (each
+`generate`, each evaluation batch) builds its caches anew. `cached` keeps what a cache
+derives from its layer's weights, on the host and in the dtype the cache stores it, for
+as long as those weight arrays live: keyed by the arrays' identity, dropped when any of
+them is freed (`weakref.finalize`). Traced weights (inside jit / eval_shape) are never
+cached.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Callable
+
+import jax
+import numpy as np
+
+_CACHE: dict = {}
+
+
+def svd_factors(w) -> tuple[np.ndarray, np.ndarray]:
+  """Thin SVD W = U·(ΣBᵀ) in float64: returns (U [D, r], ΣBᵀ [r, N]), r = min(D, N).
+
+  Exact (no truncation): U has orthonormal columns, so X·U·(ΣBᵀ) = X·W.
+  """
+  w64 = np.asarray(jax.device_get(w), np.float64)
+  u, s, vt = np.linalg.svd(w64, full_matrices=False)
+  return u, s[:, None] * vt
+
+
+def cached(weights: tuple, tag: str, build: Callable[[], tuple]) -> tuple:
+  """build() -> host arrays derived from `weights`; computed once per (tag, weights) while
+  every one of those weight objects lives."""
+  if any(isinstance(w, jax.core.Tracer) for w in weights):
+    return build()
+  key = (tag,) + tuple(id(w) for w in weights)
+  hit = _CACHE.get(key)
+  if hit is not None:
+    return hit
+  out = build()
+  _CACHE[key] = out
+  for w in weights:
+    weakref.finalize(w, _CACHE.pop, key, None)
+  return out
+
+
+def cached_count() -> int:
+  """Entries held now (tests)."""
+  return len(_CACHE)
