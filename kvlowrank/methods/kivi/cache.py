@@ -158,8 +158,9 @@ class KiviSpec:
 
 _rows, _scatter_rows = base.gather_rows, base.scatter_rows
 # Decode key flush: every step (masked writes) while the ring k_res has at most this many
-# elements (B·F·K·H), else under a lax.cond (`KiviCache._decode_update`). Set from two
-# H200 whole-model measurements that bracket it: 2^20 (faster every step), 2^21 (slower).
+# elements (B·F·K·H; one device's shard under kvlowrank.parallel's shard_map), else under a
+# lax.cond (`KiviCache._decode_update`). Set from two H200 whole-model measurements that
+# bracket it: 2^20 elements (faster every step), 2^21 (slower).
 MASKED_FLUSH_MAX = 1 << 20
 
 
