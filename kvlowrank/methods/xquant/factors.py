@@ -9,8 +9,8 @@ as long as those weight arrays live: keyed by the arrays' identity, dropped when
 them is freed (`weakref.finalize`). Traced weights (inside jit / eval_shape) are never
 cached. Host memory held: per layer, U_k, ΣB_kᵀ, U_v, ΣB_vᵀ in the weights' dtype (XQuant,
 about W_k and W_v's bytes plus two kv_dim² squares) or U [D, 2·kv_dim] in fp32 (XQuant-CL,
-twice [W_k | W_v] in bf16). Weights are taken as immutable, as jax arrays are: a numpy array changed in place
-after a cache was built from it would keep its old factors.
+twice [W_k | W_v] in bf16). Weights are taken as immutable, as jax arrays are: a numpy
+array changed in place after a cache was built from it would keep its old factors.
 """
 
 from __future__ import annotations
