@@ -450,45 +450,51 @@ def test_triton_attend_within_error_model(path, dtype):
   assert bad > 1.0, bad
 
 
-@pytest.mark.parametrize("path,window", [("x", 0), ("x", 16), ("latent", 0)])
-def test_chunked_xla_attend_equals_whole_cache(path, window):
+@pytest.mark.parametrize("path,window,swa", [("x", 0, None), ("x", 16, None),
+                                             ("latent", 0, None), ("latent", 0, 24)])
+def test_chunked_xla_attend_equals_whole_cache(path, window, swa):
   """`XCache.chunked_attend` (the "xla" decode path, `decode_chunk` tokens at a time, LSE
   merged) equals attention over the whole cache rematerialised the same way ("xla": 16-bit
   GEMM operands), and the reference path within that rounding, at every layer, with full
   chunks, a remainder chunk, per-channel key latents whose groups straddle nothing, an
-  exact tail and a padding query row. Negative control: chunks
-  rematerialised at the wrong positions (start off by one chunk) change the output."""
+  exact tail and a padding query row; with a sliding window (swa) too. Negative controls:
+  chunks rematerialised at the wrong positions (start off by one chunk) change the output;
+  with swa, so does attending without the window."""
+  spec = GQA if swa is None else GQA.replace(sliding_window=swa)
   params, tokens, pos = _setup(GQA)
   xs = XQuantSpec(bits=3, path=path, group_size=16, window=window, decode_chunk=32)
-  caches = init_caches("xquant", xs, GQA, params, batch=2, capacity=80, dtype=jnp.float32)
+  caches = init_caches("xquant", xs, spec, params, batch=2, capacity=80, dtype=jnp.float32)
   t = 70    # tail rows past the last complete group / flush block
   toks = jax.random.randint(jax.random.key(5), (2, t), 0, GQA.vocab_size)
   p = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (2, t))
   p = p.at[1, 60:].set(-1)             # row 1 is 60 tokens long
-  _, caches = _fwd(params, toks, p, caches, GQA)
+  _, caches = _fwd(params, toks, p, caches, spec)
   c0 = caches[0]
-  assert c0.chunks() == (32, 2, 16)
+  assert c0.chunks() == (32, 2, 16) and c0.sliding_window == swa
   q = jax.random.normal(jax.random.key(6), (2, 1, GQA.n_heads, GQA.head_dim), jnp.float32)
   qpos = jnp.asarray([[t - 1], [-1]], jnp.int32)   # row 1: a padding query
 
-  def whole(c, q, qpos, lp):
-    k, v = c.rematerialize(lp, GQA, c.dtype, "xla")
+  def whole(c, q, qpos, lp, window=swa):
+    k, v = c.rematerialize(lp, spec, c.dtype, "xla")
     sp = jnp.broadcast_to(jnp.arange(k.shape[1], dtype=jnp.int32), k.shape[:2])
     return xquant.dot_product_attention(q, k, v, qpos, sp, sp < c.lengths[:, None],
-                                        out_dtype=jnp.float32)
+                                        sliding_window=window, out_dtype=jnp.float32)
 
   for c, lp in zip(caches, params["layers"]):
-    out, lse = jax.jit(lambda c, q: c.chunked_attend(q, qpos, lp, GQA))(c, q)
+    out, lse = jax.jit(lambda c, q: c.chunked_attend(q, qpos, lp, spec))(c, q)
     want, wlse = whole(c, q, qpos, lp)
     np.testing.assert_allclose(np.asarray(out), np.asarray(want), atol=2e-6, rtol=0)
     np.testing.assert_allclose(np.asarray(lse)[0], np.asarray(wlse)[0], atol=2e-6)
     assert np.all(np.asarray(out)[1] == 0)
-    ref, _ = c.attend(q, qpos, lp, spec=GQA, implementation="reference")
+    ref, _ = c.attend(q, qpos, lp, spec=spec, implementation="reference")
     np.testing.assert_allclose(np.asarray(out), np.asarray(ref), atol=1e-2, rtol=0)
   qpos0 = jnp.asarray([[t - 1], [59]], jnp.int32)
-  out, _ = c0.chunked_attend(q, qpos0, params["layers"][0], GQA)
+  out, _ = c0.chunked_attend(q, qpos0, params["layers"][0], spec)
   want, _ = whole(c0, q, qpos0, params["layers"][0])
   np.testing.assert_allclose(np.asarray(out), np.asarray(want), atol=2e-6, rtol=0)
+  if swa is not None:   # negative control: the window matters here
+    unwindowed, _ = whole(c0, q, qpos0, params["layers"][0], window=None)
+    assert np.abs(np.asarray(unwindowed) - np.asarray(want)).max() > 1e-3
   # Negative control: each full chunk rematerialised at the next chunk's positions.
   orig = xquant.XCache.rematerialize
 
@@ -497,7 +503,7 @@ def test_chunked_xla_attend_equals_whole_cache(path, window):
 
   xquant.XCache.rematerialize = shifted
   try:
-    bad, _ = c0.chunked_attend(q, qpos0, params["layers"][0], GQA)
+    bad, _ = c0.chunked_attend(q, qpos0, params["layers"][0], spec)
   finally:
     xquant.XCache.rematerialize = orig
   assert np.abs(np.asarray(bad) - np.asarray(want)).max() > 1e-3

@@ -182,15 +182,17 @@ def test_invalid_configs_raise_clear_errors():
 
 
 @pytest.mark.parametrize("spec,path,window", [(MHA, "x", 0), (GQA, "latent", 0),
-                                              (GQA, "x", 16)],
-                         ids=["mha-x", "gqa-latent", "gqa-x-window"])
+                                              (GQA, "x", 16),
+                                              (GQA.replace(sliding_window=24), "latent", 0)],
+                         ids=["mha-x", "gqa-latent", "gqa-x-window", "gqa-latent-swa"])
 def test_chunked_xla_step_equals_whole_cache(spec, path, window):
   """`XCLCache.chunked_step` (the "xla" decode step, `decode_chunk` slots at a time, the
   carry updated in place, chunks merged by their LSE) equals the whole-cache step
   (`advance` + K/V of every slot + attention) at every layer of the chain: the outputs,
   the LSE, the carry handed on and the stored deltas; two full chunks, a remainder chunk, an
-  exact tail (window) and a padding query row. Negative control: the chunks' K/V rotated at
-  positions one chunk late change the output."""
+  exact tail (window), a padding query row and a model sliding window (swa). Negative
+  controls: the chunks' K/V rotated at positions one chunk late change the output; with
+  swa, so does attending without the window."""
   from kvlowrank.cache.base import AttnInputs
   from kvlowrank.methods.xquant import cl
   from kvlowrank.model.attention import dot_product_attention
@@ -218,7 +220,12 @@ def test_chunked_xla_step_equals_whole_cache(spec, path, window):
                            jnp.float32)
     sp = jnp.broadcast_to(jnp.arange(80, dtype=jnp.int32), (2, 80))
     want, wlse = dot_product_attention(q, k, v, qpos, sp, sp < want_c.lengths[:, None],
+                                       sliding_window=spec.sliding_window,
                                        out_dtype=jnp.float32)
+    if spec.sliding_window is not None:   # negative control: the window matters here
+      unwindowed, _ = dot_product_attention(q, k, v, qpos, sp, sp < want_c.lengths[:, None],
+                                            out_dtype=jnp.float32)
+      assert np.abs(np.asarray(unwindowed) - np.asarray(want)).max() > 1e-3
     step = jax.jit(lambda c, a: c.chunked_step(inputs, q, lp, a, spec))
     out, lse, got_c, acc_chunk = step(c, acc_chunk)
     np.testing.assert_allclose(np.asarray(out), np.asarray(want), atol=2e-6, rtol=0)

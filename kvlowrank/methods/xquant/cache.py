@@ -250,11 +250,12 @@ def chunk_plan(stores, decode_chunk: int) -> tuple[int, int, int]:
   return c, cap // c, cap % c
 
 
-def attend_in_chunks(q, q_positions, lengths, plan, kv_of, carry=None):
+def attend_in_chunks(q, q_positions, lengths, plan, kv_of, carry=None, sliding_window=None):
   """Attention of q over slots walked in the chunks of `plan` (`chunk_plan`), one after
   another (`lax.scan`, then the remainder chunk), each by the jnp attention (fp32) over
-  that chunk's K/V with slots >= lengths masked; the chunks are merged by their
-  log-sum-exp (`model.attention.combine`). The "xla" decode paths of XQuant and XQuant-CL.
+  that chunk's K/V with slots >= lengths masked (and keys outside `sliding_window` of a
+  query, as the whole-cache path); the chunks are merged by their log-sum-exp
+  (`model.attention.combine`). The "xla" decode paths of XQuant and XQuant-CL.
 
   Args:
     kv_of: (carry, start, size) -> (carry, k, v [B, size, K, H]) of slots
@@ -268,7 +269,7 @@ def attend_in_chunks(q, q_positions, lengths, plan, kv_of, carry=None):
     carry, k, v = kv_of(carry, start, size)
     pos = start + jnp.broadcast_to(jnp.arange(size, dtype=jnp.int32), k.shape[:2])
     return carry, dot_product_attention(q, k, v, q_positions, pos, pos < lengths[:, None],
-                                        out_dtype=jnp.float32)
+                                        sliding_window=sliding_window, out_dtype=jnp.float32)
 
   carry, (outs, lses) = jax.lax.scan(lambda a, j: part(a, j * c, c), carry,
                                      jnp.arange(n, dtype=jnp.int32))
@@ -399,7 +400,8 @@ class XCache(base.KVCache):
                                                     for st in self.stores))
       return carry, *view.rematerialize(lp, spec, self.dtype, "xla", start=start)
 
-    out, lse, _ = attend_in_chunks(q, q_positions, self.lengths, self.chunks(), kv_of)
+    out, lse, _ = attend_in_chunks(q, q_positions, self.lengths, self.chunks(), kv_of,
+                                   sliding_window=self.sliding_window)
     return out, lse
 
   def kernel_candidates(self, q_shape):

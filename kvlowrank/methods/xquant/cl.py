@@ -267,7 +267,7 @@ class XCLCache(base.KVCache):
                                 positions=pos)
 
     out, lse, acc = attend_in_chunks(q, inputs.positions, store.lens, cache.chunks(), kv_of,
-                                     acc)
+                                     acc, sliding_window=self.sliding_window)
     return out, lse, cache, acc
 
   def kernel_candidates(self, q_shape):
