@@ -287,9 +287,9 @@ class XCLCache(base.KVCache):
   def step(self, inputs: base.AttnInputs, q, lp, carry, *, spec: ModelSpec):
     acc_prev = None if self.is_base else carry
     impl = self.decode_implementation(q.shape)
-    w = jnp.concatenate([lp["wk"], lp["wv"]], axis=1)
     if impl == "xla" and self.decode_chunk and self.chunks()[0] < self.capacity:
       return self.chunked_step(inputs, q, lp, acc_prev, spec)
+    w = jnp.concatenate([lp["wk"], lp["wv"]], axis=1)
     if impl == "xla":
       cache, acc = self.advance(inputs.x, inputs.positions, acc_prev, "xla")
       dt = jnp.dtype(self.dtype)
