@@ -8,7 +8,6 @@ import numpy as np
 import pytest
 
 from kvlowrank.methods import KiviCache, KiviSpec, init_caches
-from kvlowrank.methods.kivi import cache as kivi_cache
 from kvlowrank.cache.base import AttnInputs
 from kvlowrank.model.attention import dot_product_attention
 from kvlowrank.model.params import init_params
@@ -220,27 +219,56 @@ def test_warp_and_planar_layouts_hold_the_same_cache():
   assert not np.array_equal(np.asarray(bad.materialize()[1]), np.asarray(warp.materialize()[1]))
 
 
+def _eqns(jaxpr):
+  """Every equation of a jaxpr, nested ones (jit, cond branches) included."""
+  for e in jaxpr.eqns:
+    yield e
+    for v in e.params.values():
+      for sub in v if isinstance(v, (list, tuple)) else [v]:
+        inner = getattr(sub, "jaxpr", sub)
+        if hasattr(inner, "eqns"):
+          yield from _eqns(inner)
+
+
 @pytest.mark.parametrize("layout,spec", [("planar", SPEC), ("warp", WARP_SPEC)])
-def test_decode_flush_under_cond_matches_reference_stream(monkeypatch, layout, spec):
-  """The decode key flush has two paths (`kivi.cache.MASKED_FLUSH_MAX`): every step with
-  masked writes (small rings, what the tests above run) and under a lax.cond (large
-  rings). The cond path, forced here, matches the same float64 reference; the traced
-  decode update has a cond on that path only (negative control)."""
+def test_staged_key_flush(layout, spec):
+  """A decode step quantizes only its token's key group (staged flush, `kivi.cache`): its
+  traced update has no lax.cond and quantizes G tokens of keys, not the ring's F. The
+  streams above check its codes against the float64 reference at every step. Negative
+  control: with the staged keys wiped in the middle of a block, the ring's keys after the
+  block completes are no longer the block's dequantized keys."""
   ks = KiviSpec(bits=2, group_size=8 if layout == "planar" else 32,
-                residual=16 if layout == "planar" else 32, layout=layout)
-  c = KiviCache.init(ks, spec, batch=2, capacity=64, dtype=jnp.float32)
-  one = jnp.zeros((2, 1, spec.n_kv_heads, spec.head_dim), jnp.float32)
-  trace = lambda: str(jax.make_jaxpr(lambda c: c.update(
+                residual=32 if layout == "planar" else 64, layout=layout)
+  g, f = ks.group_size, ks.flush_block
+  rng = np.random.default_rng(4)
+  mk = lambda t: jnp.asarray(rng.standard_normal((2, t, spec.n_kv_heads, spec.head_dim)),
+                             jnp.float32)
+  c = KiviCache.init(ks, spec, batch=2, capacity=2 * f, dtype=jnp.float32)
+  one = mk(1)
+  jaxpr = jax.make_jaxpr(lambda c: c.update(
       AttnInputs(x=None, k=one, k_pre=one, v=one, positions=jnp.zeros((2, 1), jnp.int32)),
-      {}))(c))
-  assert "cond[" not in trace()
-  monkeypatch.setattr(kivi_cache, "MASKED_FLUSH_MAX", 0)
-  assert "cond[" in trace()
-  _update.clear_cache()          # the jitted update traced the masked path above
-  try:
-    run_stream(ks, (21, 13) if layout == "planar" else (40, 17), 30, seed=11, spec=spec)
-  finally:
-    _update.clear_cache()
+      {}))(c)
+  assert "cond[" not in str(jaxpr)
+  # The quantizers' minima reduce one key group (B·G·K·H elements) and one value per row,
+  # never the ring's B·F·K·H keys (a flush of the whole block).
+  sizes = [int(np.prod(e.invars[0].aval.shape)) for e in _eqns(jaxpr.jaxpr)
+           if e.primitive.name == "reduce_min"]
+  assert max(sizes) == 2 * g * spec.n_kv_heads * spec.head_dim, sizes
+  # Prefill g + 3 tokens (one group complete and staged), decode to the end of the block.
+  k, v = mk(g + 3), mk(g + 3)
+  steps = [(mk(1), mk(1)) for _ in range(g + 3, f)]
+  pos = jnp.broadcast_to(jnp.arange(g + 3, dtype=jnp.int32), (2, g + 3))
+  c = _update(c, k, v, pos)
+  out = {}
+  for name, cache in (("staged", c),
+                      ("wiped", dataclasses.replace(c, k_stage=jnp.zeros_like(c.k_stage)))):
+    for t, (k1, v1) in zip(range(g + 3, f), steps):
+      cache = _update(cache, k1, v1, jnp.full((2, 1), t, jnp.int32))
+    np.testing.assert_array_equal(np.asarray(cache.lens), [f, f])
+    # Ring slot i holds position i: after the flush, the store's dequantized keys.
+    out[name] = (np.asarray(cache.k_res), np.asarray(cache.dequantized()[0])[:, :f])
+  np.testing.assert_allclose(*out["staged"], rtol=1e-6, atol=1e-6)
+  assert np.max(np.abs(out["wiped"][0] - out["wiped"][1])) > 0.1
 
 
 def test_negative_control_dropped_token_fails():
@@ -260,11 +288,12 @@ def test_nbytes_arithmetic_and_bytes_per_token():
   k_sz = 2 * b * (s // 32) * kh * h * 2    # fp16 scale + zero per channel per 32 tokens
   v_sz = 2 * b * s * kh * (h // 32) * 2    # fp16 scale + zero per token per 32 channels
   resid = 2 * b * 128 * kh * h * 2         # bf16 exact K and V ring of R tokens
+  stage = b * 128 * kh * h * 2             # bf16 staged keys of the block in progress
   assert c.capacity == s
   assert c.nbytes_breakdown() == {"codes": codes, "scales": (k_sz + v_sz) // 2,
-                                  "zeros": (k_sz + v_sz) // 2, "residual": resid,
+                                  "zeros": (k_sz + v_sz) // 2, "residual": resid, "stage": stage,
                                   "lengths": 4 * b}
-  assert c.nbytes() == codes + k_sz + v_sz + resid + 4 * b
+  assert c.nbytes() == codes + k_sz + v_sz + resid + stage + 4 * b
   # Per token and kv head: 2x32 B codes + 16 B K scales/zeros + 16 B V scales/zeros.
   assert c.bytes_per_token() == kh * (64 + 16 + 16)
   assert c.layout == "warp"

@@ -24,7 +24,16 @@ kernel as they are:
   k_res/v_res [B,F,K,H] ring buffers (cache dtype) hold the last F tokens (F = R, or F = G
   when R = 0: keys always need an exact buffer until a group of G tokens completes) AS
   ATTENTION SEES THEM: exact, or dequantized once a token's key (value) is quantized; lens
-  [B]. Slot s of the quantized store holds position s; ring slot i holds the position
+  [B]; k_stage [B,F,K,H] (cache dtype): the staged key flush's dequantized keys.
+  Staged key flush: a key group's codes depend only on its own G tokens, so the groups of
+  the block in progress are quantized as they fill, not all at once when the block
+  completes. Each decode step re-quantizes the one group its token belongs to (G tokens of
+  the ring), writes its codes and scales into the store at their final slots (which
+  attention does not read before the block completes: the store is read over [0, m)) and
+  its dequantized keys into k_stage; when a row's block completes, its ring keys become
+  k_stage. The codes are exactly KIVI's block flush (the last write of each group sees its
+  G tokens), at 1/(F/G) of the block's quantization work per step and without a
+  `lax.cond`, which would stop the GPU stream while the host reads its predicate. Slot s of the quantized store holds position s; ring slot i holds the position
   p = i (mod F) among the last F. With the KIVI rules below, the tokens that are not in
   the quantized prefix [0, m) (m = min of the two quantized prefixes) are exactly ring
   slots [0, L - m): the kernels' exact window is the ring as stored.
@@ -34,9 +43,8 @@ kernel as they are:
 of that window, and scatters only those whose quantization KIVI's rules make due (masked
 writes, no Python branching on traced lengths). A decode token (T = 1) takes a shorter
 path with the same result (`_decode_update`): it writes its ring slot, quantizes the one
-value that leaves the window and, for the rows whose key block completes, flushes the
-ring's keys (every step with masked writes for small rings, else under a `lax.cond`:
-`MASKED_FLUSH_MAX`; BENCHMARKS.md has the measurements). Rows are ragged: each row's new
+value that leaves the window and the one key group that the token belongs to (staged key
+flush, below), with no `lax.cond`. Rows are ragged: each row's new
 tokens must continue its own sequence (positions lens[b], lens[b]+1, ...; -1 = padding
 anywhere; positions >= capacity are dropped like padding).
 
@@ -157,11 +165,6 @@ class KiviSpec:
 
 
 _rows, _scatter_rows = base.gather_rows, base.scatter_rows
-# Decode key flush: every step (masked writes) while the ring k_res has at most this many
-# elements (B·F·K·H; one device's shard under kvlowrank.parallel's shard_map), else under a
-# lax.cond (`KiviCache._decode_update`). Set from two H200 whole-model measurements that
-# bracket it: 2^20 elements (faster every step), 2^21 (slower).
-MASKED_FLUSH_MAX = 1 << 20
 
 
 @jax.tree_util.register_dataclass
@@ -171,6 +174,7 @@ class KiviCache(base.KVCache):
   k_res: jax.Array     # [B, F, K, H] keys of the last F tokens as attention sees them (ring)
   v_res: jax.Array     # [B, F, K, H]
   lens: jax.Array      # [B] int32
+  k_stage: jax.Array   # [B, F, K, H] staged key flush: dequantized keys of the block's groups
   k_bits: int = base.static_field(default=2)
   v_bits: int = base.static_field(default=2)
   group_size: int = base.static_field(default=32)
@@ -182,7 +186,8 @@ class KiviCache(base.KVCache):
 
   def shard_axes(self) -> dict:
     """Codes and scales of both layouts ([B, K, ...]) and the ring split by KV head."""
-    return {".store": (0, 1), ".k_res": (0, 2), ".v_res": (0, 2), ".lens": (0, None)}
+    return {".store": (0, 1), ".k_res": (0, 2), ".v_res": (0, 2), ".lens": (0, None),
+            ".k_stage": (0, 2)}
 
   @classmethod
   def init(cls, kspec: KiviSpec, spec: ModelSpec, *, batch: int, capacity: int,
@@ -204,7 +209,8 @@ class KiviCache(base.KVCache):
                          scale_dtype=kspec.scale_dtype, v_head_dim=hv)
     z = jnp.zeros
     return cls(store=store, k_res=z((batch, f, kh, h), dtype), v_res=z((batch, f, kh, hv), dtype),
-               lens=z((batch,), jnp.int32), k_bits=kspec.bits, v_bits=kspec.value_bits,
+               lens=z((batch,), jnp.int32), k_stage=z((batch, f, kh, h), dtype),
+               k_bits=kspec.bits, v_bits=kspec.value_bits,
                group_size=g, residual=kspec.residual, sliding_window=spec.sliding_window,
                implementation=kspec.implementation)
 
@@ -283,30 +289,32 @@ class KiviCache(base.KVCache):
     # Ring: slot i <- position p_i = i (mod f) among [l1 - f, l1), read from E.
     p = self._ring_positions(l1)
     e_idx = p - l0[:, None] + f
-    return dataclasses.replace(self, store=store, k_res=_rows(ek, e_idx),
-                               v_res=_rows(ev, e_idx), lens=l1)
+    k_res = _rows(ek, e_idx)
+    # Staged flush (module docstring): the block in progress, positions [nqk1, l1), is ring
+    # slots [0, l1 - nqk1); its complete groups are written now, the decode steps write
+    # the rest as they fill. k_stage takes every slot's dequantized group (a group that is
+    # incomplete, or of the previous block, is re-staged before its block completes).
+    kc, ks, kz = quantize_codes(k_res, bits=self.k_bits, axis=1, group_size=g, scale_dtype=sd)
+    grp = (nqk1 // g)[:, None] + jnp.arange(f // g)[None, :]
+    done = (jnp.arange(1, f // g + 1)[None, :] * g <= (l1 - nqk1)[:, None])
+    store = kstore.write_keys(store, grp, done, kc, ks, kz)
+    k_stage = dequantize_codes(kc, ks, kz, axis=1, group_size=g, dtype=dt)
+    return dataclasses.replace(self, store=store, k_res=k_res, v_res=_rows(ev, e_idx),
+                               lens=l1, k_stage=k_stage)
 
   def _decode_update(self, inputs: base.AttnInputs, pos):
     """`update` for one new token per row (pos [B], -1 = padding): the same result as the
     windowed path above, touching only the ring slot the token takes, the value leaving the
-    window and, for the rows that complete a key block, the ring's keys.
+    window and the key group the token belongs to.
 
     With the ring's invariant (slot i holds position i mod F), the new token at position
     l0 takes slot l0 mod F, whose old occupant l0 - F is the value that leaves the window
-    now (R > 0, so F = R; with R = 0 the new value itself is quantized at once). When
-    l0 + 1 is a multiple of F, the ring holds positions [l0 + 1 - F, l0 + 1) in slot order:
-    exactly the key block to flush.
-
-    The flush (quantize the ring's keys, write them where due) runs in one of two ways,
-    chosen statically by the ring's size B·F·K·H (`MASKED_FLUSH_MAX`):
-      * small rings: every step, its store writes dropped and the ring kept where no block
-        completes. This avoids a `lax.cond`, which stops the GPU stream while the host
-        reads the predicate, at the price of the flush's work on every step;
-      * large rings: under a per-layer `lax.cond` on "any row due".
-    On the H200 (2026-11-27, whole-model decode steps, BENCHMARKS.md) every-step won at
-    Llama-3-8B 32K × 8 (ring 1 Mi elements: 7.94-7.99 ms vs 8.58 ms per step) and lost
-    at Llama-2-7B 32K × 4 (2 Mi: 11.48 ms vs 10.72 ms). (GEAR keeps its cond: its chunk
-    compression, a power iteration, is not small.)"""
+    now (R > 0, so F = R; with R = 0 the new value itself is quantized at once). Its key
+    group is ring slots [G j, G j + G) for j = (l0 mod F) // G: re-quantized, written to
+    the store and staged (module docstring). When l0 + 1 is a multiple of F the block is
+    complete and every one of its groups was staged when its last token came: the ring's
+    keys become the staged ones. The step's quantization work is one group per row,
+    whatever the ring's size, and nothing waits on the host (no `lax.cond`)."""
     g, f, r = self.group_size, self.flush_block, self.residual
     valid = pos >= 0
     l1 = base.new_lengths(self.lens, pos[:, None])
@@ -327,21 +335,17 @@ class KiviCache(base.KVCache):
       v_new = dequantize_codes(vc, vs, vz, axis=-1, group_size=g, dtype=dt)
     k_res = _scatter_rows(self.k_res, slot, valid[:, None], k_new)
     v_res = _scatter_rows(self.v_res, slot, valid[:, None], v_new)
-
-    def flush(store, k_res):
-      kc, ks, kz = quantize_codes(k_res, bits=self.k_bits, axis=1, group_size=g,
-                                  scale_dtype=sd)
-      grp = (l1 - f)[:, None] // g + jnp.arange(f // g)[None, :]
-      store = kstore.write_keys(store, grp, jnp.broadcast_to(due[:, None], grp.shape),
-                                kc, ks, kz)
-      k_seen = dequantize_codes(kc, ks, kz, axis=1, group_size=g, dtype=dt)
-      return store, jnp.where(due[:, None, None, None], k_seen, k_res)
-
-    if k_res.size <= MASKED_FLUSH_MAX:
-      store, k_res = flush(store, k_res)
-    else:
-      store, k_res = jax.lax.cond(jnp.any(due), flush, lambda st, k: (st, k), store, k_res)
-    return dataclasses.replace(self, store=store, k_res=k_res, v_res=v_res, lens=l1)
+    # The token's key group: quantized from the ring, written at its final slots, staged.
+    g_idx = (slot // g) * g + jnp.arange(g)[None, :]          # [B, G] ring slots
+    kc, ks, kz = quantize_codes(_rows(k_res, g_idx), bits=self.k_bits, axis=1, group_size=g,
+                                scale_dtype=sd)
+    store = kstore.write_keys(store, (pos // g)[:, None], valid[:, None], kc, ks, kz)
+    k_seen = dequantize_codes(kc, ks, kz, axis=1, group_size=g, dtype=dt)
+    k_stage = _scatter_rows(self.k_stage, g_idx, jnp.broadcast_to(valid[:, None], g_idx.shape),
+                            k_seen)
+    k_res = jnp.where(due[:, None, None, None], k_stage, k_res)
+    return dataclasses.replace(self, store=store, k_res=k_res, v_res=v_res, lens=l1,
+                               k_stage=k_stage)
 
   def _scale_dtype(self):
     if isinstance(self.store, kstore.PlanarStore):
@@ -430,12 +434,13 @@ class KiviCache(base.KVCache):
       codes, scales = (st.kc, st.vc), (st.ks, st.vs)
     half = size(*scales) // 2
     return {"codes": size(*codes), "scales": half, "zeros": half,
-            "residual": size(self.k_res, self.v_res), "lengths": size(self.lens)}
+            "residual": size(self.k_res, self.v_res), "stage": size(self.k_stage),
+            "lengths": size(self.lens)}
 
   def bytes_per_token(self) -> float:
     """Asymptotic bytes per cached token (this layer): packed codes + amortised scales
     and zero points of K (2H per G tokens) and V (2H/G per token); the O(R) exact
-    window and the per-row lengths are excluded."""
+    window, the staged keys and the per-row lengths are excluded."""
     parts = self.nbytes_breakdown()
     return (parts["codes"] + parts["scales"] + parts["zeros"]) / (self.k_res.shape[0]
                                                                   * self.capacity)
