@@ -201,6 +201,19 @@ def main():
     emit(case="bench", method=two["method"], one_device=decode.storage_bytes(caches),
          per_device=two["cache_device_bytes"], mesh=two["mesh"], table=decode.table(res),
          padding=fdc_pad)
+  # The bench's sharded weights: `random_params`' values, created layer by layer in shards.
+  two_layers = tiny.replace(n_layers=2)
+  for name in ("dense", "palu50", "fdc50"):
+    m = decode.METHODS[name]
+    want = decode.random_params(two_layers, jax.random.key(1), m, 2, 2)
+    got = decode.sharded_params(two_layers, jax.random.key(1), m, parallel.make_mesh(1, 2))
+    same = (jax.tree.structure(want) == jax.tree.structure(got)
+            and all(np.array_equal(np.asarray(a), np.asarray(b))
+                    for a, b in zip(jax.tree.leaves(want), jax.tree.leaves(got))))
+    emit(case="sharded_params", method=name, equal=bool(same),
+         layers_differ=not np.array_equal(np.asarray(got["layers"][0]["wq"]),
+                                          np.asarray(got["layers"][1]["wq"])),
+         split=len(got["layers"][0]["wq"].sharding.device_set) == 2)
   # Clear errors.
   for label, fn in [
       ("heads", lambda: parallel.forward(parallel.make_mesh(1, 3), p,

@@ -90,6 +90,17 @@ def test_one_line_errors(cases, label, needle):
 
 
 @pytest.mark.slow
+def test_bench_sharded_params_equal_random_params(cases):
+  """The bench creates its weights on a mesh layer by layer (one compiled program for every
+  layer): the same values as `random_params` on one device, split over the devices; the
+  layers differ (each draws its own keys)."""
+  got = {c["method"]: c for c in cases if c["case"] == "sharded_params"}
+  assert set(got) == {"dense", "palu50", "fdc50"}
+  for c in got.values():
+    assert c["equal"] and c["layers_differ"] and c["split"], c
+
+
+@pytest.mark.slow
 def test_bench_decode_on_a_mesh(cases):
   """Head-split caches: each of 2 devices holds half of one device's cache bytes (but the
   lengths [B] int32, which every device keeps, and GEAR's prefill-chunk counts [B] int32);

@@ -131,34 +131,54 @@ def _rand(key, shape, dtype=jnp.bfloat16, scale=1.0):
   return x if scale == 1.0 else x * jnp.asarray(scale, x.dtype)
 
 
+def _random_layer(spec: ModelSpec, keys, method: BenchMethod, palu_group: int, tp: int):
+  """One layer of `random_params`, drawing `_layer_keys` keys from the iterator `keys`."""
+  std = 0.02 * math.sqrt(3)                    # uniform with std 0.02
+  lp = {}
+  for name, shape in layer_shapes(spec).items():
+    lp[name] = (jnp.ones(shape, jnp.bfloat16) if name.endswith("norm")
+                else _rand(next(keys), shape, scale=std))
+  if method.cache == "palu":
+    gs = default_group_size(spec.n_kv_heads, palu_group)
+    g = spec.n_kv_heads // gs
+    width = gs * spec.head_dim
+    rk, rv = width // 4, 3 * width // 4
+    lp.update(palu_ak=_rand(next(keys), (spec.dim, g * rk), scale=std),
+              palu_av=_rand(next(keys), (spec.dim, g * rv), scale=std),
+              palu_bk=_rand(next(keys), (g, rk, width), scale=rk ** -0.5),
+              palu_bv=_rand(next(keys), (g, rv, width), scale=rv ** -0.5),
+              wo=_rand(next(keys), (spec.n_heads * rv, spec.dim), scale=std))
+  if method.cache in ("fdc", "zack"):
+    lp.update(_rotated_params(spec, keys, std, tp))
+  return lp
+
+
+def _params_kind(method: BenchMethod) -> str:
+  """Methods of one kind run on the same `random_params` (for a given key)."""
+  return {"palu": "palu", "fdc": "rotated", "zack": "rotated"}.get(method.cache, "plain")
+
+
+def _layer_keys(spec: ModelSpec, method: BenchMethod) -> int:
+  """Keys one layer of `random_params` draws (its random leaves)."""
+  plain = sum(not name.endswith("norm") for name in layer_shapes(spec))
+  return plain + {"palu": 5, "fdc": 4, "zack": 4}.get(method.cache, 0)
+
+
+def _random_ends(spec: ModelSpec, keys):
+  """The embedding, final norm and LM head of `random_params` (two keys)."""
+  std = 0.02 * math.sqrt(3)
+  return {"embed": _rand(next(keys), (spec.vocab_size, spec.dim), scale=std),
+          "final_norm": jnp.ones((spec.dim,), jnp.bfloat16),
+          "lm_head": _rand(next(keys), (spec.dim, spec.vocab_size), scale=std)}
+
+
 def random_params(spec: ModelSpec, key, method: BenchMethod, palu_group: int = PALU_GROUP,
                   tp: int = 1):
   """Random bf16 parameters of the model's shapes (+ Palu factors of the compressed shapes,
   groups of `palu_group` KV heads at most; FDC/ZACK widths balanced for `tp` devices)."""
   keys = iter(jax.random.split(key, 16 * spec.n_layers + 4))
-  layers = []
-  std = 0.02 * math.sqrt(3)                    # uniform with std 0.02
-  for _ in range(spec.n_layers):
-    lp = {}
-    for name, shape in layer_shapes(spec).items():
-      lp[name] = (jnp.ones(shape, jnp.bfloat16) if name.endswith("norm")
-                  else _rand(next(keys), shape, scale=std))
-    if method.cache == "palu":
-      gs = default_group_size(spec.n_kv_heads, palu_group)
-      g = spec.n_kv_heads // gs
-      width = gs * spec.head_dim
-      rk, rv = width // 4, 3 * width // 4
-      lp.update(palu_ak=_rand(next(keys), (spec.dim, g * rk), scale=std),
-                palu_av=_rand(next(keys), (spec.dim, g * rv), scale=std),
-                palu_bk=_rand(next(keys), (g, rk, width), scale=rk ** -0.5),
-                palu_bv=_rand(next(keys), (g, rv, width), scale=rv ** -0.5),
-                wo=_rand(next(keys), (spec.n_heads * rv, spec.dim), scale=std))
-    if method.cache in ("fdc", "zack"):
-      lp.update(_rotated_params(spec, keys, std, tp))
-    layers.append(lp)
-  return {"embed": _rand(next(keys), (spec.vocab_size, spec.dim), scale=std),
-          "final_norm": jnp.ones((spec.dim,), jnp.bfloat16), "layers": layers,
-          "lm_head": _rand(next(keys), (spec.dim, spec.vocab_size), scale=std)}
+  layers = [_random_layer(spec, keys, method, palu_group, tp) for _ in range(spec.n_layers)]
+  return dict(_random_ends(spec, keys), layers=layers)
 
 
 def rotated_widths(spec: ModelSpec, tp: int = 1) -> tuple[int, ...]:
@@ -276,13 +296,25 @@ def device_storage_bytes(caches) -> int:
 
 
 def sharded_params(spec: ModelSpec, key, method: BenchMethod, mesh):
-  """`random_params` created directly in their shards on the mesh; Palu groups of at most
-  K / model KV heads, so that no group straddles devices."""
+  """`random_params` (the same values) created directly in their shards on the mesh, one
+  compiled program for all layers (one program for the whole model compiled for 40 s at
+  Llama-3-8B, 100 s at 70B, on the H200); Palu groups of at most K / model KV heads, so that
+  no group straddles devices."""
   tp = mesh.shape[parallel.MODEL]
-  make = lambda k: random_params(spec, k, method, min(PALU_GROUP, spec.n_kv_heads // tp), tp)
+  group = min(PALU_GROUP, spec.n_kv_heads // tp)
+  make = lambda k: random_params(spec, k, method, group, tp)
   specs = parallel.param_specs(jax.eval_shape(make, key), spec, tp)
-  out = jax.tree.map(lambda s: NamedSharding(mesh, s), specs)
-  return jax.jit(make, out_shardings=out)(key)
+  shard = lambda tree: jax.tree.map(lambda s: NamedSharding(mesh, s), tree)
+  keys = jax.random.split(key, 16 * spec.n_layers + 4)
+  n = _layer_keys(spec, method)
+  layer = jax.jit(lambda ks: _random_layer(spec, iter(ks), method, group, tp),
+                  out_shardings=shard(specs["layers"][0]))
+  if any(ls != specs["layers"][0] for ls in specs["layers"]):
+    raise AssertionError("sharded_params: the layers' shardings differ")
+  layers = [layer(keys[i * n:(i + 1) * n]) for i in range(spec.n_layers)]
+  ends = {k: v for k, v in specs.items() if k != "layers"}
+  rest = jax.jit(lambda ks: _random_ends(spec, iter(ks)), out_shardings=shard(ends))
+  return dict(rest(keys[spec.n_layers * n:spec.n_layers * n + 2]), layers=layers)
 
 
 def sharded_caches(method: BenchMethod, spec: ModelSpec, params, *, batch: int,
@@ -598,20 +630,28 @@ def run(model, *, methods: Sequence[str], configs: Sequence[tuple[int, int]],
       on_progress(result(False))
 
   def params_for(name):
-    if name not in loaded:
+    """(params, weight bytes, cache bytes per token); the weights are kept while the next
+    method uses the same ones (`_params_kind`: dense, KIVI, GEAR and XQuant share them)."""
+    m = METHODS[name]
+    kind = _params_kind(m)
+    if loaded.get("kind") != kind:
       loaded.clear()
-      m = METHODS[name]
       t0 = time.perf_counter()
       if dev_mesh is None:
         params = random_params(spec, jax.random.key(1), m)
+      else:
+        params = sharded_params(spec, jax.random.key(1), m, dev_mesh)
+      jax.block_until_ready(params)
+      loaded.update(kind=kind, params=params)
+      log(f"{m.label}: random weights in {time.perf_counter() - t0:.0f} s")
+    if name not in loaded:
+      params = loaded["params"]
+      if dev_mesh is None:
         per_token, kept = bytes_per_token(spec, params, m)
         loaded[name] = (params, array_bytes(params) + kept, per_token)
       else:   # per device: weights and (head-split caches) bytes per token of one shard
-        params = sharded_params(spec, jax.random.key(1), m, dev_mesh)
         per_token, kept = bytes_per_token(spec, None, m, tp=tp)
         loaded[name] = (params, device_bytes(params) + kept, per_token)
-      jax.block_until_ready(params)
-      log(f"{m.label}: random weights in {time.perf_counter() - t0:.0f} s")
     return loaded[name]
 
   over = lambda: time.perf_counter() - t_start > time_budget_s
