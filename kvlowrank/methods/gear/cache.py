@@ -39,8 +39,9 @@ that becomes whole is compressed:
      Padding (position -1) may sit anywhere in a row: the eviction wrapper
      (`methods.evict`) hands every candidate, admitted ones at consecutive slots.
   Decode steps that complete no chunk skip the compression (`lax.cond`). KIVI's decode
-  flush runs every step with masked writes instead; here that was slower (H200, Llama-3
-  32K x 8, 2026-11-27: 15.06 ms vs 12.55 ms per step): the power iteration is not small.
+  flush needs none (it quantizes one group per step, `methods.kivi.cache`); GEAR's chunk
+  factor depends on the whole chunk, and compressing it every step with masked writes was
+  slower (`results/decode_ablations.md`): the power iteration is not small.
 GQA: compressed per KV head. Attention (prefill and decode) follows the update, so a
 query sees the tokens of its own call compressed once their chunk is whole (GEAR prefill
 attends exact K/V; here prompt queries see the compressed cache, as the KIVI cache does:
