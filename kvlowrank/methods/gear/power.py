@@ -13,8 +13,8 @@ QR (`orthonormalize`): Householder QR over the r <= 8 columns in jnp, instead of
 `jnp.linalg.qr` (the official code's torch.linalg.qr). Only Q is used, and
 A B^T = A A^T X depends on span(A) alone, so column signs that differ from LAPACK's do not
 change the cache. The reason is the GPU: `jnp.linalg.qr` runs as cuSOLVER calls (geqrf +
-orgqr) inside the chunk compression's `lax.cond`, and removing them cut the GEAR-L-2 decode
-step by 1.7 ms at Llama-3-8B 32K B=8 on an H100 (BENCHMARKS.md). Householder, not
+orgqr) inside the chunk compression's `lax.cond`; removing them shortened the GEAR-L-2
+decode step (measured: results/decode_ablations.md). Householder, not
 Gram-Schmidt: after L-1 unnormalised iterations the columns are nearly parallel
 (condition ~ (sigma_1 / sigma_r)^(2(L-1))), and Householder's Q stays orthonormal, with a
 full basis for rank-deficient input as LAPACK's, where Gram-Schmidt loses the trailing

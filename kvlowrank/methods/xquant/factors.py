@@ -1,8 +1,8 @@
 """The latent path's weight factors (XQuant and XQuant-CL), computed once per weights.
 
-`svd_factors` is a float64 SVD on the host. For a Llama-3-8B layer it is seconds per
-matrix ([W_k | W_v] is 4096 x 2048: 11.6 s on a 2-core CPU; XQuant-CL's 32 layers took
-83 s of the H200 machine's set-up on 2026-11-27), and every `init_caches` call (each
+`svd_factors` is a float64 SVD on the host: seconds per matrix for a Llama-3-8B layer
+([W_k | W_v] is 4096 x 2048; the set-up times measured: results/decode_ablations.md,
+XQuant section), and every `init_caches` call (each
 `generate`, each evaluation batch) builds its caches anew. `cached` keeps what a cache
 derives from its layer's weights, on the host and in the dtype the cache stores it, for
 as long as those weight arrays live: keyed by the arrays' identity, dropped when any of
