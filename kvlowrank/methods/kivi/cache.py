@@ -33,7 +33,8 @@ kernel as they are:
   its dequantized keys into k_stage; when a row's block completes, its ring keys become
   k_stage. The codes are exactly KIVI's block flush (the last write of each group sees its
   G tokens), at 1/(F/G) of the block's quantization work per step and without a
-  `lax.cond`, which would stop the GPU stream while the host reads its predicate. Slot s of the quantized store holds position s; ring slot i holds the position
+  `lax.cond`, which would stop the GPU stream while the host reads its predicate.
+  Slot s of the quantized store holds position s; ring slot i holds the position
   p = i (mod F) among the last F. With the KIVI rules below, the tokens that are not in
   the quantized prefix [0, m) (m = min of the two quantized prefixes) are exactly ring
   slots [0, L - m): the kernels' exact window is the ring as stored.
