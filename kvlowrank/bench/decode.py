@@ -31,7 +31,8 @@ latency configuration; bf16 latents and 4-bit latents), XQuant-2 (group 128; "x"
 for MHA, "latent" for GQA), XQuant-CL-2 (every layer a 2-bit delta layer from base layer 0,
 group 128; no attention split: its layers attend only inside the cross-layer `step`),
 GEAR-2 / GEAR-L-2 (2-bit KIVI backbone g = n_b = 64, s = 2 % / 0, r_p = 4, r_g = 2; the
-fill sets n_pchunks = the context, i.e. every compressed token uses the prefill factor, as after a prefill of the context, and outlier indices < 64),
+fill sets n_pchunks = the context, i.e. every compressed token uses the prefill factor, as
+after a prefill of the context, and outlier indices < 64),
 FDC-50% / ZACK-50% (the rotated cache; random rotations of ragged widths H/4, 3H/4, H/2,
 H/2, ... per KV head, keys and values alike). Palu's (and FDC/ZACK's) factors are random
 matrices of the compressed shapes (the step's work does not depend on their values).
