@@ -159,10 +159,19 @@ def _params_kind(method: BenchMethod) -> str:
   return {"palu": "palu", "fdc": "rotated", "zack": "rotated"}.get(method.cache, "plain")
 
 
-def _layer_keys(spec: ModelSpec, method: BenchMethod) -> int:
-  """Keys one layer of `random_params` draws (its random leaves)."""
-  plain = sum(not name.endswith("norm") for name in layer_shapes(spec))
-  return plain + {"palu": 5, "fdc": 4, "zack": 4}.get(method.cache, 0)
+def _layer_keys(spec: ModelSpec, method: BenchMethod, palu_group: int, tp: int) -> int:
+  """Keys one layer of `random_params` draws, counted on an abstract trace of
+  `_random_layer` (nothing is computed)."""
+  drawn = [0]
+
+  def keys(key):
+    while True:
+      drawn[0] += 1
+      yield key
+
+  jax.eval_shape(lambda k: _random_layer(spec, keys(k), method, palu_group, tp),
+                 jax.random.key(0))
+  return drawn[0]
 
 
 def _random_ends(spec: ModelSpec, keys):
@@ -307,7 +316,7 @@ def sharded_params(spec: ModelSpec, key, method: BenchMethod, mesh):
   specs = parallel.param_specs(jax.eval_shape(make, key), spec, tp)
   shard = lambda tree: jax.tree.map(lambda s: NamedSharding(mesh, s), tree)
   keys = jax.random.split(key, 16 * spec.n_layers + 4)
-  n = _layer_keys(spec, method)
+  n = _layer_keys(spec, method, group, tp)
   layer = jax.jit(lambda ks: _random_layer(spec, iter(ks), method, group, tp),
                   out_shardings=shard(specs["layers"][0]))
   if any(ls != specs["layers"][0] for ls in specs["layers"]):
