@@ -1,6 +1,8 @@
 """The whole-model decode benchmark's library function on a tiny model (CPU): records with
 consistent bytes and times, the table, skips; the GPU numbers are in BENCHMARKS.md."""
 
+import dataclasses
+
 import jax.numpy as jnp
 import pytest
 
@@ -46,7 +48,11 @@ def test_random_params_shapes_and_fill():
   lp = params["layers"][0]
   # 4 KV heads = one G-LRD group of 512 channels: key rank 128, value rank 384.
   assert lp["palu_bk"].shape == (1, 128, 512) and lp["palu_bv"].shape == (1, 384, 512)
-  assert lp["wo"].shape == (4 * 384, 64) and lp["wq"].dtype == jnp.bfloat16
+  # r_v = 384 > H = 128: W_o keeps its shape (PaluSpec.value_fold "auto"); "always" folds.
+  assert lp["wo"].shape == (4 * 128, 64) and lp["wq"].dtype == jnp.bfloat16
+  always = dataclasses.replace(m, spec=m.spec.replace(value_fold="always"))
+  folded = decode.random_params(TINY, decode.jax.random.key(0), always)["layers"][0]
+  assert folded["wo"].shape == (4 * 384, 64)
   caches = decode.init_caches("kivi", decode.METHODS["kivi2"].spec, TINY, params, batch=1,
                               capacity=256)
   filled = decode.fill_caches(caches, decode.jax.random.key(1), 200)

@@ -157,17 +157,22 @@ def _filled_cache(spec, cparams, pspec, lens, seed=0):
 
 
 @pytest.mark.parametrize("rope", ["half", "none"])
-@pytest.mark.parametrize("bits,window", [(None, 0), (2, 0), (3, 4)])
-def test_attend_equals_dense_attention_over_materialized(rope, bits, window):
-  """attend (latent scores / value fold) == dot_product_attention over materialize()."""
+@pytest.mark.parametrize("bits,window,fold", [(None, 0, "auto"), (None, 0, "always"),
+                                              (2, 0, "auto"), (3, 4, "always")])
+def test_attend_equals_dense_attention_over_materialized(rope, bits, window, fold):
+  """attend (latent scores; B_v folded into W_o or applied per head) == dot_product_attention
+  over materialize()."""
   spec = _spec(8, 4, rope=rope)
   params, calib = _model(spec)
-  pspec = _pspec(target_ratio=0.5, bits=bits, window=window)
-  cparams, _ = palu.compress(params, spec, pspec, calib)
+  pspec = _pspec(target_ratio=0.5, bits=bits, window=window, value_fold=fold)
+  cparams, layout = palu.compress(params, spec, pspec, calib)
+  assert layout.ranks_v[0] > spec.head_dim   # r_v 32 > H 16: "auto" keeps W_o
   cache, lp, q, q_pos = _filled_cache(spec, cparams, pspec, lens=[12, 7])
   out, lse, ref, ref_lse = _attend_and_reference(cache, lp, q, q_pos, spec)
   np.testing.assert_allclose(lse, ref_lse, atol=TOL, rtol=0)
-  # value path: latent output @ folded W_o (+ folded b_v) == dense output @ W_o
+  width = layout.ranks_v[0] if fold == "always" else spec.head_dim
+  assert out.shape[-1] == width and lp["wo"].shape[0] == spec.n_heads * width
+  # value path: output @ W_o (folded or kept, + folded b_v) == dense output @ W_o
   dense_o = ref.reshape(2, 3, -1) @ params["layers"][0]["wo"]
   lat_o = out.reshape(2, 3, -1) @ lp["wo"] + lp["bo"]
   np.testing.assert_allclose(lat_o, dense_o, atol=TOL, rtol=0)
@@ -175,6 +180,30 @@ def test_attend_equals_dense_attention_over_materialized(rope, bits, window):
   bad = dataclasses.replace(cache, bk=cache.bk * 1.5)
   _, bad_lse, _, _ = _attend_and_reference(bad, lp, q, q_pos, spec)
   assert float(jnp.max(jnp.abs(bad_lse - ref_lse))) > 10 * TOL
+
+
+def test_value_fold_auto_equals_always():
+  """Keeping W_o and applying B_v per head (value_fold "auto" at r_v > H) gives the logits
+  of the paper's fold into W_o, in prefill and decode; negative control: B_v of the wrong
+  heads (the group's columns rotated by one head) changes them."""
+  spec = _spec(8, 4)
+  params, calib = _model(spec)
+  toks, pos = _tokens(spec)
+  logits = {}
+  for fold in ("auto", "always"):
+    pspec = _pspec(target_ratio=0.5, value_fold=fold)
+    cparams, layout = palu.compress(params, spec, pspec, calib)
+    logits[fold] = [_run(cparams, spec, "palu", pspec, toks, pos, mode)
+                    for mode in ("prefill", "decode")]
+  assert min(layout.ranks_v) > spec.head_dim
+  for a, b in zip(logits["auto"], logits["always"]):
+    np.testing.assert_allclose(a, b, atol=TOL, rtol=0)
+  pspec = _pspec(target_ratio=0.5)
+  cparams, _ = palu.compress(params, spec, pspec, calib)
+  rolled = [dict(lp, palu_bv=jnp.roll(lp["palu_bv"], spec.head_dim, axis=-1))
+            for lp in cparams["layers"]]
+  bad = _run(dict(cparams, layers=rolled), spec, "palu", pspec, toks, pos, "prefill")
+  assert float(jnp.max(jnp.abs(bad - logits["always"][0]))) > 10 * TOL
 
 
 def test_quantized_latents_and_window():

@@ -174,6 +174,8 @@ def test_spec_errors():
     PaluSpec(granularity="x")
   with pytest.raises(ValueError, match="target_ratio"):
     PaluSpec(target_ratio=1.0)
+  with pytest.raises(ValueError, match="PaluSpec.value_fold"):
+    PaluSpec(value_fold="never")
 
 
 @pytest.mark.parametrize("target", [0.3, 0.5, 0.7])

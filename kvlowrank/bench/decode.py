@@ -72,7 +72,7 @@ from kvlowrank.cache.base import caches_nbytes, init_caches
 from kvlowrank.methods import (DenseSpec, GearSpec, KiviSpec, PaluSpec, XQuantCLSpec,
                                XQuantSpec)
 from kvlowrank.cache.base import KVCache
-from kvlowrank.methods.palu.spec import default_group_size
+from kvlowrank.methods.palu.spec import default_group_size, folds_value
 from kvlowrank.methods.rotated import RotatedSpec
 from kvlowrank.methods.rotated import sharding as rotated_sharding
 from kvlowrank.model.params import layer_shapes
@@ -147,16 +147,20 @@ def _random_layer(spec: ModelSpec, keys, method: BenchMethod, palu_group: int, t
     lp.update(palu_ak=_rand(next(keys), (spec.dim, g * rk), scale=std),
               palu_av=_rand(next(keys), (spec.dim, g * rv), scale=std),
               palu_bk=_rand(next(keys), (g, rk, width), scale=rk ** -0.5),
-              palu_bv=_rand(next(keys), (g, rv, width), scale=rv ** -0.5),
-              wo=_rand(next(keys), (spec.n_heads * rv, spec.dim), scale=std))
+              palu_bv=_rand(next(keys), (g, rv, width), scale=rv ** -0.5))
+    if folds_value(method.spec, rv, spec):  # else W_o keeps its shape (PaluSpec.value_fold)
+      lp["wo"] = _rand(next(keys), (spec.n_heads * rv, spec.dim), scale=std)
   if method.cache in ("fdc", "zack"):
     lp.update(_rotated_params(spec, keys, std, tp))
   return lp
 
 
 def _params_kind(method: BenchMethod) -> str:
-  """Methods of one kind run on the same `random_params` (for a given key)."""
-  return {"palu": "palu", "fdc": "rotated", "zack": "rotated"}.get(method.cache, "plain")
+  """Methods of one kind run on the same `random_params` (for a given key); Palu's W_o
+  depends on `PaluSpec.value_fold`."""
+  if method.cache == "palu":
+    return f"palu-{method.spec.value_fold}"
+  return {"fdc": "rotated", "zack": "rotated"}.get(method.cache, "plain")
 
 
 def _layer_keys(spec: ModelSpec, method: BenchMethod, palu_group: int, tp: int) -> int:

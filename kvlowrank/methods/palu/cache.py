@@ -10,8 +10,10 @@ Per layer, with G groups of gs KV heads, group ranks r_k / r_v:
     read at full precision iff its position >= length − window at attention time.
   * attend (RoPE models): K = h_k B_k (+ key bias) is reconstructed and rotated at
     the *key* positions, then standard attention [Palu §3.1.2]. Values are never
-    reconstructed: B_v lives in the folded W_o (Eq. 6), so the output is
-    p · h_v, [B,T,N,r_v], which the attention block multiplies by lp["wo"].
+    reconstructed: where B_v is folded into W_o (Eq. 6; `PaluSpec.value_fold`) the output
+    is p · h_v, [B,T,N,r_v], which the attention block multiplies by lp["wo"]; where W_o
+    was kept (r_v > head_dim) the output is (p · h_v) B_v per head, [B,T,N,H]. The layer's
+    lp["wo"] says which: N·r_v rows are folded.
   * attend (rope_layout == "none"): scores = (q B_kᵀ) h_kᵀ (Eq. 7), the key latent is
     scored directly; a key bias b adds the per-query constant q·b (kept, so the
     log-sum-exp stays exact for segment merging).
@@ -79,7 +81,7 @@ class LatentCache(base.KVCache):
   ring_v: Optional[jax.Array]
   lens: jax.Array              # [B] int32
   bk: jax.Array                # [G, r_k, gs·H] key reconstruction (weights)
-  bv: jax.Array                # [G, r_v, gs·H] value reconstruction (materialize only)
+  bv: jax.Array                # [G, r_v, gs·H] value reconstruction
   k_bias: Optional[jax.Array]  # [K·H] or None
   v_bias: Optional[jax.Array]
   spec: ModelSpec = base.static_field()
@@ -189,7 +191,7 @@ class LatentCache(base.KVCache):
       return None
     return self.k_bias.reshape(self.bk.shape[0], self.bk.shape[2])
 
-  def _attend_kernel(self, q, q_positions, spec: ModelSpec, impl: str):
+  def _attend_kernel(self, q, q_positions, lp, spec: ModelSpec, impl: str):
     """Decode attention of q [B, 1, N, H] through the fused kernel (+ the exact ring)."""
     n_kernel = self.lens
     if self.window:   # the ring's latents are exact: the kernel takes the older tokens
@@ -201,7 +203,8 @@ class LatentCache(base.KVCache):
     parts = [(out[:, None], lse[:, None])]
     if self.window:
       parts.append(self._attend_ring(q, q_positions, spec))
-    out, lse = combine(parts, out_dtype=q.dtype)
+    out, lse = combine(parts, out_dtype=jnp.float32)
+    out = self._value_output(out, lp, spec, q.dtype)
     return base.mask_padding_queries(out, lse, q_positions, q.dtype)
 
   def _attend_ring(self, q, q_positions, spec: ModelSpec):
@@ -219,7 +222,7 @@ class LatentCache(base.KVCache):
   def attend(self, q, q_positions, lp, *, spec: ModelSpec, implementation=None):
     impl = self.decode_implementation(q.shape, implementation)
     if impl != dispatch.REFERENCE:
-      return self._attend_kernel(q, q_positions, spec, impl)
+      return self._attend_kernel(q, q_positions, lp, spec, impl)
     k_pos, valid = self.slot_positions()
     hk, hv = self.latents()
     kv_group = jnp.arange(spec.n_kv_heads) // (spec.n_kv_heads // self.bk.shape[0])
@@ -227,8 +230,10 @@ class LatentCache(base.KVCache):
     v_lat = hv[:, :, kv_group]                                   # [B,S,K,r_v]
     if spec.rope_layout != "none":
       k = apply_rope(self._reconstruct_k(hk), k_pos, spec)       # [B,S,K,H] post-RoPE
-      return dot_product_attention(q, k, v_lat, q_positions, k_pos, valid,
-                                   sliding_window=spec.sliding_window, out_dtype=q.dtype)
+      out, lse = dot_product_attention(q, k, v_lat, q_positions, k_pos, valid,
+                                       sliding_window=spec.sliding_window,
+                                       out_dtype=jnp.float32)
+      return self._value_output(out, lp, spec, q.dtype), lse
     # No RoPE: score the latent directly with q B_kᵀ (Eq. 7 fold, see fold.py).
     b, t, n, h = q.shape
     kh = spec.n_kv_heads
@@ -242,9 +247,22 @@ class LatentCache(base.KVCache):
       q_lat = jnp.concatenate([q_lat, qb[..., None]], axis=-1)
       k_lat = jnp.concatenate([k_lat, jnp.ones(k_lat.shape[:-1] + (1,), k_lat.dtype)], -1)
     q_lat = q_lat.reshape(b, t, n, -1)
-    return dot_product_attention(q_lat, k_lat, v_lat, q_positions, k_pos, valid,
-                                 sliding_window=spec.sliding_window, scale=h ** -0.5,
-                                 out_dtype=q.dtype)
+    out, lse = dot_product_attention(q_lat, k_lat, v_lat, q_positions, k_pos, valid,
+                                     sliding_window=spec.sliding_window, scale=h ** -0.5,
+                                     out_dtype=jnp.float32)
+    return self._value_output(out, lp, spec, q.dtype), lse
+
+  def _value_output(self, out, lp, spec: ModelSpec, dtype):
+    """The latent output p · h_v [B,T,N,r_v] (fp32) as the layer's W_o reads it: unchanged
+    where W_o has B_v folded in (N·r_v rows), else (p · h_v) B_v per head → [B,T,N,H]."""
+    b, t, n, r = out.shape
+    if lp["wo"].shape[0] == n * r:
+      return out.astype(dtype)
+    kh = spec.n_kv_heads
+    bh = _per_kv_head_b(self.bv, kh).astype(jnp.float32)        # [K, r_v, H]
+    y = jnp.einsum("btkgr,krh->btkgh", out.reshape(b, t, kh, n // kh, r), bh,
+                   precision=jax.lax.Precision.HIGHEST)
+    return y.reshape(b, t, n, -1).astype(dtype)
 
   def materialize(self):
     """(k [B,S,K,H] reconstructed + RoPE, v [B,S,K,H] reconstructed, valid [B,S])."""

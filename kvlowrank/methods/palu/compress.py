@@ -7,11 +7,12 @@ ratio / Hadamard / bits reuses one calibration.
 Each compressed layer dict gains:
   palu_ak [D, G·r_k], palu_av [D, G·r_v]   down-projections (latent h = x A)
   palu_bk [G, r_k, gs·H]                     key reconstruction (used by the cache)
-  palu_bv [G, r_v, gs·H]                     value reconstruction (materialize only)
-and `wo` is replaced by the value-folded [N·r_v, D] matrix, with the value bias
-folded into `bo`. `wk`/`wv`/`bk`/`bv` stay: the attention block still forms the
-dense projections (XLA removes them under jit when the cache ignores them) and
-the key bias is added after reconstruction, before RoPE.
+  palu_bv [G, r_v, gs·H]                     value reconstruction
+and, where `PaluSpec.value_fold` folds (r_v <= head_dim by default), `wo` is replaced by
+the value-folded [N·r_v, D] matrix; elsewhere `wo` stays and the cache applies B_v after
+attention. The value bias is folded into `bo` either way. `wk`/`wv`/`bk`/`bv` stay: the
+attention block still forms the dense projections (XLA removes them under jit when the cache
+ignores them) and the key bias is added after reconstruction, before RoPE.
 """
 
 from __future__ import annotations
@@ -23,7 +24,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from kvlowrank.methods.palu import calibration, decompose, fold, rank_search
-from kvlowrank.methods.palu.spec import PaluLayout, PaluSpec, resolve_group_size
+from kvlowrank.methods.palu.spec import (PaluLayout, PaluSpec, folds_value,
+                                         resolve_group_size)
 from kvlowrank.methods.palu.hadamard import hadamard_matrix
 from kvlowrank.spec import ModelSpec
 
@@ -128,8 +130,9 @@ def compress_layer(lp: dict, gram: Optional[np.ndarray], spec: ModelSpec, pspec:
   wo = np.asarray(lp["wo"], np.float64)
   out = dict(lp)
   out.update(palu_ak=jnp.asarray(ak, dtype), palu_av=jnp.asarray(av, dtype),
-             palu_bk=jnp.asarray(bk, dtype), palu_bv=jnp.asarray(bv, dtype),
-             wo=jnp.asarray(fold.fold_value_into_wo(bv, wo, spec), dtype))
+             palu_bk=jnp.asarray(bk, dtype), palu_bv=jnp.asarray(bv, dtype))
+  if folds_value(pspec, rank_v, spec):
+    out["wo"] = jnp.asarray(fold.fold_value_into_wo(bv, wo, spec), dtype)
   bo = fold.folded_output_bias(lp, wo, spec)
   if bo is not None:
     out["bo"] = jnp.asarray(bo, dtype)

@@ -18,6 +18,7 @@ DECOMPOSITIONS = ("whiten", "svd")       # SVD-LLM truncation-aware SVD | plain 
 RANK_SEARCHES = ("uniform", "fisher")
 FISHER_REDUCES = ("rms", "sum_sq")
 SUPPORTED_BITS = (2, 3, 4, 8)
+VALUE_FOLDS = ("auto", "always")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,6 +47,13 @@ class PaluSpec:
       the whitening Grams always use all). Fisher needs a backward pass per window.
     implementation: decode attention: None (the fastest that fits, `cache.dispatch`),
       "reference", "mosaic" or "triton".
+    value_fold: where B_v goes. "always" is the paper's Eq. 6 and the official code: B_v is
+      folded into W_o, an [N·r_v, D] matrix. "auto" (the default, a deliberate departure)
+      folds only where r_v <= head_dim. Where r_v > head_dim (G-LRD and J-LRD), the folded
+      matrix is r_v / head_dim times W_o's bytes (3× at Llama gs-4, r_v = 384). "auto" keeps
+      W_o and applies B_v per head after attention instead: an r_v × H product per query
+      head, whose weights are K·r_v·H. The outputs are equal up to rounding, and decode reads
+      fewer weight bytes.
   """
 
   granularity: str = "g"
@@ -61,6 +69,7 @@ class PaluSpec:
   damping: float = 1e-6
   fisher_samples: int = 0
   implementation: Optional[str] = None
+  value_fold: str = "auto"
 
   def __post_init__(self):
     if self.granularity not in GRANULARITIES:
@@ -94,8 +103,17 @@ class PaluSpec:
       raise ValueError("PaluSpec.implementation must be None, 'reference', 'mosaic' or "
                        f"'triton', got {self.implementation!r}")
 
+    if self.value_fold not in VALUE_FOLDS:
+      raise ValueError(f"PaluSpec.value_fold must be one of {VALUE_FOLDS}, got "
+                       f"{self.value_fold!r}")
+
   def replace(self, **kw) -> "PaluSpec":
     return dataclasses.replace(self, **kw)
+
+
+def folds_value(pspec: PaluSpec, rank_v: int, spec: ModelSpec) -> bool:
+  """Whether a layer of value rank `rank_v` has B_v folded into W_o (see `value_fold`)."""
+  return pspec.value_fold == "always" or rank_v <= spec.head_dim
 
 
 def default_group_size(n_kv_heads: int, limit: int = 4) -> int:
