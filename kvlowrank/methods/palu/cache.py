@@ -81,7 +81,7 @@ class LatentCache(base.KVCache):
   ring_v: Optional[jax.Array]
   lens: jax.Array              # [B] int32
   bk: jax.Array                # [G, r_k, gs·H] key reconstruction (weights)
-  bv: jax.Array                # [G, r_v, gs·H] value reconstruction
+  bv: jax.Array                # [K, r_v, H] value reconstruction B_v, per KV head
   k_bias: Optional[jax.Array]  # [K·H] or None
   v_bias: Optional[jax.Array]
   spec: ModelSpec = base.static_field()
@@ -129,7 +129,8 @@ class LatentCache(base.KVCache):
     own = lambda a: None if a is None else jnp.array(a, copy=True)
     return cls(hk=store(rk), hv=store(rv), ring_k=ring(rk), ring_v=ring(rv),
                lens=jnp.zeros((batch,), jnp.int32), bk=own(lp["palu_bk"]),
-               bv=own(lp["palu_bv"]), k_bias=own(lp.get("bk")), v_bias=own(lp.get("bv")),
+               bv=own(_per_kv_head_b(lp["palu_bv"], spec.n_kv_heads)),
+               k_bias=own(lp.get("bk")), v_bias=own(lp.get("bv")),
                spec=spec, bits=bits, window=window if use_ring else 0,
                implementation=implementation)
 
@@ -200,10 +201,10 @@ class LatentCache(base.KVCache):
         q[:, 0], self.hk, self.hv, self.bk, n_kernel,
         inv_freq=jnp.asarray(inv_frequencies(spec), jnp.float32), k_bias=self._kernel_bias(),
         out_dtype=jnp.float32, implementation=impl)
-    parts = [(out[:, None], lse[:, None])]
+    out, lse = out[:, None], lse[:, None]
     if self.window:
-      parts.append(self._attend_ring(q, q_positions, spec))
-    out, lse = combine(parts, out_dtype=jnp.float32)
+      out, lse = combine([(out, lse), self._attend_ring(q, q_positions, spec)],
+                         out_dtype=jnp.float32)
     out = self._value_output(out, lp, spec, q.dtype)
     return base.mask_padding_queries(out, lse, q_positions, q.dtype)
 
@@ -259,9 +260,10 @@ class LatentCache(base.KVCache):
     if lp["wo"].shape[0] == n * r:
       return out.astype(dtype)
     kh = spec.n_kv_heads
-    bh = _per_kv_head_b(self.bv, kh).astype(jnp.float32)        # [K, r_v, H]
-    y = jnp.einsum("btkgr,krh->btkgh", out.reshape(b, t, kh, n // kh, r), bh,
-                   precision=jax.lax.Precision.HIGHEST)
+    # At the weights' dtype (the GPU accumulates in fp32): the folded path too rounds
+    # p · h_v to the activation dtype before its W_o product.
+    y = jnp.einsum("btkgr,krh->btkgh", out.reshape(b, t, kh, n // kh, r).astype(self.bv.dtype),
+                   self.bv, precision=jax.lax.Precision.HIGHEST)
     return y.reshape(b, t, n, -1).astype(dtype)
 
   def materialize(self):
@@ -269,7 +271,11 @@ class LatentCache(base.KVCache):
     k_pos, valid = self.slot_positions()
     hk, hv = self.latents()
     k = apply_rope(self._reconstruct_k(hk), k_pos, self.spec)
-    v = self._reconstruct(hv, self.bv, self.v_bias)
+    kv_group = jnp.arange(self.spec.n_kv_heads) // (self.spec.n_kv_heads // self.bk.shape[0])
+    v = jnp.einsum("bskr,krh->bskh", hv[:, :, kv_group], self.bv.astype(jnp.float32),
+                   precision=jax.lax.Precision.HIGHEST)
+    if self.v_bias is not None:
+      v = v + self.v_bias.astype(jnp.float32).reshape(v.shape[2:])
     return k, v, valid
 
   def nbytes(self) -> int:
