@@ -216,8 +216,8 @@ class LatentCache(base.KVCache):
     hk = self.ring_k.astype(jnp.float32)
     hv = self.ring_v.astype(jnp.float32)
     k = apply_rope(self._reconstruct_k(hk), jnp.maximum(pos, 0), spec)
-    kv_group = jnp.arange(spec.n_kv_heads) // (spec.n_kv_heads // self.bk.shape[0])
-    return dot_product_attention(q, k, hv[:, :, kv_group], q_positions, pos, pos >= 0,
+    return dot_product_attention(q, k, hv[:, :, self._kv_group(spec)], q_positions, pos,
+                                 pos >= 0,
                                  out_dtype=jnp.float32)
 
   def attend(self, q, q_positions, lp, *, spec: ModelSpec, implementation=None):
@@ -226,7 +226,7 @@ class LatentCache(base.KVCache):
       return self._attend_kernel(q, q_positions, lp, spec, impl)
     k_pos, valid = self.slot_positions()
     hk, hv = self.latents()
-    kv_group = jnp.arange(spec.n_kv_heads) // (spec.n_kv_heads // self.bk.shape[0])
+    kv_group = self._kv_group(spec)
     # Each KV head reads its group's value latent; the output stays in latent space.
     v_lat = hv[:, :, kv_group]                                   # [B,S,K,r_v]
     if spec.rope_layout != "none":
@@ -271,9 +271,8 @@ class LatentCache(base.KVCache):
     k_pos, valid = self.slot_positions()
     hk, hv = self.latents()
     k = apply_rope(self._reconstruct_k(hk), k_pos, self.spec)
-    kv_group = jnp.arange(self.spec.n_kv_heads) // (self.spec.n_kv_heads // self.bk.shape[0])
-    v = jnp.einsum("bskr,krh->bskh", hv[:, :, kv_group], self.bv.astype(jnp.float32),
-                   precision=jax.lax.Precision.HIGHEST)
+    v = jnp.einsum("bskr,krh->bskh", hv[:, :, self._kv_group(self.spec)],
+                   self.bv.astype(jnp.float32), precision=jax.lax.Precision.HIGHEST)
     if self.v_bias is not None:
       v = v + self.v_bias.astype(jnp.float32).reshape(v.shape[2:])
     return k, v, valid
@@ -324,18 +323,19 @@ class LatentCache(base.KVCache):
     """(h_k [B,S,G,r_k], h_v [B,S,G,r_v]) fp32 as attention sees them."""
     return self._read(self.hk, self.ring_k), self._read(self.hv, self.ring_v)
 
-  def _reconstruct(self, h, b, bias):
-    """h [B,S,G,r] @ B [G,r,gs·H] → [B,S,K,H] (+ bias), fp32."""
-    bsz, s, g, _ = h.shape
-    y = jnp.einsum("bsgr,grn->bsgn", h, b.astype(jnp.float32),
-                   precision=jax.lax.Precision.HIGHEST).reshape(bsz, s, -1)
-    if bias is not None:
-      y = y + bias.astype(jnp.float32)
-    return y.reshape(bsz, s, self.spec.n_kv_heads, self.spec.head_dim)
+  def _kv_group(self, spec: ModelSpec):
+    """[K]: the latent group of each KV head."""
+    return jnp.arange(spec.n_kv_heads) // (spec.n_kv_heads // self.bk.shape[0])
 
   def _reconstruct_k(self, hk):
-    # The key bias belongs to the reconstruction side and precedes RoPE.
-    return self._reconstruct(hk, self.bk, self.k_bias)
+    """h_k [B,S,G,r_k] @ B_k [G,r_k,gs·H] → keys [B,S,K,H] (+ key bias), fp32, pre-RoPE.
+    The key bias belongs to the reconstruction side and precedes RoPE."""
+    bsz, s, _, _ = hk.shape
+    y = jnp.einsum("bsgr,grn->bsgn", hk, self.bk.astype(jnp.float32),
+                   precision=jax.lax.Precision.HIGHEST).reshape(bsz, s, -1)
+    if self.k_bias is not None:
+      y = y + self.k_bias.astype(jnp.float32)
+    return y.reshape(bsz, s, self.spec.n_kv_heads, self.spec.head_dim)
 
 
 @base.register_cache("palu")

@@ -102,7 +102,6 @@ class PaluSpec:
     if self.implementation not in (None, "reference", "mosaic", "triton"):
       raise ValueError("PaluSpec.implementation must be None, 'reference', 'mosaic' or "
                        f"'triton', got {self.implementation!r}")
-
     if self.value_fold not in VALUE_FOLDS:
       raise ValueError(f"PaluSpec.value_fold must be one of {VALUE_FOLDS}, got "
                        f"{self.value_fold!r}")
