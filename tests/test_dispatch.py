@@ -101,3 +101,22 @@ def test_reference_path_logs_its_reason_once(caplog):
       jax.jit(lambda c, q: c.attend(q, pos, {}, spec=SPEC))(c, q)
   msgs = [r.getMessage() for r in caplog.records if r.name == "kvlowrank.dispatch"]
   assert len(msgs) == 1 and "kivi attention runs reference" in msgs[0] and "GPU" in msgs[0]
+
+
+@pytest.mark.parametrize("mspec,platform,want,why", [
+    (KiviSpec(bits=2, layout="warp"), H100, "triton", None),
+    (KiviSpec(bits=2, layout="warp", implementation="mosaic"), H100, "triton", None),
+    (KiviSpec(bits=2, layout="warp"), dispatch.Platform(gpu=True, hopper=True, triton=False),
+     "reference", "jax-triton"),
+    (KiviSpec(bits=2, layout="warp", implementation="reference"), H100, "reference", None),
+    (KiviSpec(bits=2, layout="warp", residual=0), H100, "reference", "residual 0"),
+    (KiviSpec(bits=2, layout="planar"), H100, "reference", "planar layout"),
+    (KiviSpec(bits=4), H100, "reference", "planar layout"),
+    (KiviSpec(bits=2, layout="warp"), CPU, "reference", None),
+])
+def test_kivi_decode_update_choice(mspec, platform, want, why):
+  """A KIVI decode step's cache update: the fused Triton update where it fits (warp layout,
+  R > 0, a GPU with jax-triton), else the jnp update with the reason."""
+  impl, reason = _cache("kivi", mspec).update_implementation(platform=platform)
+  assert impl == want, reason
+  assert (reason is None) if why is None else (why in reason)

@@ -79,7 +79,7 @@ def poison_value(dtype) -> float:
 
 
 def launch(kernel, poisoned_kernel, *args, out_shapes, grid, num_warps: int, num_stages: int,
-           poison: bool = False, **constexprs):
+           poison: bool = False, aliases=None, **constexprs):
   """Runs a Triton kernel on JAX arrays.
 
   Args:
@@ -91,15 +91,20 @@ def launch(kernel, poisoned_kernel, *args, out_shapes, grid, num_warps: int, num
     grid: launch grid (tuple of ints).
     num_warps, num_stages: Triton compile options.
     poison: use `poisoned_kernel` with NaN-filled outputs.
+    aliases: {array argument index: output index}: outputs written in place of those
+      inputs (the kernel starts from the input's contents; not with poison).
     **constexprs: compile-time kernel parameters.
   Returns:
     list of output arrays.
   """
   import jax_triton as jt  # pylint: disable=import-outside-toplevel
   out_shapes = list(out_shapes)
+  if aliases and poison:
+    raise ValueError("launch: poison and aliases exclude each other")
   if not poison:
     outs = jt.triton_call(*args, kernel=kernel, out_shape=out_shapes, grid=grid,
-                          num_warps=num_warps, num_stages=num_stages, **constexprs)
+                          num_warps=num_warps, num_stages=num_stages,
+                          input_output_aliases=dict(aliases or {}), **constexprs)
     return list(outs)
   inits = [jnp.full(s.shape, poison_value(s.dtype), s.dtype) for s in out_shapes]
   n_arrays = sum(1 for a in args if isinstance(a, jax.Array))

@@ -196,7 +196,7 @@ def _call(p, dtype, sm_scale, qt, cache: KiviMosaic, lengths):
 
 def kivi_attention_mosaic_warp(q, cache: KiviMosaic, k_win, v_win, q_len, w_len, *,
                                scale=None, out_dtype=None, warpgroups=2, stages=None,
-                               num_splits=None, window_implementation="xla",
+                               num_splits=None, window_implementation=None,
                                return_partials=False):
   """KIVI-2bit decode attention over a `KiviMosaic` cache plus the exact window.
 
@@ -207,8 +207,9 @@ def kivi_attention_mosaic_warp(q, cache: KiviMosaic, k_win, v_win, q_len, w_len,
     q_len: [B] quantized tokens per sequence; w_len: [B] window tokens.
     scale: default H ** -0.5; out_dtype: default q.dtype.
     warpgroups, stages, num_splits: launch knobs (`plan`).
-    window_implementation: the window's attention ("xla", or a `dense.decode_attention`
-      implementation).
+    window_implementation: the window's attention and the merge: None (the fastest that
+      runs), "fused" (one Triton launch), "xla" (the reference), or a `dense.decode_attention`
+      implementation.
     return_partials: also return the raw (o, lse) partials (the splits' and the window's).
   Returns:
     (out [B, N, H], lse [B, N] float32), plus the partials if asked.

@@ -15,7 +15,7 @@ import functools
 import jax.numpy as jnp
 from jax import lax
 
-from ..common import splitk
+from ..common import splitk, triton_backend
 from ..dense.xla import decode_attention_xla
 from ..palu.mosaic_plan import SMEM_LIMIT, num_sms, query_columns
 from .mosaic_layout import BLOCK, HEAD_DIM
@@ -101,8 +101,24 @@ def produce(q_src, q_dst, q_bar, arrays, free, *, b, head, start, n_blocks, stag
 def merge_with_window(q, o_t, lse_t, parts, p, k_win, v_win, w_len, *, scale, out_dtype,
                       window_implementation, return_partials):
   """The Mosaic KIVI kernel's partials (o_t [B K, parts, H, NP], lse_t [B K, parts, NP]) and
-  the exact window's (attended by `window_implementation`) merged in one LSE combine."""
+  the exact window's (attended by `window_implementation`) merged in one LSE combine.
+  window_implementation: "fused" (`triton_window`: window and merge in one Triton launch),
+  "xla" (the reference: XLA ops), or a `dense.decode_attention` implementation; None:
+  "fused" where jax-triton runs and the window fits it (not with return_partials), else
+  "xla"."""
   from ..dense import decode_attention  # pylint: disable=import-outside-toplevel
+  if window_implementation is None:
+    window_implementation = "xla"
+    if not return_partials and triton_backend.available():
+      from .triton_window import window_fit  # pylint: disable=import-outside-toplevel
+      if window_fit(k_win, q.shape[-1]) is None:
+        window_implementation = "fused"
+  if window_implementation == "fused":
+    from .triton_window import window_merge_triton  # pylint: disable=import-outside-toplevel
+    if return_partials:
+      raise ValueError("KIVI window_implementation 'fused' does not return partials")
+    return window_merge_triton(q, o_t, lse_t, parts, p, k_win, v_win, w_len, scale=scale,
+                               out_dtype=out_dtype or q.dtype)
   b, n, h = q.shape
   kh, qpk = p["kh"], p["qpk"]
   o = o_t[..., :qpk].reshape(b, kh, parts, h, qpk).transpose(0, 1, 4, 2, 3)

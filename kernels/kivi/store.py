@@ -56,6 +56,18 @@ def warp_fit(*, k_bits: int, v_bits: int, group: int, head_dim: int, scale_dtype
   return None
 
 
+def fused_update_fit(store, k_res, residual: int) -> str | None:
+  """None when `triton_update` (one launch per decode step) updates this cache, else why not
+  (one line): the warp layout, a ring of R > 0 tokens in bf16/fp16."""
+  if not isinstance(store, ml.KiviMosaic):
+    return "the store is in the planar layout (the fused update writes the warp layout)"
+  if residual <= 0 or residual != k_res.shape[1]:
+    return f"residual {residual} (the fused update needs R > 0: the ring of R tokens)"
+  if k_res.dtype not in (jnp.bfloat16, jnp.float16):
+    return f"{jnp.dtype(k_res.dtype).name} ring (the fused update takes bf16/fp16)"
+  return None
+
+
 def capacity_multiple(layout: str, group: int) -> int:
   """The store's capacity is rounded up to a multiple of this."""
   if layout == "warp":

@@ -4,10 +4,15 @@ Formula (KIVI §3 / GEAR Eq. 2 / XQuant §2), per group of `group_size` consecut
 elements along `axis`, b = bits:
 
   mn, mx  = min(group), max(group)                       (computed in fp32)
-  scale   = cast_sd((mx - mn) / (2^b - 1))               (sd = scale_dtype, default fp16 like KIVI)
+  scale   = cast_sd((mx - mn) * fp32(1 / (2^b - 1)))     (sd = scale_dtype, default fp16 like KIVI)
   zero    = cast_sd(mn)                                  (a float zero point, not an integer)
   s, z    = float32(scale), float32(zero)                (codes use the *stored* values)
   code    = clip(round_half_even((x - z) / s), 0, 2^b - 1)   if s > 0, else 0
+
+Backends round the division differently: XLA:CPU computes (x - z) * (1 / s), XLA:GPU an
+fp32 division (div.full); codes at a rounding tie may differ between them (a kernel that
+writes the same codes, `kivi.triton_update`, follows the GPU's). The scale is written as a
+product so that no backend divides there.
   x_hat   = code * s + z
 
 Zero-range guard: a group with mx == mn (or whose scale underflows to 0 in
@@ -136,8 +141,12 @@ def quantize_codes(x, *, bits: int, axis: int, group_size: Optional[int] = None,
   mn = jnp.min(xg, axis=-1)
   mx = jnp.max(xg, axis=-1)
   qmax = float(2 ** bits - 1)
-  scale = ((mx - mn) / qmax).astype(sd)
+  scale = ((mx - mn) * (1.0 / qmax)).astype(sd)
   zero = mn.astype(sd)
+  # The codes use the stored (rounded) scale and zero. XLA:GPU may drop a f32 -> f16 -> f32
+  # round trip inside a fusion (excess precision allowed), which would quantize with the
+  # unrounded scale; the barrier keeps the rounding on every backend.
+  scale, zero = jax.lax.optimization_barrier((scale, zero))
   s = scale.astype(jnp.float32)[..., None]
   z = zero.astype(jnp.float32)[..., None]
   pos = s > 0

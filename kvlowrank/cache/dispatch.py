@@ -31,12 +31,14 @@ class Platform:
 
   gpu: bool
   hopper: bool
+  triton: bool = True   # jax-triton and Triton import (checked where a GPU is)
 
   @classmethod
   def detect(cls) -> "Platform":
     # Imported here: the kernels' platform probes import jax_triton lazily.
     from kvlowrank_kernels.common import platform, triton_backend  # pylint: disable=C0415
-    return cls(gpu=triton_backend.gpu_available(), hopper=platform.hopper_available())
+    return cls(gpu=triton_backend.gpu_available(), hopper=platform.hopper_available(),
+               triton=triton_backend.available())
 
 
 # A candidate kernel: (name, needs, fit) where needs is "gpu" or "hopper" and fit() returns
@@ -88,13 +90,14 @@ def choose(op: str, requested: Optional[str], candidates: Sequence[Candidate], *
   return REFERENCE, "; ".join(reasons)
 
 
-def log_once(op: str, impl: str, reason: Optional[str]) -> None:
-  """Logs, once per (op, impl, reason), which implementation `op` runs instead of a faster
-  one, and why: a warning when a GPU is there but the reference runs for another reason
-  than prefill, else at INFO."""
-  if reason is None or (op, impl, reason) in _LOGGED:
+def log_once(op: str, impl: str, reason: Optional[str], what: str = "attention") -> None:
+  """Logs, once per (op, what, impl, reason), which implementation `op`'s `what` (its
+  attention, or a cache's decode update) runs instead of a faster one, and why: a warning
+  when a GPU is there but the reference runs for another reason than prefill, else at
+  INFO."""
+  if reason is None or (op, what, impl, reason) in _LOGGED:
     return
-  _LOGGED.add((op, impl, reason))
+  _LOGGED.add((op, what, impl, reason))
   quiet = impl != REFERENCE or reason.startswith("prefill") or all(
       r.endswith(("needs a GPU", "needs a Hopper GPU")) for r in reason.split("; "))
-  (log.info if quiet else log.warning)("%s attention runs %s: %s", op, impl, reason)
+  (log.info if quiet else log.warning)("%s %s runs %s: %s", op, what, impl, reason)

@@ -272,6 +272,88 @@ def check_rotated():
   else:
     raise AssertionError("rotated: a corrupted key slot went unnoticed")
 
+
+def check_kivi_update():
+  """The fused decode update vs the cache's jnp update on XLA:CPU (recip=True: XLA:CPU's
+  division, `triton_update`), step by step from ragged prefills
+  (`kivi_update_cases`: block completion, store-block crossings, R not yet reached, padding);
+  then a negative control (one row's key perturbed must break the equality)."""
+  import dataclasses  # pylint: disable=import-outside-toplevel
+  import kivi_update_cases as kc  # pylint: disable=import-outside-toplevel
+  from kvlowrank_kernels.kivi.triton_update import decode_update_triton  # pylint: disable=import-outside-toplevel
+
+  def fused(cache, inp, pos):
+    with interpreted_launch():
+      st, k_res, v_res, k_stage, lens = decode_update_triton(
+          cache.store, cache.k_res, cache.v_res, cache.k_stage, cache.lens, jnp.asarray(pos),
+          inp.k[:, 0], inp.v[:, 0], residual=cache.residual, recip=True)
+    return dataclasses.replace(cache, store=st, k_res=k_res, v_res=v_res, k_stage=k_stage,
+                               lens=lens)
+
+  for scale_dtype in ("float16", "bfloat16"):
+    ref = got = kc.prefilled(0, starts=(62, 5, 126, 40, 511, 190),
+                                  scale_dtype=scale_dtype)
+    for step in range(4):
+      pos = kc.step_positions(ref, pad_rows=(3,) if step == 1 else ())
+      inp = kc.inputs(100 + step, pos[:, None])
+      ref = ref._decode_update(inp, jnp.asarray(pos))  # pylint: disable=protected-access
+      got = fused(got, inp, pos)
+      kc.compare(got, ref, f"kivi update {scale_dtype} step {step}")
+      print(f"kivi update {scale_dtype} step {step}: equal (lens {np.asarray(got.lens)})")
+  pos = kc.step_positions(ref)
+  inp = kc.inputs(200, pos[:, None])
+  want = ref._decode_update(inp, jnp.asarray(pos))  # pylint: disable=protected-access
+  bad = dataclasses.replace(inp, k=inp.k.at[0, 0, 1, 7].add(4.0))
+  try:
+    kc.compare(fused(got, bad, pos), want, "kivi update, perturbed key")
+  except AssertionError as e:
+    print(f"negative control failed as it must: {str(e)[:200]}")
+  else:
+    raise AssertionError("kivi update: a perturbed key went unnoticed")
+
+
+def check_kivi_window():
+  """The Mosaic KIVI epilogue (window attention + split merge in one launch) vs its XLA
+  reference (`mosaic_ring.merge_with_window`, "xla"): GQA 4 and MHA, windows full / partial /
+  empty, splits with empty (-inf) partials; then a negative control (a perturbed window
+  value must show)."""
+  from kvlowrank_kernels.kivi.mosaic_ring import merge_with_window  # pylint: disable=import-outside-toplevel
+  from kvlowrank_kernels.kivi.triton_window import window_merge_triton  # pylint: disable=import-outside-toplevel
+
+  def inputs(seed, b, kh, qpk, w, parts, np_=8):
+    ks = jax.random.split(jax.random.key(seed), 6)
+    q = jax.random.normal(ks[0], (b, kh * qpk, 128)).astype(jnp.bfloat16)
+    o_t = jax.random.normal(ks[1], (b * kh, parts, 128, np_))
+    lse_t = 3.0 * jax.random.normal(ks[2], (b * kh, parts, np_))
+    lse_t = lse_t.at[0, -1].set(-jnp.inf).at[-1, 0].set(-jnp.inf)
+    k_win = jax.random.normal(ks[3], (b, w, kh, 128)).astype(jnp.bfloat16)
+    v_win = jax.random.normal(ks[4], (b, w, kh, 128)).astype(jnp.bfloat16)
+    w_len = jnp.asarray(([w, 0, w // 2 + 1] * b)[:b], jnp.int32)
+    p = dict(kh=kh, qpk=qpk, np=np_)
+    return (q, o_t, lse_t, parts, p, k_win, v_win, w_len)
+
+  def fused(args):
+    with interpreted_launch():
+      return window_merge_triton(*args, scale=None, out_dtype=F32)
+
+  for i, (b, kh, qpk, w, parts) in enumerate(((3, 2, 4, 32, 3), (2, 4, 1, 16, 1))):
+    args = inputs(600 + i, b, kh, qpk, w, parts)
+    ref, ref_lse = merge_with_window(*args, scale=None, out_dtype=F32,
+                                     window_implementation="xla", return_partials=False)
+    out, lse = fused(args)
+    assert_close(out, ref, 2e-3, 2e-3, f"kivi window[{i}] out")
+    assert_close(lse, ref_lse, 1e-4, 1e-4, f"kivi window[{i}] lse")
+  args = inputs(600, 3, 2, 4, 32, 3)
+  ref, _ = merge_with_window(*args, scale=None, out_dtype=F32, window_implementation="xla",
+                             return_partials=False)
+  bad = args[:6] + (args[6].at[0, 3, 1, 9].add(20.0),) + args[7:]
+  try:
+    assert_close(fused(bad)[0], ref, 2e-3, 2e-3, "kivi window, perturbed value")
+  except AssertionError as e:
+    print(f"negative control failed as it must: {str(e)[:200]}")
+  else:
+    raise AssertionError("kivi window: a perturbed window value went unnoticed")
+
 CHECKS = {name[len("check_"):]: fn for name, fn in dict(globals()).items()
           if name.startswith("check_") and callable(fn)}
 

@@ -291,3 +291,34 @@ def test_mosaic_kivi_warp_dispatcher_and_negative_control():
                             implementation="mosaic")
     with pytest.raises(AssertionError):
       assert_close(out, ref, 2e-2, 2e-2, f"corrupted {what}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("idx", range(len(SHAPES)))
+def test_fused_window_matches_xla_window(idx):
+  """The epilogue in one Triton launch (`triton_window`, the default where it fits) against
+  the XLA window + merge and the float32 reference; windows it does not take (37, 5 tokens)
+  run the XLA one, and asking for "fused" there is an error naming the window."""
+  if not triton_backend.available():
+    pytest.skip("needs a GPU with jax-triton")
+  from kvlowrank_kernels.kivi.triton_window import window_fit  # pylint: disable=C0415
+  shape, (q, kq, vq, kw, vw, ql, wl) = case(idx, 800 + idx)
+  cache = mosaic_layout.to_mosaic(kq, vq)
+  run = jax.jit(lambda *a, impl=None: mosaic_kivi_warp.kivi_attention_mosaic_warp(
+      *a, out_dtype=F32, window_implementation=impl), static_argnames="impl")
+  xla, xla_lse = run(q, cache, kw, vw, ql, wl, impl="xla")
+  default, _ = run(q, cache, kw, vw, ql, wl)
+  if window_fit(kw, 128) is not None:
+    assert np.array_equal(np.asarray(default), np.asarray(xla))
+    with pytest.raises(ValueError, match="window of"):
+      run(q, cache, kw, vw, ql, wl, impl="fused")
+    return
+  fused, fused_lse = run(q, cache, kw, vw, ql, wl, impl="fused")
+  assert np.array_equal(np.asarray(default), np.asarray(fused))
+  ref, ref_lse = kivi_attention_reference(q, kq, vq, kw, vw, ql, wl, out_dtype=F32)
+  assert_close(fused, xla, 5e-3, 5e-3, f"fused vs xla window {shape}")
+  assert_close(fused_lse, xla_lse, 1e-3, 1e-4, "fused vs xla lse")
+  assert_close(fused, ref, 2e-2, 2e-2, f"fused window vs reference {shape}")
+  bad = vw.at[int(np.argmax(np.asarray(wl))), 0].multiply(30.0)
+  with pytest.raises(AssertionError):
+    assert_close(run(q, cache, kw, bad, ql, wl, impl="fused")[0], xla, 5e-3, 5e-3, "bad v")

@@ -27,6 +27,8 @@ def _to_torch(x):
   import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
   import torch  # pylint: disable=import-outside-toplevel
   if isinstance(x, jax.Array):
+    if x.dtype == jnp.uint32:
+      return torch.from_numpy(np.array(x).view(np.int32))
     if x.dtype == jnp.bfloat16:
       return torch.from_numpy(np.array(x.astype(jnp.float32))).to(torch.bfloat16)
     return torch.from_numpy(np.array(x))
@@ -37,18 +39,20 @@ def _to_torch(x):
   return x
 
 
-def _to_jax(t):
+def _to_jax(t, dtype=None):
   import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
   import torch  # pylint: disable=import-outside-toplevel
+  if dtype is not None and jnp.dtype(dtype) == jnp.uint32:
+    return jnp.asarray(t.numpy().view(np.uint32))
   if t.dtype == torch.bfloat16:
     return jnp.asarray(t.float().numpy()).astype(jnp.bfloat16)
   return jnp.asarray(t.numpy())
 
 
 def _patch_interpreter():
-  """Two Triton 3.6 interpreter bugs: it turns 1-element arrays into ints with
-  int(arr), which NumPy >= 2.4 refuses for arrays of ndim > 0 (use .item()); and
-  bf16 tl.dot (below)."""
+  """Three Triton 3.6 interpreter bugs: it turns 1-element arrays into ints with
+  int(arr), which NumPy >= 2.4 refuses for arrays of ndim > 0 (use .item()); bf16
+  tl.dot; and float32 -> bf16 by truncation (below)."""
   from triton.runtime import interpreter  # pylint: disable=import-outside-toplevel
   if getattr(interpreter, "_kvlowrank_patched", False):
     return
@@ -76,31 +80,50 @@ def _patch_interpreter():
     return dot(self, widen(a), widen(b), d, input_precision, max_num_imprecise_acc)
 
   builder_cls.create_dot = create_dot
+
+  # ... and it converts float32 to bf16 by truncation, where the GPU (cvt.rn) rounds to
+  # nearest even: round here too, so that kernels that store bf16 agree with XLA.
+  cast = builder_cls.cast_impl
+
+  def cast_impl(self, src, dst_type):
+    if src.dtype.scalar == tl.float32 and dst_type.scalar == tl.bfloat16:
+      bits = np.ascontiguousarray(src.data, np.float32).view(np.uint32).astype(np.uint64)
+      rounded = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint16)
+      return interpreter.TensorHandle(rounded, tl.bfloat16)
+    return cast(self, src, dst_type)
+
+  builder_cls.cast_impl = cast_impl
+  builder_cls.create_fp_trunc = cast_impl
   interpreter._kvlowrank_patched = True  # pylint: disable=protected-access
 
 
 def launch_interpreted(kernel, poisoned_kernel, *args, out_shapes, grid, num_warps: int,
-                       num_stages: int, poison: bool = False, **constexprs):
-  """Drop-in for `triton_backend.launch` that runs the kernel in the interpreter."""
+                       num_stages: int, poison: bool = False, aliases=None, **constexprs):
+  """Drop-in for `triton_backend.launch` that runs the kernel in the interpreter (an
+  aliased output starts as a copy of its input, as XLA gives it; uint32 arrays travel as
+  int32, bit for bit)."""
   del num_warps, num_stages
   import torch  # pylint: disable=import-outside-toplevel
   if os.environ.get("TRITON_INTERPRET") != "1":
     raise RuntimeError("set TRITON_INTERPRET=1 before importing the kernel modules")
   _patch_interpreter()
   tdt = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
-         "int32": torch.int32, "uint8": torch.uint8}
+         "int32": torch.int32, "uint8": torch.uint8, "uint32": torch.int32}
   outs = []
   for s in out_shapes:
     t = torch.empty(tuple(s.shape), dtype=tdt[str(s.dtype)])
     t.fill_(float("nan") if poison else 0)
     outs.append(t)
   targs = [_to_torch(a) for a in args]
+  arrays = [t for a, t in zip(args, targs) if not isinstance(a, (int, float))]
+  for i, o in (aliases or {}).items():
+    outs[o].copy_(arrays[i])
   if poison:
     inits = [o.clone() for o in outs]
     poisoned_kernel[grid](*targs, *inits, *outs, **constexprs)
   else:
     kernel[grid](*targs, *outs, **constexprs)
-  return [_to_jax(o) for o in outs]
+  return [_to_jax(o, s.dtype) for o, s in zip(outs, out_shapes)]
 
 
 @contextlib.contextmanager

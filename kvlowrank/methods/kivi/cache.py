@@ -43,9 +43,12 @@ kernel as they are:
 [L0 - F, L0 + T) (ring + new tokens), quantizes every candidate key group / value token
 of that window, and scatters only those whose quantization KIVI's rules make due (masked
 writes, no Python branching on traced lengths). A decode token (T = 1) takes a shorter
-path with the same result (`_decode_update`): it writes its ring slot, quantizes the one
-value that leaves the window and the one key group that the token belongs to (staged key
-flush, below), with no `lax.cond`. Rows are ragged: each row's new
+path with the same result (`_decode_update`, the jnp reference): it writes its ring slot,
+quantizes the one value that leaves the window and the one key group that the token belongs
+to (staged key flush, below), with no `lax.cond`. On a GPU with the warp layout that path is
+one Triton launch per layer (`kvlowrank_kernels.kivi.triton_update`, the same codes; the
+jnp version runs some twenty small XLA ops), unless the spec's implementation is
+"reference". Rows are ragged: each row's new
 tokens must continue its own sequence (positions lens[b], lens[b]+1, ...; -1 = padding
 anywhere; positions >= capacity are dropped like padding).
 
@@ -241,6 +244,10 @@ class KiviCache(base.KVCache):
     b, t = inputs.positions.shape
     pos = jnp.where((inputs.positions >= 0) & (inputs.positions < cap), inputs.positions, -1)
     if t == 1:
+      impl, why = self.update_implementation()
+      dispatch.log_once(self.name, impl, why, what="decode update")
+      if impl == "triton":
+        return self._fused_decode_update(inputs, pos[:, 0])
       return self._decode_update(inputs, pos[:, 0])
     l0 = self.lens
     l1 = base.new_lengths(l0, pos)
@@ -302,6 +309,30 @@ class KiviCache(base.KVCache):
     k_stage = dequantize_codes(kc, ks, kz, axis=1, group_size=g, dtype=dt)
     return dataclasses.replace(self, store=store, k_res=k_res, v_res=_rows(ev, e_idx),
                                lens=l1, k_stage=k_stage)
+
+  def update_implementation(self, platform=None) -> tuple[str, Optional[str]]:
+    """What a decode step's update runs: "triton" (`kivi.triton_update`, one launch) or the
+    jnp "reference" (`_decode_update`), with the reason when it is the reference on a GPU.
+    The cache's `implementation` "reference" keeps the jnp update; otherwise the fused update
+    runs wherever it fits (warp layout, R > 0; `store.fused_update_fit`)."""
+    if self.implementation == dispatch.REFERENCE:
+      return dispatch.REFERENCE, None
+    platform = dispatch.Platform.detect() if platform is None else platform
+    if not platform.gpu:
+      return dispatch.REFERENCE, None
+    why = kstore.fused_update_fit(self.store, self.k_res, self.residual)
+    if why is None and not platform.triton:
+      why = "jax-triton is not installed"
+    return (dispatch.REFERENCE, f"triton: {why}") if why else ("triton", None)
+
+  def _fused_decode_update(self, inputs: base.AttnInputs, pos):
+    """`_decode_update` in one Triton launch, in place (`kivi.triton_update`)."""
+    from kvlowrank_kernels.kivi.triton_update import decode_update_triton  # pylint: disable=C0415
+    store, k_res, v_res, k_stage, l1 = decode_update_triton(
+        self.store, self.k_res, self.v_res, self.k_stage, self.lens, pos, inputs.k[:, 0],
+        inputs.v[:, 0], residual=self.residual)
+    return dataclasses.replace(self, store=store, k_res=k_res, v_res=v_res, lens=l1,
+                               k_stage=k_stage)
 
   def _decode_update(self, inputs: base.AttnInputs, pos):
     """`update` for one new token per row (pos [B], -1 = padding): the same result as the

@@ -1,0 +1,217 @@
+"""KIVI's decode-step cache update in one Triton launch, on the warp layout (`store`).
+
+One new token per row: what `KiviCache._decode_update` (kvlowrank/methods/kivi/cache.py,
+the jnp reference) does in some twenty small XLA ops per layer, here one program per
+(row, KV head) does in place:
+  1. the value leaving the exact window (ring slot pos mod F, position pos - R) is
+     quantized per token (groups of 32 channels) and its 128 codes are merged into the 32
+     words they share with three other tokens (read-modify-write), its scales written;
+  2. the new token's key and value take ring slot pos mod F;
+  3. the key group the token belongs to (ring slots [32 j, 32 j + 32)) is re-quantized
+     per channel, its 256 code words and 256 scale halves written at their final slots of
+     the store, and its dequantized keys staged (k_stage);
+  4. when the token completes a block of F keys, the ring's keys become the staged ones;
+  5. the new lengths max(lens, pos + 1).
+The arrays are aliased (`input_output_aliases`): the launch writes the cache's own buffers
+(donated by the decode loop), and the kernel reads them through its output pointers, so
+it reads what it wrote. Codes and scales go through scratch outputs (a program's codes
+in natural order, then gathered into the layout's order after a barrier: a register
+gather by a table is not expressible in Triton).
+
+Arithmetic, as the project's one quantizer (`quant.quantizer`) compiles, operation for
+operation: fp32 min/max, scale = (max - min) * fp32(1/3) and zero = min rounded to the
+store's 16-bit type, codes round-half-even((x - zero) / scale) clipped to [0, 3], 0 where
+the scale is 0. The division is Triton's fp32 `/` (div.full.f32), which is what XLA:GPU
+runs for the quantizer's; XLA:CPU runs (x - zero) * (1 / scale) instead (its algebraic
+simplifier), which `recip=True` follows (the CPU interpreter check). Codes at a rounding
+tie depend on that choice, so it is the one knob; the staged keys code * scale + zero in fp32, cast to the cache
+dtype. Restrictions: the warp layout (2-bit, groups of 32, H = 128), R > 0 (F = R, a
+multiple of 32), bf16/fp16 ring. Rows with pos < 0 are left as they are.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import triton
+import triton.language as tl
+
+from ..common import triton_backend
+from . import store as kstore
+from .mosaic_layout import GROUP, HEAD_DIM, KiviMosaic
+
+
+@triton.jit
+def _rint(x):
+  """Round half to even (exact in fp32 for |x| < 2**22; no libdevice, so the CPU
+  interpreter runs it too)."""
+  r = tl.floor(x)
+  f = x - r
+  odd = (r - 2.0 * tl.floor(r * 0.5)) != 0.0
+  return tl.where((f > 0.5) | ((f == 0.5) & odd), r + 1.0, r)
+
+
+@triton.jit
+def _quantize(x, mn, mx, sdt: tl.constexpr, RECIP: tl.constexpr):
+  """(codes int32, scale sdt, zero sdt, scale f32, zero f32) of x given its group's
+  min/max broadcast to x's shape (the quantizer's formula, 2 bits)."""
+  sc = ((mx - mn) * (1.0 / 3.0)).to(sdt)
+  zr = mn.to(sdt)
+  s = sc.to(tl.float32)
+  z = zr.to(tl.float32)
+  pos = s > 0
+  den = tl.where(pos, s, 1.0)
+  if RECIP:
+    q = _rint((x - z) * (1.0 / den))
+  else:
+    q = _rint((x - z) / den)
+  code = tl.where(pos, tl.minimum(tl.maximum(q, 0.0), 3.0), 0.0).to(tl.int32)
+  return code, sc, zr, s, z
+
+
+@triton.jit
+def _update_kernel(pos_ptr, lens_ptr, knew_ptr, vnew_ptr,
+                   kc_in, ks_in, vc_in, vs_in, kres_in, vres_in, kstage_in,
+                   kw_ptr, ksrc_ptr, kssrc_ptr, vw_ptr, vsrc_ptr, vsh_ptr, vsi_ptr,
+                   n_blocks,
+                   kc_ptr, ks_ptr, vc_ptr, vs_ptr, kres_ptr, vres_ptr, kstage_ptr,
+                   lens_out, scodes_ptr, sscale_ptr,
+                   KH: tl.constexpr, F: tl.constexpr, R: tl.constexpr, RECIP: tl.constexpr):
+  H: tl.constexpr = 128
+  G: tl.constexpr = 32
+  b = tl.program_id(0)
+  kh = tl.program_id(1)
+  pos = tl.load(pos_ptr + b)
+  lens = tl.load(lens_ptr + b)
+  l1 = tl.where(pos >= 0, tl.maximum(lens, pos + 1), lens)
+  if kh == 0:
+    tl.store(lens_out + b, l1)
+  if pos >= 0:
+    sdt = ks_ptr.dtype.element_ty
+    rdt = kres_ptr.dtype.element_ty
+    prog = b * KH + kh
+    base = prog.to(tl.int64) * n_blocks * 1024          # this (row, head)'s store
+    sc_base = prog.to(tl.int64) * (G * H + H)           # scratch codes: keys, then value
+    ss_base = prog.to(tl.int64) * (2 * H)               # scratch key scale, zero
+    slot = pos % F
+    hh = tl.arange(0, H)
+    gb = (slot // G) * G
+    r = tl.arange(0, G)[:, None]
+    rows = ((b * F + gb + r) * KH + kh) * H + hh[None, :]
+    kn = tl.load(knew_ptr + prog * H + hh)
+    vn = tl.load(vnew_ptr + prog * H + hh)
+    kgrp = tl.load(kres_ptr + rows)
+    # ---- 1. the value leaving the window (read before the ring slot is overwritten)
+    vpos = pos - R
+    if vpos >= 0:
+      gi = tl.arange(0, 4)[:, None]
+      ci = tl.arange(0, G)[None, :]
+      x = tl.load(vres_ptr + ((b * F + slot) * KH + kh) * H + gi * G + ci).to(tl.float32)
+      mn = tl.min(x, 1)[:, None]
+      mx = tl.max(x, 1)[:, None]
+      code, sc, zr, s, z = _quantize(x, mn, mx, sdt, RECIP)
+      tl.store(scodes_ptr + sc_base + G * H + gi * G + ci, code)
+      tb = vpos % 128
+      vbase = base + (vpos // 128) * 1024
+      gv = tl.arange(0, 4)
+      tl.store(vs_ptr + vbase + tl.load(vsi_ptr + tb * 8 + gv * 2), tl.reshape(sc, (4,)))
+      tl.store(vs_ptr + vbase + tl.load(vsi_ptr + tb * 8 + gv * 2 + 1), tl.reshape(zr, (4,)))
+      tl.debug_barrier()
+      wi = tl.arange(0, 32)[:, None]
+      j = tl.arange(0, 4)[None, :]
+      src = tl.load(vsrc_ptr + tb * 128 + wi * 4 + j)
+      sh = tl.load(vsh_ptr + tb * 128 + wi * 4 + j).to(tl.uint32)
+      c = tl.load(scodes_ptr + sc_base + G * H + src).to(tl.uint32)
+      new = tl.sum(c << sh, 1)
+      mask = tl.sum(tl.full((32, 4), 3, tl.uint32) << sh, 1)
+      widx = vbase + tl.load(vw_ptr + tb * 32 + tl.arange(0, 32))
+      old = tl.load(vc_ptr + widx).to(tl.uint32)
+      tl.store(vc_ptr + widx, (old - (old & mask)) | new)
+    # ---- 3. the token's key group, from the ring with the new key in its slot (loaded
+    # first: the value's work below runs while these loads are in flight)
+    xk = tl.where(r == slot - gb, kn[None, :], kgrp).to(tl.float32)
+    kmn = tl.min(xk, 0)[None, :]
+    kmx = tl.max(xk, 0)[None, :]
+    kcode, ksc, kzr, ks, kz = _quantize(xk, kmn, kmx, sdt, RECIP)
+    tl.store(kstage_ptr + rows, (kcode.to(tl.float32) * ks + kz).to(rdt))
+    tl.store(scodes_ptr + sc_base + r * H + hh[None, :], kcode)
+    tl.store(sscale_ptr + ss_base + hh, tl.reshape(ksc, (H,)).to(tl.float32))
+    tl.store(sscale_ptr + ss_base + H + hh, tl.reshape(kzr, (H,)).to(tl.float32))
+    tl.debug_barrier()
+    # ---- 2. the ring slot takes the new token (its old value was read above)
+    tl.store(kres_ptr + ((b * F + slot) * KH + kh) * H + hh, kn)
+    tl.store(vres_ptr + ((b * F + slot) * KH + kh) * H + hh, vn)
+    grp = pos // G
+    kbase = base + (grp // 4) * 1024
+    w = grp % 4
+    jw = tl.arange(0, 256)
+    c16 = tl.arange(0, 16)[None, :]
+    src = tl.load(ksrc_ptr + jw[:, None] * 16 + c16)
+    kc = tl.load(scodes_ptr + sc_base + src).to(tl.uint32)
+    words = tl.sum(kc << (2 * c16).to(tl.uint32), 1)
+    tl.store(kc_ptr + kbase + tl.load(kw_ptr + w * 256 + jw), words)
+    tl.store(ks_ptr + kbase + w * 256 + jw,
+             tl.load(sscale_ptr + ss_base + tl.load(kssrc_ptr + jw)).to(sdt))
+    # ---- 4. a completed block: the ring's keys become the staged ones
+    if l1 % F == 0:
+      tl.debug_barrier()
+      for i0 in tl.static_range(0, F, G):
+        blk = ((b * F + i0 + r) * KH + kh) * H + hh[None, :]
+        tl.store(kres_ptr + blk, tl.load(kstage_ptr + blk))
+
+
+@functools.lru_cache(maxsize=None)
+def _tables():
+  """The warp layout's index tables (`store._warp_tables`) in the kernel's form, int32:
+  key words [4, 256]; each word's 16 code sources (token * 128 + channel, code 8 e + k at
+  bits 2 (8 e + k)) [256, 16]; each scale half's source (0: scale, 1: zero) * 128 +
+  channel [256]; value words [128, 32]; value code channels and shifts [128, 32, 4]; value
+  scale slots [128, 4, 2]."""
+  t = kstore._warp_tables()  # pylint: disable=protected-access
+  src = t["key_tok"] * HEAD_DIM + t["key_ch"]                      # [256, 8 k, 2 e]
+  key_src = np.swapaxes(src, 1, 2).reshape(256, 16)                # code 8 e + k
+  key_scale_src = t["key_scale_sz"] * HEAD_DIM + t["key_scale_ch"]
+  out = (t["key_words"], key_src, key_scale_src, t["val_words"], t["val_ch"],
+         t["val_shift"], t["val_scale_idx"])
+  return tuple(np.ascontiguousarray(a, dtype=np.int32) for a in out)
+
+
+def decode_update_triton(store: KiviMosaic, k_res, v_res, k_stage, lens, pos, k_new, v_new,
+                         *, residual: int, recip: bool = False):
+  """One decode token per row into a warp-layout KIVI cache, in place (module docstring).
+
+  Args:
+    store: the KiviMosaic quantized store, capacity S.
+    k_res, v_res, k_stage: [B, F, K, 128] ring and staged keys (F = residual).
+    lens: [B] int32 lengths before the token; pos: [B] int32 its position (-1: padding).
+    k_new, v_new: [B, K, 128] the token's key (post-RoPE) and value.
+    residual: R.
+    recip: codes from (x - zero) * (1 / scale), as XLA:CPU computes the quantizer's division
+      (default: (x - zero) / scale, as XLA:GPU does; module docstring).
+  Returns:
+    (store, k_res, v_res, k_stage, new lens), as `KiviCache._decode_update` computes them.
+  """
+  why = kstore.fused_update_fit(store, k_res, residual)
+  if why is not None:
+    raise ValueError(f"KIVI fused update: {why}")
+  b, f, kh, h = k_res.shape
+  dt = k_res.dtype
+  nb = store.kc.shape[2]
+  tables = [jnp.asarray(a) for a in _tables()]
+  outs = [store.kc, store.ks, store.vc, store.vs, k_res, v_res, k_stage]
+  out_shapes = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in outs] + [
+      jax.ShapeDtypeStruct((b,), jnp.int32),
+      jax.ShapeDtypeStruct((b * kh * (GROUP * h + h),), jnp.int32),
+      jax.ShapeDtypeStruct((b * kh * 2 * h,), jnp.float32)]
+  res = triton_backend.launch(
+      _update_kernel, None, pos.astype(jnp.int32), lens.astype(jnp.int32),
+      k_new.astype(dt), v_new.astype(dt), *outs, *tables, int(nb),
+      out_shapes=out_shapes, grid=(b, kh), num_warps=4, num_stages=1,
+      aliases={4 + i: i for i in range(len(outs))}, KH=kh, F=f, R=residual,
+      RECIP=bool(recip))
+  kc, ks, vc, vs, k_res, v_res, k_stage, l1 = res[:8]
+  return KiviMosaic(kc=kc, ks=ks, vc=vc, vs=vs), k_res, v_res, k_stage, l1
+
