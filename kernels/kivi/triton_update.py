@@ -21,12 +21,12 @@ gather by a table is not expressible in Triton).
 Arithmetic, as the project's one quantizer (`quant.quantizer`) compiles, operation for
 operation: fp32 min/max, scale = (max - min) * fp32(1/3) and zero = min rounded to the
 store's 16-bit type, codes round-half-even((x - zero) / scale) clipped to [0, 3], 0 where
-the scale is 0. The division is Triton's fp32 `/` (div.full.f32), which is what XLA:GPU
-runs for the quantizer's; XLA:CPU runs (x - zero) * (1 / scale) instead (its algebraic
-simplifier), which `recip=True` follows (the CPU interpreter check). Codes at a rounding
-tie depend on that choice, so it is the one knob; the staged keys code * scale + zero in fp32, cast to the cache
-dtype. Restrictions: the warp layout (2-bit, groups of 32, H = 128), R > 0 (F = R, a
-multiple of 32), bf16/fp16 ring. Rows with pos < 0 are left as they are.
+the scale is 0; the staged keys code * scale + zero in fp32, cast to the cache dtype. The
+division is Triton's fp32 `/` (div.full.f32), which is what XLA:GPU runs for the
+quantizer's; XLA:CPU runs (x - zero) * (1 / scale) instead (its algebraic simplifier),
+which `recip=True` follows (the CPU interpreter check). Codes at a rounding tie depend on
+that choice, hence the knob. Restrictions: the warp layout (2-bit, groups of 32, H = 128),
+R > 0 (F = R, a multiple of 32), bf16/fp16 ring. Rows with pos < 0 are left as they are.
 """
 
 from __future__ import annotations
