@@ -115,7 +115,8 @@ def launch_interpreted(kernel, poisoned_kernel, *args, out_shapes, grid, num_war
     t.fill_(float("nan") if poison else 0)
     outs.append(t)
   targs = [_to_torch(a) for a in args]
-  arrays = [t for a, t in zip(args, targs) if not isinstance(a, (int, float))]
+  import jax  # pylint: disable=import-outside-toplevel
+  arrays = [t for a, t in zip(args, targs) if isinstance(a, jax.Array)]  # as jax-triton counts
   for i, o in (aliases or {}).items():
     outs[o].copy_(arrays[i])
   if poison:
