@@ -18,7 +18,9 @@ with the exact window's partial in one LSE combine.
 
 Grid (B * K, num_splits); warpgroup W is the TMA producer (`mosaic_ring`: codes and scales
 of keys and values per 128-token block into a ring), warpgroup w < W takes blocks
-w, w + W, ... Instructions are PTX through `mosaic_ptx` inside `plgpu.inline_mgpu`.
+w, w + W, ..., two per online-softmax step where the ring holds both (`plan`'s "group": the
+loop is latency-bound, and two blocks' chains interleave). Instructions are PTX through
+`mosaic_ptx` inside `plgpu.inline_mgpu`.
 
 Dequantization (`mosaic_warp_step`): the key scales are multiplied into q's B fragments (a
 warp's 32 tokens are one key group) and the value scales into p's (per channel group), so
@@ -71,9 +73,14 @@ def plan(q_shape, cache_shape, *, warpgroups=2, stages=None, num_splits=None):
     warpgroups: compute warpgroups W (1, 2 or 3).
     stages: ring slots (a multiple of W); None: the deepest that fits.
     num_splits: split-K override (None: wave-balanced).
+  The plan's "group": each warp takes its blocks GROUP at a time, one online-softmax step
+  over them (`mosaic_warp_step.block_step`), 2 where the ring holds both (stages >= 2 W),
+  else 1. Why 2: the loop is latency-bound (one CTA per multiprocessor, each block a
+  dependent chain), and two blocks' chains interleave; measured in BENCHMARKS.md.
   """
-  return ring.plan_ring(NAME, q_shape, cache_shape, warpgroups=warpgroups, stages=stages,
-                        num_splits=num_splits, smem_bytes=_smem_bytes)
+  p = ring.plan_ring(NAME, q_shape, cache_shape, warpgroups=warpgroups, stages=stages,
+                     num_splits=num_splits, smem_bytes=_smem_bytes)
+  return dict(p, group=2 if p["stages"] >= 2 * p["w"] else 1)
 
 
 def _kernel(p, dtype, sm_scale, q_ref, kc_ref, ks_ref, vc_ref, vs_ref, len_ref, o_ref,
@@ -104,11 +111,15 @@ def _kernel(p, dtype, sm_scale, q_ref, kc_ref, ks_ref, vc_ref, vs_ref, len_ref, 
   def init(_):
     return ws.initial_state(nt)
 
-  @plgpu.inline_mgpu(arg_types=(ref, ref, ref, ref) + (layout,) * 5,
-                     return_type=(acc_t, ml_t, ml_t))
-  def step(_, kc, ks, vc, vs, qb, acc, ml, zacc, valid):
-    return ws.block_step(kc, ks, vc, vs, qb, acc, ml, zacc, valid, nt=nt, dtype=dtype,
-                         scale2=scale2)
+  def make_step(k):  # one online-softmax step over k blocks (`mosaic_warp_step.block_step`)
+    @plgpu.inline_mgpu(arg_types=(ref,) * (4 * k) + (layout,) * (4 + k),
+                       return_type=(acc_t, ml_t, ml_t))
+    def step(_, *args):
+      refs, (qb, acc, ml, zacc), valids = args[:4 * k], args[4 * k:4 * k + 4], args[4 * k + 4:]
+      slots = [tuple(refs[4 * j:4 * j + 4]) for j in range(k)]
+      return ws.block_step(slots, qb, acc, ml, zacc, list(valids), nt=nt, dtype=dtype,
+                           scale2=scale2)
+    return step
 
   @plgpu.inline_mgpu(arg_types=(layout, layout, layout, ref, ref))
   def publish(_, acc, ml, zacc, wo, wml):
@@ -122,21 +133,29 @@ def _kernel(p, dtype, sm_scale, q_ref, kc_ref, ks_ref, vc_ref, vs_ref, len_ref, 
     plgpu.set_max_registers(p["regs"], action="increase")
     plgpu.barrier_wait(q_bar)
     qb = load_q(q_s)
-    mine = jnp.maximum(n_blocks - w + nw - 1, 0) // nw
+    mine = jnp.maximum(n_blocks - w + nw - 1, 0) // nw  # blocks w, w + W, ...
 
-    def body(ii, carry):
-      i = w + ii * nw
+    def arrived(i):  # block i's slot (its operands) and its valid-token count
       slot = lax.rem(i, stages)
       for bar in (kc_bar, ks_bar, vc_bar, vs_bar):
         plgpu.barrier_wait(bar.at[slot])
       valid = plgpu.layout_cast(jnp.full((64, 8), end - (start + i * BLOCK), jnp.int32),
                                 layout)
-      carry = step(kc_s.at[slot], ks_s.at[slot], vc_s.at[slot], vs_s.at[slot], qb, *carry,
-                   valid)
-      plgpu.barrier_arrive(free.at[slot])
+      return slot, (kc_s.at[slot], ks_s.at[slot], vc_s.at[slot], vs_s.at[slot]), valid
+
+    def body(k, first, ii, carry):  # blocks w + (first + k ii + j) W, j < k (k slots)
+      got = [arrived(w + (first + k * ii + j) * nw) for j in range(k)]
+      carry = steps[k](*[r for _, refs, _ in got for r in refs], qb, *carry,
+                       *[valid for _, _, valid in got])
+      for slot, _, _ in got:
+        plgpu.barrier_arrive(free.at[slot])
       return carry
 
-    publish(*lax.fori_loop(0, mine, body, init()), wo_s, wml_s)
+    k = p["group"]
+    carry = lax.fori_loop(0, mine // k, functools.partial(body, k, 0), init())
+    if k > 1:  # the last mine % k blocks, one at a time
+      carry = lax.fori_loop(0, mine % k, functools.partial(body, 1, mine - mine % k), carry)
+    publish(*carry, wo_s, wml_s)
     plgpu.barrier_arrive(done)
     if w == 0:
       plgpu.barrier_wait(done)
@@ -146,6 +165,7 @@ def _kernel(p, dtype, sm_scale, q_ref, kc_ref, ks_ref, vc_ref, vs_ref, len_ref, 
       plgpu.copy_smem_to_gmem(lse_s, lse_ref.at[pid, sid])
       plgpu.wait_smem_to_gmem(0)
 
+  steps = {k: make_step(k) for k in {1, p["group"]}}
   for w in range(nw):
     pl.when(wg == w)(functools.partial(compute, w))
 

@@ -143,24 +143,28 @@ def _key_scores(kc, ks, qb, *, nt, dtype):
   return scores
 
 
-def _softmax(scores, ml, valid, *, nt, scale2):
-  """Masks and scales the scores, then the online softmax per query column (n, e) over the
-  warp's 32 tokens: returns (p {(m, n): 4 f32}, alphas {(n, e)}, new ml scalars)."""
+def _softmax(blocks, ml, *, nt, scale2):
+  """Masks and scales the scores of each block (blocks: [(scores {(m, n): 4 f32}, valid)]),
+  then one online-softmax step per query column (n, e) over the warp's 32 tokens of every
+  block: returns (p [{(m, n): 4 f32}] per block, alphas {(n, e)}, new ml scalars)."""
   _, _, _, _, arith, _ = _mlir()
   _, warp, r, _ = _lane_parts()
   row0 = arith.addi(arith.muli(warp, const_i32(32)), r)
   neg_inf, scale = _f32(-math.inf), _f32(scale2)
-  for (m, n), s in scores.items():
-    for c in range(4):
-      row = arith.addi(row0, const_i32(16 * m + 8 * (c // 2)))
-      ok = arith.cmpi(arith.CmpIPredicate.slt, row, valid)
-      s[c] = arith.select(ok, arith.mulf(s[c], scale), neg_inf)
+  for scores, valid in blocks:
+    for (m, n), s in scores.items():
+      for c in range(4):
+        row = arith.addi(row0, const_i32(16 * m + 8 * (c // 2)))
+        ok = arith.cmpi(arith.CmpIPredicate.slt, row, valid)
+        s[c] = arith.select(ok, arith.mulf(s[c], scale), neg_inf)
   ml_out = [None] * (4 * nt)
   alphas = {}
   for n in range(nt):
     for e in range(2):
-      bmax = _fmax(_fmax(scores[0, n][e], scores[0, n][2 + e]),
-                   _fmax(scores[1, n][e], scores[1, n][2 + e]))
+      vals = [sc[m, n][c] for sc, _ in blocks for m in range(2) for c in (e, 2 + e)]
+      while len(vals) > 1:  # a balanced tree of maxima
+        vals = [_fmax(x, y) for x, y in zip(vals[::2], vals[1::2])] + vals[len(vals) & ~1:]
+      bmax = vals[0]
       for mask in (4, 8, 16):
         bmax = _fmax(bmax, ptx.shfl_xor(bmax, mask))
       m_old = ml[4 * n + e]
@@ -168,13 +172,14 @@ def _softmax(scores, ml, valid, *, nt, scale2):
       m_use = arith.select(_is_neg_inf(m_new), _f32(0.0), m_new)
       alphas[n, e] = ptx.ex2(arith.subf(m_old, m_use))
       tot = None
-      for m in range(2):
-        for c in (e, 2 + e):
-          scores[m, n][c] = ptx.ex2(arith.subf(scores[m, n][c], m_use))
-          tot = scores[m, n][c] if tot is None else arith.addf(tot, scores[m, n][c])
+      for sc, _ in blocks:
+        for m in range(2):
+          for c in (e, 2 + e):
+            sc[m, n][c] = ptx.ex2(arith.subf(sc[m, n][c], m_use))
+            tot = sc[m, n][c] if tot is None else arith.addf(tot, sc[m, n][c])
       ml_out[4 * n + e] = m_new
       ml_out[4 * n + 2 + e] = arith.addf(arith.mulf(ml[4 * n + 2 + e], alphas[n, e]), tot)
-  return scores, alphas, ml_out
+  return [sc for sc, _ in blocks], alphas, ml_out
 
 
 def _value_products(vc, vs, p, acc, zacc, *, nt, dtype):
@@ -217,22 +222,27 @@ def _value_products(vc, vs, p, acc, zacc, *, nt, dtype):
   return acc, zacc
 
 
-def block_step(kc, ks, vc, vs, qb_arr, acc_arr, ml_arr, z_arr, valid_arr, *, nt: int,
-               dtype: str, scale2: float):
-  """One 128-token block for this thread's warp (its 32 tokens): returns (acc, ml, zacc).
+def block_step(slots, qb_arr, acc_arr, ml_arr, z_arr, valids, *, nt: int, dtype: str,
+               scale2: float):
+  """One step of this thread's warp over k 128-token blocks (its 32 tokens of each; k is the
+  plan's group, 1 or 2): returns (acc, ml, zacc).
 
-  kc, ks, vc, vs: the ring slot's [4, 256] codes and scales (`mosaic_layout`);
-  valid: the block's number of valid tokens (every element); scale2: softmax scale * log2 e.
+  slots: per block the ring slot's (kc, ks, vc, vs) [4, 256] codes and scales
+  (`mosaic_layout`); valids: per block its number of valid tokens (every element);
+  scale2: softmax scale * log2 e. Two blocks make one online-softmax step over their 64
+  tokens: their key products, and then their value products, are independent chains that
+  the scheduler interleaves (the loop is latency-bound).
   """
   _, _, _, ir, arith, _ = _mlir()
   f32 = ir.F32Type.get()
   qb, acc, ml, zacc = (_scalars(a) for a in (qb_arr, acc_arr, ml_arr, z_arr))
-  valid = _scalars(valid_arr)[0]
-  scores = _key_scores(kc, ks, qb, nt=nt, dtype=dtype)
-  p, alphas, ml_out = _softmax(scores, ml, valid, nt=nt, scale2=scale2)
+  blocks = [(_key_scores(kc, ks, qb, nt=nt, dtype=dtype), _scalars(valid)[0])
+            for (kc, ks, _, _), valid in zip(slots, valids)]
+  ps, alphas, ml_out = _softmax(blocks, ml, nt=nt, scale2=scale2)
   acc = [arith.mulf(v, alphas[i // 32, i % 2]) for i, v in enumerate(acc)]
   zacc = [arith.mulf(v, alphas[i // 4, i % 2]) for i, v in enumerate(zacc)]
-  acc, zacc = _value_products(vc, vs, p, acc, zacc, nt=nt, dtype=dtype)
+  for (_, _, vc, vs), p in zip(slots, ps):
+    acc, zacc = _value_products(vc, vs, p, acc, zacc, nt=nt, dtype=dtype)
   return _array(acc, f32, None), _array(ml_out, f32, None), _array(zacc, f32, None)
 
 

@@ -222,6 +222,9 @@ def test_plan_defaults_and_cache_check():
   assert "skip" not in p and "fold" not in p
   p2 = mosaic_kivi_warp.plan((8, 32, 128), (8, 8, 128))
   assert p2["w"] == 2 and p2["stages"] % 2 == 0 and p2["regs"] <= 232
+  # two blocks per step where the ring holds both (the GPU cases run both kinds)
+  assert p2["group"] == 2 and p["group"] == 2
+  assert mosaic_kivi_warp.plan((8, 32, 128), (8, 8, 128), stages=2)["group"] == 1
   with pytest.raises(TypeError):  # the removed knobs
     mosaic_kivi_warp.plan((8, 32, 128), (8, 8, 128), dequant="fma")
   _, (q, kq, vq, kw, vw, ql, wl) = case(0, 1)
