@@ -11,6 +11,7 @@ import math
 import os
 from pathlib import Path
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -85,8 +86,8 @@ def test_round_trip_equals_the_lower_level_path(name, model, prompts, tmp_path):
   p = prompts[1]
   caches = init_caches(method.cache, spec, model.spec, params, batch=1,
                        capacity=len(p) + 1, dtype=jnp.float32)
-  logits, _ = forward(params, jnp.asarray([p]), jnp.arange(len(p))[None], caches,
-                      model.spec)
+  logits, _ = jax.jit(forward, static_argnums=4)(params, jnp.asarray([p]),
+                                                  jnp.arange(len(p))[None], caches, model.spec)
   assert int(jnp.argmax(logits[0, -1])) == got.tokens[1][0]
   # evict passes its inner cache's calibration through (configs/main.py:smoke wraps ZACK);
   # around an uncalibrated cache nothing is checkpointed.

@@ -354,17 +354,20 @@ def test_power_iteration_recovers_exact_low_rank():
   assert np.all(np.asarray(a)[:, 24:] == 0)
 
 
-def test_orthonormalize_spans_what_numpy_qr_spans():
-  """`power.orthonormalize` (Householder in jnp, no cuSOLVER) vs float64 numpy QR: the same
-  projector Q Q^T and orthonormal columns, also for near-parallel columns; for dependent
-  or zero columns Q is still an orthonormal basis containing them (Q Q^T M = M), as
-  LAPACK's. Negative control: one pass of classical Gram-Schmidt on the near-parallel
-  columns loses orthogonality."""
+@pytest.mark.parametrize("qr", ["householder_q", "orthonormalize"])
+def test_orthonormalize_spans_what_numpy_qr_spans(qr):
+  """`power.householder_q` (Householder in jnp, no cuSOLVER: the GPU's) and
+  `power.orthonormalize` (on the CPU: LAPACK) vs float64 numpy QR: the same projector Q Q^T
+  and orthonormal columns, also for near-parallel columns; for dependent or zero columns Q
+  is still an orthonormal basis containing them (Q Q^T M = M), as LAPACK's. Negative
+  control: one pass of classical Gram-Schmidt on the near-parallel columns loses
+  orthogonality."""
+  orthonormalize = jax.jit(getattr(power, qr))
   rng = np.random.default_rng(3)
   m = rng.standard_normal((5, 40, 4))
   m[..., 1] = m[..., 0] + 1e-3 * m[..., 1]                # near-parallel: cond ~ 1e3
   eye = lambda r: np.broadcast_to(np.eye(r), (5, r, r))
-  q = np.asarray(power.orthonormalize(jnp.asarray(m, jnp.float32)), np.float64)
+  q = np.asarray(orthonormalize(jnp.asarray(m, jnp.float32)), np.float64)
   qn = np.linalg.qr(m)[0]
   proj = lambda a: a @ np.swapaxes(a, -1, -2)
   np.testing.assert_allclose(proj(q), proj(qn), atol=2e-4)
@@ -373,11 +376,11 @@ def test_orthonormalize_spans_what_numpy_qr_spans():
   dep[..., 3] = 2.0 * dep[..., 0] - dep[..., 2]           # the last column is dependent
   dep[1, :, 2] = 0.0                                      # and a zero column
   for x in (dep, np.zeros((5, 40, 4))):
-    qd = np.asarray(power.orthonormalize(jnp.asarray(x, jnp.float32)), np.float64)
+    qd = np.asarray(orthonormalize(jnp.asarray(x, jnp.float32)), np.float64)
     np.testing.assert_allclose(np.swapaxes(qd, -1, -2) @ qd, eye(4), atol=2e-6)
     np.testing.assert_allclose(proj(qd) @ x, x, atol=1e-4)
   # Columns whose squares overflow fp32 (the power iteration's unnormalised products).
-  big = np.asarray(power.orthonormalize(jnp.asarray(m * 1e25, jnp.float32)), np.float64)
+  big = np.asarray(orthonormalize(jnp.asarray(m * 1e25, jnp.float32)), np.float64)
   np.testing.assert_allclose(proj(big), proj(qn), atol=2e-4)
   # Full rank r = n: Q spans everything, so the power iteration reproduces the matrix.
   sq = rng.standard_normal((3, 8, 8))

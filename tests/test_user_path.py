@@ -2,10 +2,12 @@
 as failed and the sweep goes on; a finished point is skipped (or overwritten); nothing
 is written to a workdir before its inputs validate; results files get normal modes."""
 
+import hashlib
 import json
 import os
 import stat
 
+import ml_collections
 import pytest
 
 from kvlowrank import ModelSpec
@@ -117,6 +119,25 @@ def test_new_eval_flag_keeps_old_hashes():
   assert config_lib.config_hash(c) == config_lib.config_hash(old)
   c.eval.allow_beyond_max_seq_len = True  # control: set, it is a different point
   assert config_lib.config_hash(c) != config_lib.config_hash(old)
+
+
+def test_calibration_hash_keys_the_resolved_spec():
+  """A default written out or left out is the same calibration; a knob whose default the
+  checkpoint predates is not: the hash covers the resolved spec, not the section's text."""
+  c = config_lib.base_config()
+  c.method, c.palu = "palu", ml_collections.ConfigDict({"target_ratio": 0.5})
+  explicit = config_lib.base_config()
+  explicit.method = "palu"
+  explicit.palu = ml_collections.ConfigDict({"target_ratio": 0.5, "value_fold": "auto"})
+  assert config_lib.calibration_hash(c) == config_lib.calibration_hash(explicit)
+  explicit.palu.value_fold = "always"  # control: a different calibration
+  assert config_lib.calibration_hash(c) != config_lib.calibration_hash(explicit)
+  # The section-only hash (before 2026-11-27) is not what keys the checkpoint any more.
+  d = config_lib._canonical(c)  # pylint: disable=protected-access
+  section_only = hashlib.sha256(json.dumps(
+      {"model": d["model"], "method": "palu", "section": d["palu"], "calib": d["calib"]},
+      sort_keys=True).encode()).hexdigest()[:16]
+  assert config_lib.calibration_hash(c) != section_only
 
 
 def test_report_lists_failures_until_they_finish(tmp_path):

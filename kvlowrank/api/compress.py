@@ -12,7 +12,7 @@ method's model checks) before any work: an unknown or bad knob is one ValueError
 the field. Calibration goes through the harness (kvlowrank.experiment.evaluate
 .calibrated_params): its result is saved with orbax under
 <cache_dir>/calib/<calibration hash> and restored on the next call with the same model,
-knobs and calibration data.
+resolved method spec (every knob, defaults included) and calibration data.
 """
 
 from __future__ import annotations

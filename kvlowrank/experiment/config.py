@@ -130,11 +130,25 @@ def config_hash(config) -> str:
 
 
 def calibration_hash(config) -> str:
-  """Hash of what a calibration depends on: model, method and its section, calib data."""
+  """Hash of what a calibration depends on: model, method, its resolved spec, calib data.
+
+  The spec is the method's dataclass built from the section, every field included, defaults
+  too: a knob added later whose default changes the calibration (PaluSpec.value_fold, which
+  moved B_v out of W_o) then keys a new checkpoint instead of restoring one made before it
+  (measured 2026-11-27: a workdir's older Palu checkpoint was restored silently, with the
+  old folded W_o). A section the method cannot build keeps its raw form (the error comes
+  from the evaluation)."""
   d = _canonical(config)
-  sub = {"model": d.get("model"), "method": d.get("method"),
-         "section": d.get(d.get("method"), {}), "calib": d.get("calib")}
-  return hashlib.sha256(json.dumps(sub, sort_keys=True).encode()).hexdigest()[:16]
+  method = d.get("method")
+  section = d.get(method, {})
+  try:
+    from kvlowrank.methods import get_method  # pylint: disable=import-outside-toplevel
+    section = _jsonable(get_method(method).build_spec(section))
+  except (KeyError, ValueError, TypeError):
+    pass
+  sub = {"model": d.get("model"), "method": method, "section": section,
+         "calib": d.get("calib")}
+  return hashlib.sha256(json.dumps(sub, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
 def apply_overrides(config: ConfigDict, overrides: Mapping[str, Any]) -> ConfigDict:

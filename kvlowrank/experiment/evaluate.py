@@ -114,8 +114,8 @@ def calibrated_params(config, exp: Experiment, model, workdir, *, tokens=None
                       ) -> tuple[object, Optional[dict]]:
   """The parameters to evaluate: the model's, or the method's calibrated ones.
 
-  A calibration is keyed by `calibration_hash(config)` (model, method section, calib
-  section): an orbax checkpoint in workdir/calib/<hash> is restored when present,
+  A calibration is keyed by `calibration_hash(config)` (model, the method's resolved spec,
+  calib section): an orbax checkpoint in workdir/calib/<hash> is restored when present,
   otherwise the method calibrates and the result is saved there.
 
   Args:

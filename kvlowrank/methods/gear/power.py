@@ -9,12 +9,15 @@ For X [..., n, d] (one (batch element, KV head) residual per leading index) and 
 so X ~= A B^T with A [n, r] orthonormal and B = X^T A (A B^T = A A^T X). fp32 throughout,
 as the official code (`fake_poweriteration_group`: torch.rand init, fp32, --loop 3).
 
-QR (`orthonormalize`): Householder QR over the r <= 8 columns in jnp, instead of
-`jnp.linalg.qr` (the official code's torch.linalg.qr). Only Q is used, and
-A B^T = A A^T X depends on span(A) alone, so column signs that differ from LAPACK's do not
-change the cache. The reason is the GPU: `jnp.linalg.qr` runs as cuSOLVER calls (geqrf +
-orgqr) inside the chunk compression's `lax.cond`; removing them shortened the GEAR-L-2
-decode step (measured: results/decode_ablations.md). Householder, not
+QR (`orthonormalize`): on a GPU, Householder QR over the r <= 8 columns in jnp
+(`householder_q`), instead of `jnp.linalg.qr` (the official code's torch.linalg.qr); on
+other platforms `jnp.linalg.qr` (LAPACK). Only Q is used, and A B^T = A A^T X depends on
+span(A) alone, so column signs that differ between the two do not change the cache. The
+reason is the GPU: `jnp.linalg.qr` runs as cuSOLVER calls (geqrf + orgqr) inside the chunk
+compression's `lax.cond`; removing them shortened the GEAR-L-2 decode step (measured:
+results/decode_ablations.md). On the CPU the LAPACK call compiles in a fraction of the
+unrolled reflections' time (a stories260K GEAR model's prefill and decode steps: 3.2 + 2.4 s
+instead of 6.0 + 4.1 s, measured 2026-11-27 on the 2-core box). Householder, not
 Gram-Schmidt: after L-1 unnormalised iterations the columns are nearly parallel
 (condition ~ (sigma_1 / sigma_r)^(2(L-1))), and Householder's Q stays orthonormal, with a
 full basis for rank-deficient input as LAPACK's, where Gram-Schmidt loses the trailing
@@ -46,7 +49,7 @@ def init_right(seed: int, d: int, r: int):
   return jax.random.uniform(jax.random.key(seed), (d, r), jnp.float32)
 
 
-def orthonormalize(m):
+def householder_q(m):
   """Q [..., n, r] of m [..., n, r] (n >= r; r small, static): Householder QR, Q = H_0 ...
   H_{r-1} [I_r; 0]. A zero column (rank-deficient input) skips its reflection, so Q is
   orthonormal for every input, as LAPACK's. Each column is first divided by its largest
@@ -71,6 +74,15 @@ def orthonormalize(m):
   for v, beta in reversed(refl):
     q = q - (beta * v)[..., :, None] * jnp.sum(v[..., :, None] * q, axis=-2, keepdims=True)
   return q
+
+
+def orthonormalize(m):
+  """Q [..., n, r] of m [..., n, r] (n >= r): `householder_q` on a GPU, LAPACK's QR (after
+  the same column scaling) elsewhere (module docstring)."""
+  def lapack(m):
+    peak = jnp.max(jnp.abs(m), axis=-2, keepdims=True)
+    return jnp.linalg.qr(m / jnp.where(peak > 0, peak, 1.0))[0]
+  return jax.lax.platform_dependent(m, cuda=householder_q, rocm=householder_q, default=lapack)
 
 
 def power_iteration(x, b0, iterations: int):
