@@ -8,12 +8,12 @@ elements along `axis`, b = bits:
   zero    = cast_sd(mn)                                  (a float zero point, not an integer)
   s, z    = float32(scale), float32(zero)                (codes use the *stored* values)
   code    = clip(round_half_even((x - z) / s), 0, 2^b - 1)   if s > 0, else 0
+  x_hat   = code * s + z
 
 Backends round the division differently: XLA:CPU computes (x - z) * (1 / s), XLA:GPU an
 fp32 division (div.full); codes at a rounding tie may differ between them (a kernel that
 writes the same codes, `kivi.triton_update`, follows the GPU's). The scale is written as a
 product so that no backend divides there.
-  x_hat   = code * s + z
 
 Zero-range guard: a group with mx == mn (or whose scale underflows to 0 in
 scale_dtype) stores scale 0 and all-zero codes and dequantizes to `zero`; no

@@ -49,6 +49,12 @@ def init_right(seed: int, d: int, r: int):
   return jax.random.uniform(jax.random.key(seed), (d, r), jnp.float32)
 
 
+def _scale_columns(m):
+  """m [..., n, r] with each column divided by its largest magnitude (zero columns kept)."""
+  peak = jnp.max(jnp.abs(m), axis=-2, keepdims=True)
+  return m / jnp.where(peak > 0, peak, 1.0)
+
+
 def householder_q(m):
   """Q [..., n, r] of m [..., n, r] (n >= r; r small, static): Householder QR, Q = H_0 ...
   H_{r-1} [I_r; 0]. A zero column (rank-deficient input) skips its reflection, so Q is
@@ -58,8 +64,7 @@ def householder_q(m):
   LAPACK's scaled norms do not."""
   n, r = m.shape[-2:]
   rows = jnp.arange(n)
-  peak = jnp.max(jnp.abs(m), axis=-2, keepdims=True)
-  a = m / jnp.where(peak > 0, peak, 1.0)
+  a = _scale_columns(m)
   refl = []
   for j in range(r):
     x = jnp.where(rows >= j, a[..., j], 0.0)                       # [..., n]
@@ -79,9 +84,7 @@ def householder_q(m):
 def orthonormalize(m):
   """Q [..., n, r] of m [..., n, r] (n >= r): `householder_q` on a GPU, LAPACK's QR (after
   the same column scaling) elsewhere (module docstring)."""
-  def lapack(m):
-    peak = jnp.max(jnp.abs(m), axis=-2, keepdims=True)
-    return jnp.linalg.qr(m / jnp.where(peak > 0, peak, 1.0))[0]
+  lapack = lambda m: jnp.linalg.qr(_scale_columns(m))[0]
   return jax.lax.platform_dependent(m, cuda=householder_q, rocm=householder_q, default=lapack)
 
 
