@@ -17,6 +17,8 @@ import pytest
 from kvlowrank import ModelSpec, config_lib
 from kvlowrank.generate import (Greedy, SamplerConfig, Temperature, TopK, TopP, generate,
                                 make_sampler, sampler_from_config)
+from kvlowrank.generate import loop
+from kvlowrank.generate.loop import bucket
 from kvlowrank.generate.runner import GenerateConfig
 from kvlowrank.model import init_params
 from kvlowrank.resources import shared_dir
@@ -149,6 +151,32 @@ def test_ragged_batch_equals_one_by_one(batched):
     alone = generate(PARAMS, SPEC, [p], max_new_tokens=MAX_NEW, eos_ids=(),
                      cache_dtype=jnp.float32, capacity=15)  # one compile for all rows
     assert alone.tokens[0] == toks
+
+
+def test_bucket_rounds_up_by_at_most_an_eighth():
+  ns = np.arange(1, 70000)
+  got = np.array([bucket(int(n)) for n in ns])
+  assert np.all(got >= ns) and np.all(np.diff(got) >= 0)
+  assert np.all(got - ns < np.maximum(16, ns / 8))
+  assert [bucket(n) for n in (1, 16, 17, 100, 300, 32769)] == [16, 16, 32, 112, 320, 36864]
+
+
+def test_nearby_lengths_share_one_compiled_loop(reference):
+  """max_new_tokens 5 and 8 (prompts of 7 tokens: capacities 12 and 15) fall in one bucket:
+  one prefill and one decode loop serve both, and each stops at its own max_new_tokens."""
+  jax.clear_caches()
+  short = generate(PARAMS, SPEC, PROMPTS, max_new_tokens=5, eos_ids=(),
+                   cache_dtype=jnp.float32)
+  full = generate(PARAMS, SPEC, PROMPTS, max_new_tokens=MAX_NEW, eos_ids=(),
+                  cache_dtype=jnp.float32)
+  assert (loop._prefill._cache_size(), loop._decode._cache_size()) == (1, 1)
+  assert [list(t) for t in full.tokens] == reference
+  assert [list(t) for t in short.tokens] == [r[:5] for r in reference]
+  assert short.decode_steps == 4 and short.lengths == (5,) * 3
+  # Negative control: 60 new tokens (capacity 67 → 80, the dense cache's 128 slots) is
+  # another bucket, so both compile anew.
+  generate(PARAMS, SPEC, PROMPTS, max_new_tokens=60, eos_ids=(), cache_dtype=jnp.float32)
+  assert (loop._prefill._cache_size(), loop._decode._cache_size()) == (2, 2)
 
 
 def test_eos_stops_rows_and_the_loop(reference):

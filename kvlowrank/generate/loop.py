@@ -34,6 +34,13 @@ EOS_BUCKET = 8
 _BARS: list = []  # the open progress bar of `generate(..., progress=True)`, if any
 
 
+def bucket(n: int) -> int:
+  """n rounded up to a multiple of 2**max(4, bit_length(n) - 4): at most 1/8 more (16 for
+  n <= 128). The default cache capacity and the decode loop's output width are bucketed,
+  so calls whose prompt and max_new_tokens differ a little reuse one compiled prefill and
+  decode loop instead of compiling their own."""
+  step = 1 << max(4, int(n).bit_length() - 4)
+  return -(-int(n) // step) * step
 def _tick(step):
   """Host side of the decode loop's progress callback: `step` tokens generated so far."""
   if _BARS and int(step) > _BARS[-1].n:
@@ -76,20 +83,21 @@ def _prefill(params, tokens, positions, last_idx, caches, rng, *, spec: ModelSpe
   return sampler.next_tokens(logits[:, 0], rng), caches
 
 
-@functools.partial(jax.jit, static_argnames=("spec", "sampler", "max_new_tokens", "allow",
+@functools.partial(jax.jit, static_argnames=("spec", "sampler", "width", "allow",
                                              "progress", "mesh"))
-def _decode(params, first, next_pos, eos_ids, caches, rng, *, spec: ModelSpec,
-            sampler: Sampler, max_new_tokens: int, allow: bool = False,
+def _decode(params, first, next_pos, eos_ids, max_new_tokens, caches, rng, *,
+            spec: ModelSpec, sampler: Sampler, width: int, allow: bool = False,
             progress: bool = False, mesh=None):
   """Decode loop. first [B] (sampled by the prefill), next_pos [B] = prompt lengths,
-  eos_ids [E] int32 padded with -1.
+  eos_ids [E] int32 padded with -1, max_new_tokens a traced int32 <= width (the output
+  buffer's static width, `bucket(max_new_tokens)`).
 
-  Returns (out [B, max_new_tokens] with PAD_TOKEN past each row's end, n_generated [B]
+  Returns (out [B, width] with PAD_TOKEN past each row's end, n_generated [B]
   counting the EOS token, hit_eos [B], steps). `progress` adds a host callback per step
   (kvlowrank.generate.loop._tick); without it the loop has none.
   """
   b = first.shape[0]
-  out = jnp.full((b, max_new_tokens), PAD_TOKEN, jnp.int32).at[:, 0].set(first)
+  out = jnp.full((b, width), PAD_TOKEN, jnp.int32).at[:, 0].set(first)
   hit_eos = _is_eos(first, eos_ids)
   n_gen = jnp.ones((b,), jnp.int32)
 
@@ -157,13 +165,13 @@ def generate(params, spec: ModelSpec, prompts: Sequence[Sequence[int]], *,
     cache_spec: that method's spec dataclass (DenseSpec() for "dense").
     cache_dtype: cache storage dtype; default: the dtype of params["embed"].
     eos_ids: ids that stop a row; default spec.eos_ids; () never stops early.
-    capacity: cache slots (positions [0, capacity)); default max prompt length +
-      max_new_tokens. At least the padded prompt width is allocated (the prefill call
-      hands the cache that many columns, padding included).
+    capacity: cache slots (positions [0, capacity)); default `bucket(max prompt length +
+      max_new_tokens)` (at most 1/8 more, so that nearby lengths share compiled code). At
+      least the padded prompt width is allocated (the prefill call hands the cache that
+      many columns, padding included).
     allow_beyond_max_seq_len: let prompt + max_new_tokens run past spec.max_seq_len
       (the model's trained context); by default an error.
     progress: show a tqdm bar of the tokens generated (a host callback per decode step).
-      max_new_tokens.
     mesh: a `kvlowrank.parallel.make_mesh` (data, model) mesh to decode on several devices
       (KV heads split over "model", prompts over "data"); None: one device.
   Returns:
@@ -179,7 +187,7 @@ def generate(params, spec: ModelSpec, prompts: Sequence[Sequence[int]], *,
   lens = np.array([len(r) for r in rows], np.int32)
   longest = int(np.argmax(lens))
   if capacity is None:
-    capacity = int(lens.max()) + max_new_tokens
+    capacity = bucket(int(lens.max()) + max_new_tokens)
   if lens[longest] > capacity:
     raise ValueError(f"prompt {longest} has {lens[longest]} tokens, more than the cache "
                      f"capacity={capacity}")
@@ -220,8 +228,8 @@ def generate(params, spec: ModelSpec, prompts: Sequence[Sequence[int]], *,
                       unit="tok", leave=False, initial=1))
   try:
     out, n_gen, hit_eos, steps = _decode(
-        params, first, jnp.asarray(lens), jnp.asarray(eos), caches, rng_decode, spec=spec,
-        sampler=sampler, max_new_tokens=max_new_tokens,
+        params, first, jnp.asarray(lens), jnp.asarray(eos), jnp.int32(max_new_tokens), caches,
+        rng_decode, spec=spec, sampler=sampler, width=bucket(max_new_tokens),
         allow=bool(allow_beyond_max_seq_len), progress=progress, mesh=mesh)
     out, n_gen, hit_eos, steps = jax.device_get((out, n_gen, hit_eos, steps))
     if progress:
