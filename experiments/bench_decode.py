@@ -53,11 +53,11 @@ def plot(result, path):
   recs = result["records"]
   contexts = sorted({r["context"] for r in recs})
   methods = list(dict.fromkeys(r["method"] for r in recs))
-  batches = sorted({r["batch"] for r in recs})
   fig, axes = plt.subplots(1, len(contexts), figsize=(5 * len(contexts) + 1.5, 4),
                            squeeze=False)
   width = 0.8 / max(1, len(methods))
   for ax, ctx in zip(axes[0], contexts):
+    batches = sorted({r["batch"] for r in recs if r["context"] == ctx})  # this panel's
     for i, m in enumerate(methods):
       vals = [next((r["tokens_per_s"] for r in recs if (r["method"], r["context"], r["batch"])
                     == (m, ctx, b)), 0.0) for b in batches]

@@ -175,3 +175,32 @@ def test_progress_saves_every_record_and_survives_a_cut(tmp_path):
   saved = json.loads(out.read_text())
   assert [r["method"] for r in saved["records"]] == ["dense"] and not saved["complete"]
   assert sorted(p.name for p in tmp_path.iterdir()) == ["cut.json"]   # no temp file left
+
+
+def test_plot_panels_show_only_their_batches(tmp_path):
+  """experiments/bench_decode.py --png: one panel per context, each with the batches measured
+  at that context (records of two calls, 8K × 8 and 32K × 4, side by side)."""
+  import importlib.util  # pylint: disable=import-outside-toplevel
+  import pathlib  # pylint: disable=import-outside-toplevel
+  import matplotlib.pyplot as plt  # pylint: disable=import-outside-toplevel
+  script = pathlib.Path(__file__).resolve().parents[1] / "experiments" / "bench_decode.py"
+  spec = importlib.util.spec_from_file_location("bench_decode_launcher", script)
+  mod = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(mod)
+  recs = [dict(method=m, context=c, batch=b, tokens_per_s=t)
+          for m, c, b, t in [("dense", 8192, 8, 659.3), ("KIVI-2", 8192, 8, 1045.7),
+                             ("dense", 32768, 4, 206.6), ("KIVI-2", 32768, 4, 425.4)]]
+  saved = {}
+  orig = plt.Figure.savefig
+  def keep(fig, path, **kw):  # the axes as drawn, before the figure is written
+    saved["ticks"] = [[t.get_text() for t in ax.get_xticklabels()] for ax in fig.axes]
+    saved["bars"] = [[round(p.get_height(), 1) for p in ax.patches] for ax in fig.axes]
+    return orig(fig, path, **kw)
+  plt.Figure.savefig = keep
+  try:
+    mod.plot({"model": "llama2-7b", "records": recs}, tmp_path / "p.png")
+  finally:
+    plt.Figure.savefig = orig
+  assert (tmp_path / "p.png").stat().st_size > 0
+  assert saved["ticks"] == [["B=8"], ["B=4"]]  # before: both panels showed B=4 and B=8
+  assert saved["bars"] == [[659.3, 1045.7], [206.6, 425.4]]
