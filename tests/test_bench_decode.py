@@ -177,7 +177,7 @@ def test_progress_saves_every_record_and_survives_a_cut(tmp_path):
   assert sorted(p.name for p in tmp_path.iterdir()) == ["cut.json"]   # no temp file left
 
 
-def test_plot_panels_show_only_their_batches(tmp_path):
+def test_plot_panels_show_only_their_batches(tmp_path, monkeypatch):
   """experiments/bench_decode.py --png: one panel per context, each with the batches measured
   at that context (records of two calls, 8K × 8 and 32K × 4, side by side)."""
   import importlib.util  # pylint: disable=import-outside-toplevel
@@ -196,11 +196,8 @@ def test_plot_panels_show_only_their_batches(tmp_path):
     saved["ticks"] = [[t.get_text() for t in ax.get_xticklabels()] for ax in fig.axes]
     saved["bars"] = [[round(p.get_height(), 1) for p in ax.patches] for ax in fig.axes]
     return orig(fig, path, **kw)
-  plt.Figure.savefig = keep
-  try:
-    mod.plot({"model": "llama2-7b", "records": recs}, tmp_path / "p.png")
-  finally:
-    plt.Figure.savefig = orig
+  monkeypatch.setattr(plt.Figure, "savefig", keep)
+  mod.plot({"model": "llama2-7b", "records": recs}, tmp_path / "p.png")
   assert (tmp_path / "p.png").stat().st_size > 0
   assert saved["ticks"] == [["B=8"], ["B=4"]]  # before: both panels showed B=4 and B=8
   assert saved["bars"] == [[659.3, 1045.7], [206.6, 425.4]]

@@ -41,6 +41,8 @@ def bucket(n: int) -> int:
   decode loop instead of compiling their own."""
   step = 1 << max(4, int(n).bit_length() - 4)
   return -(-int(n) // step) * step
+
+
 def _tick(step):
   """Host side of the decode loop's progress callback: `step` tokens generated so far."""
   if _BARS and int(step) > _BARS[-1].n:
