@@ -47,6 +47,19 @@ import jax  # noqa: E402
 import pytest  # noqa: E402
 
 
+def pytest_configure(config):
+  """`-m gpu` spreads each file's tests over the workers (xdist's `--dist load`).
+
+  pyproject.toml's addopts give the CPU suite a test file per worker, so that a module's
+  fixtures and compiled programs serve all its tests. The GPU suite's time is in a few files
+  of slow tests (17 greedy generations of 1-3 min each in `test_decode_path_gpu.py`), which
+  one worker would run one after another: `pytest -m gpu -n 6` then overran a 10-minute call
+  on an H100 (2026-11-28). An explicit `--dist` other than loadfile is left alone."""
+  if (getattr(config.option, "markexpr", "") == "gpu"
+      and getattr(config.option, "dist", "no") == "loadfile"):
+    config.option.dist = "load"
+
+
 def pytest_sessionfinish(session):
   """The run's compilation cache goes with the run (removed by the process that named it,
   not by xdist's workers, which have `workerinput`)."""
