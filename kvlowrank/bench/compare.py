@@ -1,7 +1,8 @@
 """Whole-model decode runs side by side: where two devices (or two commits) differ.
 
 Each input is the JSON of one `experiments/bench_decode.py` call (`kvlowrank.bench.decode`'s
-result with its `environment`). Rows are matched by (method, context, batch). Per run a row
+result with its `environment`), on one GPU or a mesh (`--mesh`: one GPU against two is the
+scaling). Rows are matched by (method, context, batch). Per run a row
 keeps the step, its attention (one layer's `attend` timed alone x layers) and the rest; the
 ratio of a run's attention to the first run's says what limits a kernel: a kernel that the
 memory bandwidth limits takes longer on the device of lower bandwidth by about the bandwidth
@@ -59,11 +60,15 @@ def load(path: str) -> dict:
 
 
 def label(result: dict, path: str = "") -> str:
-  """The run's device and date (`environment`), else the file's name."""
+  """The run's device, mesh and date (`environment`, the records' mesh), else the file's
+  name."""
   env = result.get("environment") or {}
   device = str(env.get("device", "")).removeprefix("NVIDIA ")
   if not device:
     return os.path.basename(path) or "run"
+  mesh = next((r["mesh"] for r in result.get("records", []) if r.get("mesh")), None)
+  if mesh:
+    device += f" [{mesh[0]}x{mesh[1]}]"
   return f"{device} ({env['date']})" if env.get("date") else device
 
 
@@ -76,7 +81,7 @@ def rows(results: Sequence[dict]) -> list[Row]:
     keyed.append({(r["method"], r["context"], r["batch"]): Cell(
         float(r["tokens_per_s"]), float(r["step_ms"]),
         None if r.get("attention_ms") is None else float(r["attention_ms"]))
-                  for r in res["records"] if not r.get("mesh")})
+                  for r in res["records"]})
   out = [Row(m, c, b, tuple(k[(m, c, b)] for k in keyed))
          for (m, c, b) in keyed[0] if all((m, c, b) in k for k in keyed[1:])]
   if not out:
