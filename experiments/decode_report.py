@@ -1,8 +1,7 @@
 r"""Whole-model decode runs side by side (`kvlowrank.bench.compare`; no GPU needed).
 
-  python experiments/decode_report.py \
-      --json experiments/results/decode_l3_h100_2026-11-28.json,experiments/results/decode_l3_all_h200_2026-11-27.json \
-      --png /tmp/h100_vs_h200.png
+  cd experiments/results && python ../decode_report.py --png /tmp/h200_vs_h100.png \
+      --json decode_l3_all_h200_2026-11-27.json,decode_l3_h100_2026-11-28.json
 
 Each JSON is one `bench_decode.py` call (another device, or another commit). Prints a
 markdown table of the rows every run has (tokens/s, step = attention + rest, each run's
