@@ -47,6 +47,9 @@ def test_table_and_labels():
       in text
   assert "| XQuant-CL-2 | 32K × 8 | 11.0, 729.72 | 9.0, 800.00 | — |" in text
   assert compare.label({"records": []}, "/x/run.json") == "run.json"
+  tiny = [dict(H200["records"][0], context=300), dict(H100["records"][1], context=300)]
+  assert "| dense | 300 × 8 |" in compare.table(
+      compare.rows([dict(H200, records=tiny[:1]), dict(H100, records=tiny[1:])]), labels)
   two = dict(H100, records=[dict(r, mesh=[1, 2]) for r in H100["records"]])
   assert compare.label(two) == "H100 80GB HBM3 [1x2] (2026-11-28)"
   assert [r.method for r in compare.rows([H200, two])] == ["dense", "KIVI-2", "XQuant-CL-2"]
