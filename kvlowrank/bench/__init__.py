@@ -9,7 +9,9 @@ One module per concept:
   roofline  roofline, % of roofline and speed-up over the best dense kernel (`finalize`);
   ops       where a call's device time goes: per kernel and category, from a profiler trace
             (`ops.op_times`);
-  decode    the whole-model decode benchmark (`experiments/bench_decode.py`).
+  decode    the whole-model decode benchmark (`experiments/bench_decode.py`);
+  compare   decode runs side by side, the step split into attention and rest
+            (`experiments/decode_report.py`).
 
 Measurements made with them are in BENCHMARKS.md, not here.
 """

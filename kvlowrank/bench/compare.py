@@ -18,6 +18,8 @@ import json
 import os
 from typing import Optional, Sequence
 
+from kvlowrank.bench.decode import context_label
+
 
 @dataclasses.dataclass(frozen=True)
 class Cell:
@@ -89,10 +91,6 @@ def rows(results: Sequence[dict]) -> list[Row]:
   return out
 
 
-def _ctx(n: int) -> str:
-  return f"{n // 1024}K" if n % 1024 == 0 else str(n)
-
-
 def table(rows_: Sequence[Row], labels: Sequence[str]) -> str:
   """Markdown: per run tokens/s and step = attention + rest (ms); attention ÷ the first run's."""
   head = ["method", "context × B"] + [f"{l}: tokens/s, step ms (attention + rest)"
@@ -106,8 +104,8 @@ def table(rows_: Sequence[Row], labels: Sequence[str]) -> str:
                else f" ({c.attention_ms:.2f} + {c.rest_ms:.2f})")
       cells.append(f"{c.tokens_per_s:.1f}, {c.step_ms:.2f}{split}")
     cells += ["—" if x is None else f"{x:.2f}" for x in r.attention_ratios()[1:]]
-    lines.append(f"| {r.method} | {_ctx(r.context)} × {r.batch} | " + " | ".join(cells)
-                 + " |")
+    lines.append(f"| {r.method} | {context_label(r.context)} × {r.batch} | "
+                 + " | ".join(cells) + " |")
   return "\n".join(lines)
 
 
@@ -136,7 +134,8 @@ def plot(rows_: Sequence[Row], labels: Sequence[str], path: str, title: str = ""
           ax.text(x, r.cells[i].step_ms, f"{ratio:.2f}×", ha="center", va="bottom",
                   fontsize=7)
   ax.set_xticks([j + 0.4 - width / 2 for j in range(len(rows_))],
-                [f"{r.method}\n{_ctx(r.context)} × {r.batch}" for r in rows_], fontsize=8)
+                [f"{r.method}\n{context_label(r.context)} × {r.batch}" for r in rows_],
+                fontsize=8)
   ax.set_ylabel("decode step ms")
   ax.set_title(title or "decode step: attention + rest (× = attention vs the first run)",
                fontsize=9)

@@ -741,7 +741,8 @@ def speedups(result: dict) -> list[dict]:
   return out
 
 
-def _ctx(n: int) -> str:
+def context_label(n: int) -> str:
+  """A context length as the tables write it: 32768 -> "32K", 300 -> "300"."""
   return f"{n // 1024}K" if n % 1024 == 0 else str(n)
 
 
@@ -766,7 +767,7 @@ def table(result: dict) -> str:
     mark = "" if check is None else (" ✓" if check["fits"] else (
         " ✗" + (f" ({check['largest_run']} ✓)" if check.get("largest_run") else "")))
     lines.append(
-        f"| {label} | {_ctx(r['context'])} | {r['batch']} | {r['tokens_per_s']:.1f} | "
+        f"| {label} | {context_label(r['context'])} | {r['batch']} | {r['tokens_per_s']:.1f} | "
         f"{vs} | {r['step_ms']:.2f} | {attn} | {cache} | {gib(r['peak_bytes_est'])} | "
         f"{r['max_batch']}{mark} |")
   return "\n".join(lines)
