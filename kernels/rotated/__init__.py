@@ -2,7 +2,8 @@
 
 `ragged_attention(q_rot, k_rot, v_rot, lengths, k_widths=..., v_widths=..., scale=...)`
 returns (out [B, G, sum v], lse [B, K, G]) with the semantics of
-`reference.ragged_attention_reference` (the operand contract is in its docstring).
+`reference.ragged_attention_reference` (the operand contract is in its docstring); with
+`heads_width=W`, out [B, K, G, W] per head, zero-padded (`to_heads`).
 Implementations:
   "reference"  plain jnp float32 (runs anywhere; prefill uses it too);
   "triton"     the split-K kernel in `triton_ragged`: (request, KV head) tasks cut into chunks
@@ -19,7 +20,7 @@ import warnings
 import jax.numpy as jnp
 
 from ..common import triton_backend
-from .reference import check_inputs, ragged_attention_reference
+from .reference import check_inputs, offsets, ragged_attention_reference
 
 IMPLEMENTATIONS = ("reference", "triton")
 
@@ -54,12 +55,29 @@ def resolve_implementation(implementation=None, *, args=None, options=None) -> s
   return impl
 
 
+def to_heads(out, v_widths, width: int):
+  """Packed out [B, G, sum v] → [B, K, G, width]: head h's v_h columns, then zeros."""
+  check_heads_width(v_widths, width)
+  heads = [jnp.pad(out[..., o:o + w], ((0, 0), (0, 0), (0, width - w)))
+           for o, w in zip(offsets(v_widths), v_widths)]
+  return jnp.stack(heads, axis=1)
+
+
+def check_heads_width(v_widths, width):
+  if width is not None and (int(width) != width or width < max(v_widths)):
+    raise ValueError(f"ragged_attention: heads_width must be an int >= max(v_widths)="
+                     f"{max(v_widths)}, got {width!r}")
+
+
 def ragged_attention(q_rot, k_rot, v_rot, lengths, *, k_widths, v_widths, scale,
-                     out_dtype=None, implementation=None, **knobs):
+                     out_dtype=None, implementation=None, heads_width=None, **knobs):
   """Ragged-head decode attention; see `reference.ragged_attention_reference`.
 
   Args:
     implementation: None (see `resolve_implementation`) | "reference" | "triton".
+    heads_width: None: out [B, G, sum v] packed (the contract); an int W >= max(v_widths):
+      out [B, K, G, W], head h's v_h columns then zeros (`to_heads`; the layout of a W_o
+      padded per head, which the Triton path gathers in its combine directly).
     **knobs: Triton kernel options (block_s, target_chunks, chunk_tokens, schedule,
       num_warps, num_stages, poison, return_partials; `triton_ragged.ragged_attention_triton`).
   """
@@ -69,10 +87,12 @@ def ragged_attention(q_rot, k_rot, v_rot, lengths, *, k_widths, v_widths, scale,
       options=knobs)
   if implementation not in (None, impl):
     warnings.warn(f"ragged_attention: {implementation!r} unavailable here, running {impl!r}")
+  check_heads_width(v_widths, heads_width)
   if impl == "reference":
-    return ragged_attention_reference(q_rot, k_rot, v_rot, lengths, k_widths=k_widths,
-                                      v_widths=v_widths, scale=scale, out_dtype=out_dtype)
+    out, lse = ragged_attention_reference(q_rot, k_rot, v_rot, lengths, k_widths=k_widths,
+                                          v_widths=v_widths, scale=scale, out_dtype=out_dtype)
+    return (out if heads_width is None else to_heads(out, v_widths, heads_width)), lse
   from .triton_ragged import ragged_attention_triton  # pylint: disable=import-outside-toplevel
   return ragged_attention_triton(q_rot, k_rot, v_rot, lengths, k_widths=tuple(k_widths),
                                  v_widths=tuple(v_widths), scale=scale, out_dtype=out_dtype,
-                                 **knobs)
+                                 heads_width=heads_width, **knobs)

@@ -39,14 +39,16 @@ def ragged_widths(n_heads: int, mean: int, rng: np.random.Generator, spread: int
   return tuple(int(ws[i]) for i in perm)
 
 
-# Small problems for the CPU tests: GQA 1/4/8, widths 16-64 (maximum a power of two or not),
-# ragged lengths incl. 1 and non-multiples of the tiles.
+# Small problems for the CPU tests: GQA 1/4/8 and 3 (SmolLM2's: not a power of two), widths
+# 16-64 (maximum a power of two or not), ragged lengths incl. 1 and non-multiples of the tiles.
 TEST_SHAPES = (
     RaggedShape(batch=3, capacity=200, groups=4, k_widths=(32, 16, 48), v_widths=(16, 48, 32),
                 head_dim=64),
     RaggedShape(batch=2, capacity=130, groups=1, k_widths=(16, 64), v_widths=(64, 16),
                 head_dim=64),
     RaggedShape(batch=2, capacity=97, groups=8, k_widths=(48,), v_widths=(32,), head_dim=64),
+    RaggedShape(batch=2, capacity=150, groups=3, k_widths=(32, 48, 16), v_widths=(48, 16, 32),
+                head_dim=64),
 )
 
 

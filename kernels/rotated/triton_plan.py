@@ -91,8 +91,9 @@ class RaggedPlan:
   @property
   def constexprs(self) -> dict:
     rows = max(len(grp) for grp in self.head_groups) * self.groups
-    return dict(G=self.groups, GP=_pow2_at_least(rows), SK=sum(self.k_widths),
-                SV=sum(self.v_widths), KW=_pow2_at_least(max(self._group_sums(self.k_widths))),
+    return dict(G=self.groups, GP=_pow2_at_least(rows), GC=_pow2_at_least(self.groups),
+                SK=sum(self.k_widths), SV=sum(self.v_widths),
+                KW=_pow2_at_least(max(self._group_sums(self.k_widths))),
                 VW=_pow2_at_least(max(self._group_sums(self.v_widths))), BLOCK_S=self.block_s)
 
   def group_table(self) -> np.ndarray:
@@ -103,15 +104,17 @@ class RaggedPlan:
                                      self._group_sums(self.v_widths)))], np.int32)
 
   def row_table(self) -> np.ndarray:
-    """int32 [n_groups, GP, 2]: each query row's key columns [start, end) / 16 in its group's
-    slice (row j * G + g: head j of the group; rows past the group's heads: empty)."""
+    """int32 [n_groups, GP, 4]: each query row's key columns [start, end) / 16 and value
+    columns [start, end) / 16 in its group's slices (row j * G + g: head j of the group; rows
+    past the group's heads: empty)."""
     gp = self.constexprs["GP"]
-    ko = offsets(self.k_widths)
-    tab = np.zeros((self.n_groups, gp, 2), np.int32)
+    ko, vo = offsets(self.k_widths), offsets(self.v_widths)
+    tab = np.zeros((self.n_groups, gp, 4), np.int32)
     for i, grp in enumerate(self.head_groups):
       for j, h in enumerate(grp):
-        lo = (ko[h] - ko[grp[0]]) // 16
-        tab[i, j * self.groups:(j + 1) * self.groups] = (lo, lo + self.k_widths[h] // 16)
+        klo, vlo = (ko[h] - ko[grp[0]]) // 16, (vo[h] - vo[grp[0]]) // 16
+        tab[i, j * self.groups:(j + 1) * self.groups] = (
+            klo, klo + self.k_widths[h] // 16, vlo, vlo + self.v_widths[h] // 16)
     return tab
 
   def widths(self) -> np.ndarray:
@@ -120,21 +123,40 @@ class RaggedPlan:
             + np.asarray(self._group_sums(self.v_widths), np.int32))
 
   def output_index(self):
-    """Static gathers from the combined per-program rows: (value [G, sum v] into the flat
-    [n_groups * GP * VW] outputs of one batch row, lse [K, G] into its [n_groups * GP])."""
+    """Static index tables of the combine (`triton_ragged.combine_heads`) over the kernel's
+    compact partials (o [.., n_groups, G, VW]: row g holds query g of every head of the group,
+    each head in its own value columns; lse [.., n_groups, GP], one per block-diagonal row):
+      weight_row [n_groups, G, VW]: the lse row (j * G + g) whose split-K weight column c of
+        query g takes (head j owns c; 0 past the group's columns, where o is 0);
+      packed [G, sum v]: each packed output column's flat index in [n_groups * G * VW];
+      lse [K, G]: head h's query g's flat index in [n_groups * GP]."""
     c = self.constexprs
     gp, vwt, g = c["GP"], c["VW"], self.groups
     vo = offsets(self.v_widths)
-    val = np.zeros((g, sum(self.v_widths)), np.int32)
+    weight_row = np.zeros((self.n_groups, g, vwt), np.int32)
+    packed = np.zeros((g, sum(self.v_widths)), np.int32)
     lse = np.zeros((len(self.k_widths), g), np.int32)
+    qs = np.arange(g)
     for i, grp in enumerate(self.head_groups):
       for j, h in enumerate(grp):
-        for q in range(g):
-          row = i * gp + j * g + q
-          lse[h, q] = row
-          val[q, vo[h]:vo[h] + self.v_widths[h]] = (row * vwt + vo[h] - vo[grp[0]]
-                                                    + np.arange(self.v_widths[h]))
-    return val, lse
+        lo = vo[h] - vo[grp[0]]
+        cols = lo + np.arange(self.v_widths[h])
+        weight_row[i, :, lo:lo + self.v_widths[h]] = (j * g + qs)[:, None]
+        packed[:, vo[h]:vo[h] + self.v_widths[h]] = (i * g + qs)[:, None] * vwt + cols[None, :]
+        lse[h] = i * gp + j * g + qs
+    return weight_row, packed, lse
+
+  def heads_index(self, width: int) -> np.ndarray:
+    """int32 [K, G, width]: head h's query g's output column t (< v_h) as a flat index into
+    [n_groups * G * VW] (the `output_index` packed table regrouped by head); columns
+    t >= v_h get n_groups * G * VW, past the end (filled with zeros by the gather)."""
+    _, packed, _ = self.output_index()
+    vo = offsets(self.v_widths)
+    end = self.n_groups * self.groups * self.constexprs["VW"]
+    out = np.full((len(self.v_widths), self.groups, width), end, np.int32)
+    for h, w in enumerate(self.v_widths):
+      out[h, :, :w] = packed[:, vo[h]:vo[h] + w]
+    return out
 
 
 def check_fit(q_shape, k_widths, v_widths, dtype, capacity=None, block_s=DEFAULT_BLOCK_S):

@@ -7,7 +7,15 @@ scheduler hands them out in that order to the first SM slot that frees up, which
 greedy step (see `lpt`). A chunk of (b, group) loads the group's block-diagonal query (G rows
 per head, `triton_plan`), streams its slots' key and value slices of the packed cache rows
 (the group's heads side by side) with an online softmax in float32 per row, and writes its
-normalised partial output and LSE; `splitk.combine_partials` merges the chunks of each task.
+normalised partial output and LSE per row; `combine_heads` merges the chunks of each task
+(`splitk.combine_partials`' arithmetic).
+
+Compact partials: the block-diagonal product gives G rows per head, each over every column of
+the group, but row j * G + g is meaningful only in head j's value columns. So a chunk writes
+o [G, VW]: row g holds query g of every head of the group, each in its own columns (a 0/1
+selection of the G-strided rows, exact in fp32), 1 / (heads in the group) of the block-diagonal
+rows' bytes (Llama-3, 4 heads per group: a quarter; Llama-2, G = 1: one row of 16); the
+kernel writes the partials and the combine reads them on every call.
 
 Ragged widths: one compiled kernel serves every group. Tiles are KW = next power of two of the
 widest group's key columns (VW for values); the group's offset and width come from the record,
@@ -24,17 +32,16 @@ import numpy as np
 import triton
 import triton.language as tl
 
-from ..common import splitk
 from ..common import triton_backend
-from ..dense.triton_decode import store_partial
+from ..dense.triton_decode import split_lse
 from . import lpt
 from .triton_plan import DEFAULT_BLOCK_S, DEFAULT_GROUP_WIDTH, plan
 
 
 @triton.jit
 def _ragged_body(q_ptr, k_ptr, v_ptr, rec_ptr, row_ptr, S, sm_scale, o_ptr, lse_ptr,
-                 G: tl.constexpr, GP: tl.constexpr, SK: tl.constexpr, SV: tl.constexpr,
-                 KW: tl.constexpr, VW: tl.constexpr, BLOCK_S: tl.constexpr):
+                 G: tl.constexpr, GP: tl.constexpr, GC: tl.constexpr, SK: tl.constexpr,
+                 SV: tl.constexpr, KW: tl.constexpr, VW: tl.constexpr, BLOCK_S: tl.constexpr):
   # This program's record (`records`): independent loads of one row.
   rec = rec_ptr + tl.program_id(0) * 9
   t = tl.load(rec)
@@ -52,8 +59,9 @@ def _ragged_body(q_ptr, k_ptr, v_ptr, rec_ptr, row_ptr, S, sm_scale, o_ptr, lse_
   vcols = tl.arange(0, VW)
   # Block-diagonal query: row j * G + g holds query g of the group's head j in that head's
   # columns [lo, hi) (in 16-column groups, `RaggedPlan.row_table`), zeros elsewhere.
-  lo = tl.load(row_ptr + (grp * GP + rows) * 2)
-  hi = tl.load(row_ptr + (grp * GP + rows) * 2 + 1)
+  row = row_ptr + (grp * GP + rows) * 4
+  lo = tl.load(row)
+  hi = tl.load(row + 1)
   c16 = kcols // 16
   q = tl.load(q_ptr + (b64 * G + rows % G)[:, None] * SK + koff + kcols[None, :],
               mask=(c16[None, :] >= lo[:, None]) & (c16[None, :] < hi[:, None]), other=0.0)
@@ -81,24 +89,36 @@ def _ragged_body(q_ptr, k_ptr, v_ptr, rec_ptr, row_ptr, S, sm_scale, o_ptr, lse_
                 other=0.0)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
     m_i = m_new
-  store_partial(o_ptr, lse_ptr, acc, m_i, l_i, t.to(tl.int64) * GP + rows, rows < GP, VW)
+  # Compact partial: row g of chunk t holds query g of every head of the group, each head in
+  # its own value columns (row j * G + g of the block-diagonal product keeps head j's columns
+  # [vlo, vhi) only; a 0/1 [GC, GP] selection sums the G-strided rows exactly, in fp32).
+  l_safe, lse = split_lse(m_i, l_i)
+  vc16 = vcols // 16
+  own = (vc16[None, :] >= tl.load(row + 2)[:, None]) & (vc16[None, :] < tl.load(row + 3)[:, None])
+  o = tl.where(own, acc / l_safe[:, None], 0.0)
+  qsel = tl.arange(0, GC)
+  sel = tl.where((rows[None, :] % G) == qsel[:, None], 1.0, 0.0)
+  oc = tl.dot(sel, o, input_precision="ieee")
+  t64 = t.to(tl.int64)
+  tl.store(o_ptr + (t64 * G + qsel)[:, None] * VW + vcols[None, :], oc, mask=(qsel < G)[:, None])
+  tl.store(lse_ptr + t64 * GP + rows, lse)
 
 
 @triton.jit
 def ragged_kernel(q_ptr, k_ptr, v_ptr, rec_ptr, row_ptr, S, sm_scale, o_ptr, lse_ptr,
-                  G: tl.constexpr, GP: tl.constexpr, SK: tl.constexpr, SV: tl.constexpr,
-                  KW: tl.constexpr, VW: tl.constexpr, BLOCK_S: tl.constexpr):
-  _ragged_body(q_ptr, k_ptr, v_ptr, rec_ptr, row_ptr, S, sm_scale, o_ptr, lse_ptr, G, GP, SK,
-               SV, KW, VW, BLOCK_S)
+                  G: tl.constexpr, GP: tl.constexpr, GC: tl.constexpr, SK: tl.constexpr,
+                  SV: tl.constexpr, KW: tl.constexpr, VW: tl.constexpr, BLOCK_S: tl.constexpr):
+  _ragged_body(q_ptr, k_ptr, v_ptr, rec_ptr, row_ptr, S, sm_scale, o_ptr, lse_ptr, G, GP, GC,
+               SK, SV, KW, VW, BLOCK_S)
 
 
 @triton.jit
 def ragged_kernel_poisoned(q_ptr, k_ptr, v_ptr, rec_ptr, row_ptr, S, sm_scale, o_init,
                            lse_init, o_ptr, lse_ptr, G: tl.constexpr, GP: tl.constexpr,
-                           SK: tl.constexpr, SV: tl.constexpr, KW: tl.constexpr,
-                           VW: tl.constexpr, BLOCK_S: tl.constexpr):
-  _ragged_body(q_ptr, k_ptr, v_ptr, rec_ptr, row_ptr, S, sm_scale, o_ptr, lse_ptr, G, GP, SK,
-               SV, KW, VW, BLOCK_S)
+                           GC: tl.constexpr, SK: tl.constexpr, SV: tl.constexpr,
+                           KW: tl.constexpr, VW: tl.constexpr, BLOCK_S: tl.constexpr):
+  _ragged_body(q_ptr, k_ptr, v_ptr, rec_ptr, row_ptr, S, sm_scale, o_ptr, lse_ptr, G, GP, GC,
+               SK, SV, KW, VW, BLOCK_S)
 
 
 def records(p, lengths, schedule):
@@ -119,17 +139,32 @@ def records(p, lengths, schedule):
   return jnp.concatenate([jnp.stack([ids, b, start, end], axis=1), grp], axis=1)
 
 
-def combine_heads(o, lse, p, out_dtype):
-  """Merges the chunk partials (o [T, GP, VW], lse [T, GP] float32, chunk ids
-  (b, c, group)) into (out [B, G, sum v] out_dtype, lse [B, K, G] float32): one split-K
-  combine over the chunks, then one static gather of each head's rows and v_h columns."""
-  bsz, nc, ng = p.batch, p.n_chunks, p.n_groups
-  gp, vw = o.shape[1], o.shape[2]
-  o = o.reshape(bsz, nc, ng, gp, vw).transpose(0, 2, 3, 1, 4)            # [B, NG, GP, NC, VW]
-  lse = lse.reshape(bsz, nc, ng, gp).transpose(0, 2, 3, 1)               # [B, NG, GP, NC]
-  out, total = splitk.combine_partials(o, lse, jnp.float32)
-  val, lse_idx = p.output_index()
-  out = out.reshape(bsz, -1)[:, jnp.asarray(val)]                        # [B, G, sum v]
+def combine_heads(o, lse, p, out_dtype, heads_width=None):
+  """Merges the chunk partials (o [T, G, VW] compact, lse [T, GP] float32, chunk ids
+  (b, c, group)) into (out [B, G, sum v] out_dtype, lse [B, K, G] float32), or with
+  `heads_width` out [B, K, G, heads_width]: head h's v_h columns, then zeros. The split-K
+  weights per (chunk, row) (`splitk.combine_partials`' arithmetic), each compact column
+  taking its row's weight, summed over the chunks in one reduction over contiguous rows;
+  then one static gather of the outputs."""
+  bsz, nc, ng, g = p.batch, p.n_chunks, p.n_groups, p.groups
+  gp, vw = lse.shape[1], o.shape[2]
+  weight_row, packed, lse_idx = p.output_index()
+  lse = lse.reshape(bsz, nc, ng, gp)
+  m = jnp.max(lse, axis=1, keepdims=True)
+  m_safe = jnp.where(jnp.isfinite(m), m, 0.0)
+  w = jnp.where(jnp.isfinite(lse), jnp.exp(lse - m_safe), 0.0)          # [B, NC, NG, GP]
+  denom = jnp.sum(w, axis=1)
+  total = jnp.where(denom > 0, m_safe[:, 0] + jnp.log(jnp.where(denom > 0, denom, 1.0)),
+                    -jnp.inf)
+  w = w / jnp.where(denom > 0, denom, 1.0)[:, None]
+  w_cols = w[:, :, np.arange(ng)[:, None, None], jnp.asarray(weight_row)]   # [B, NC, NG, G, VW]
+  # Elementwise product + sum, not einsum: an f32 dot may run as TF32 on GPU.
+  out = jnp.sum(w_cols * o.reshape(bsz, nc, ng, g, vw), axis=1).reshape(bsz, -1)
+  if heads_width is None:
+    out = out[:, jnp.asarray(packed)]                                     # [B, G, Σv]
+  else:
+    out = jnp.take(out, jnp.asarray(p.heads_index(heads_width)), axis=1, mode="fill",
+                   fill_value=0)                                          # [B, K, G, width]
   return out.astype(out_dtype), total.reshape(bsz, -1)[:, jnp.asarray(lse_idx)]
 
 
@@ -137,9 +172,9 @@ def ragged_attention_triton(q_rot, k_rot, v_rot, lengths, *, k_widths, v_widths,
                             out_dtype=None, block_s=DEFAULT_BLOCK_S, target_chunks=None,
                             chunk_tokens=None, group_width=DEFAULT_GROUP_WIDTH,
                             schedule="rows", num_warps=4, num_stages=2,
-                            poison=False, return_partials=False):
+                            poison=False, return_partials=False, heads_width=None):
   """Same contract as `reference.ragged_attention_reference` (bf16/fp16 caches; the query is
-  cast to the cache dtype).
+  cast to the cache dtype); `heads_width`: as `ragged_attention`'s.
 
   Extra Args:
     block_s, target_chunks, chunk_tokens, group_width: chunking and head groups
@@ -155,17 +190,17 @@ def ragged_attention_triton(q_rot, k_rot, v_rot, lengths, *, k_widths, v_widths,
   rec = records(p, lengths, schedule)
   o, lse = launch_kernel(q_rot.astype(k_rot.dtype), k_rot, v_rot.astype(k_rot.dtype), rec, p,
                          scale, num_warps=num_warps, num_stages=num_stages, poison=poison)
-  out, total = combine_heads(o, lse, p, out_dtype or q_rot.dtype)
+  out, total = combine_heads(o, lse, p, out_dtype or q_rot.dtype, heads_width)
   if return_partials:
     return out, total, (o, lse)
   return out, total
 
 
 def launch_kernel(q_rot, k_rot, v_rot, rec, p, scale, *, num_warps, num_stages, poison=False):
-  """The kernel alone on prepared records: the (o [T, GP, VW], lse [T, GP]) partials."""
+  """The kernel alone on prepared records: the (o [T, G, VW], lse [T, GP]) partials."""
   c = p.constexprs
   t = p.total_chunks
-  out_shapes = [jax.ShapeDtypeStruct((t, c["GP"], c["VW"]), jnp.float32),
+  out_shapes = [jax.ShapeDtypeStruct((t, c["G"], c["VW"]), jnp.float32),
                 jax.ShapeDtypeStruct((t, c["GP"]), jnp.float32)]
   # np.float32: jax-triton passes a Python float as an fp64 scalar.
   return triton_backend.launch(

@@ -233,6 +233,7 @@ def check_rotated():
   corrupted key slot of one head must break the agreement)."""
   from kvlowrank_kernels.dense import shapes as ds  # pylint: disable=import-outside-toplevel
   from kvlowrank_kernels.rotated import shapes as rs  # pylint: disable=import-outside-toplevel
+  from kvlowrank_kernels.rotated import to_heads  # pylint: disable=import-outside-toplevel
   from kvlowrank_kernels.rotated.reference import ragged_attention_reference  # pylint: disable=C0415
   from kvlowrank_kernels.rotated.triton_ragged import ragged_attention_triton  # pylint: disable=C0415
   options = (dict(block_s=16),
@@ -256,6 +257,13 @@ def check_rotated():
         tag = f"rotated[{i}] {jnp.dtype(dt).name} {opts}"
         assert_close(out, ref, 1e-2, 1e-2, f"{tag} out")
         assert_close(lse, ref_lse, 1e-2, 1e-3, f"{tag} lse")
+      # The per-head layout the cache asks for (`heads_width`), zero-padded past each v_h.
+      width = max(shape.v_widths) + 16
+      with interpreted_launch():
+        heads, _ = ragged_attention_triton(*args, out_dtype=F32, block_s=16, heads_width=width,
+                                           **w)
+      assert_close(heads, to_heads(ref, shape.v_widths, width), 1e-2, 1e-2,
+                   f"rotated[{i}] heads_width={width}")
   # Negative control: head 1's key at slot 3 of row 1 (attended) scaled.
   shape = rs.TEST_SHAPES[0]
   w = dict(k_widths=shape.k_widths, v_widths=shape.v_widths, scale=shape.scale)

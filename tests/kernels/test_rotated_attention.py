@@ -183,6 +183,33 @@ def test_launch_order_under_jit():
     lpt.order("fifo", lens, 8, ct, widths)
 
 
+@pytest.mark.parametrize("n", [1, 7, 264, lpt.COUNT_SORT_MAX + 5])
+def test_descending_is_numpys_stable_sort(n):
+  """Counting ranks (and the argsort beyond COUNT_SORT_MAX) == numpy's stable descending
+  sort, ties in index order; a random permutation (negative control) is not."""
+  keys = np.random.default_rng(n).integers(0, 6, n).astype(np.int32)     # many ties
+  got = np.asarray(jax.jit(lpt.descending)(jnp.asarray(keys)))
+  np.testing.assert_array_equal(got, np.argsort(-keys, kind="stable"))
+  if n > 7:
+    assert not np.array_equal(np.random.default_rng(0).permutation(n), got)
+
+
+def test_heads_layout_is_the_packed_output_per_head():
+  """heads_width=W: head h's v_h columns of the packed output, then zeros; a width below
+  max(v_widths) is a one-line error naming heads_width."""
+  shape, (q, k, v, lens) = case(0)
+  w = dict(k_widths=shape.k_widths, v_widths=shape.v_widths, scale=shape.scale)
+  out, lse = ragged_attention(q, k, v, lens, **w)
+  heads, lse2 = ragged_attention(q, k, v, lens, heads_width=64, **w)
+  assert heads.shape == (shape.batch, len(shape.k_widths), shape.groups, 64)
+  np.testing.assert_array_equal(lse, lse2)
+  for h, (o, vw) in enumerate(zip(np.cumsum((0,) + shape.v_widths[:-1]), shape.v_widths)):
+    np.testing.assert_array_equal(heads[:, h, :, :vw], out[..., o:o + vw])
+    assert not np.any(heads[:, h, :, vw:])
+  with pytest.raises(ValueError, match="heads_width"):
+    ragged_attention(q, k, v, lens, heads_width=32, **w)
+
+
 # ----------------------------------------------------------------------------- plan, dispatch
 
 def test_plan_groups_and_chunk_sizes():
@@ -192,8 +219,17 @@ def test_plan_groups_and_chunk_sizes():
   assert common.n_chunks == -(-16384 // common.chunk_tokens[0]) >= 396 // 24
   assert common.head_groups == head_groups(kw, vw, 4) == ((0, 1, 2), (3, 4), (5, 6, 7))
   assert all(len(grp) * 4 <= 16 for grp in common.head_groups)
-  val, lse = common.output_index()
-  assert len(set(val.reshape(-1).tolist())) == val.size and len(set(lse.reshape(-1).tolist())) == 32
+  weight_row, packed, lse = common.output_index()
+  c = common.constexprs
+  assert len(set(packed.reshape(-1).tolist())) == packed.size == 4 * sum(vw)  # one source each
+  assert packed.max() < common.n_groups * 4 * c["VW"]
+  assert len(set(lse.reshape(-1).tolist())) == 32
+  for i, grp in enumerate(common.head_groups):                    # query g: a row j*G + g
+    gv = sum(vw[h] for h in grp)
+    assert np.all(weight_row[i, :, :gv] % 4 == np.arange(4)[:, None])
+    assert np.all(weight_row[i, :, :gv] // 4 < len(grp))
+  heads = common.heads_index(96)
+  assert heads.shape == (8, 4, 96) and np.all(heads[0, :, 80:] == common.n_groups * 4 * c["VW"])
 
 
 def test_triton_fit_and_dispatcher_without_gpu():

@@ -69,7 +69,7 @@ _HI = jax.lax.Precision.HIGHEST
 # Jitted so that the layers' identical kernel calls are lowered once per model.
 _kernel_attention = jax.jit(rotated_kernels.ragged_attention,
                             static_argnames=("k_widths", "v_widths", "scale", "out_dtype",
-                                             "implementation"))
+                                             "implementation", "heads_width"))
 # Slots in whole 64-token tiles, as the dense and Palu caches (the decode kernels' blocks).
 CAPACITY_MULTIPLE = 64
 
@@ -260,9 +260,8 @@ class RotatedCache(base.KVCache):
     out, lse = _kernel_attention(q_rot, self.k_rot, self.v_rot, self.lens,
                                  k_widths=self.k_widths, v_widths=self.v_widths,
                                  scale=spec.head_dim ** -0.5, out_dtype=q.dtype,
-                                 implementation=impl)                # [B, G, Σv], [B, K, G]
-    heads = unpack(out, self.v_widths, vmax).swapaxes(1, 2)          # [B, K, G, v_max]
-    out = heads.reshape(b, 1, n, vmax)                               # head n = h·G + g
+                                 implementation=impl, heads_width=vmax)  # [B, K, G, v_max]
+    out = out.reshape(b, 1, n, vmax)                                 # head n = h·G + g
     return base.mask_padding_queries(out, lse.reshape(b, 1, n), q_positions, q.dtype)
 
   def attend(self, q, q_positions, lp, *, spec: ModelSpec, implementation=None):
