@@ -221,9 +221,11 @@ def test_bench_decode_rotated_rows():
   tiny = ModelSpec(vocab_size=64, dim=64, n_layers=2, n_heads=8, n_kv_heads=4, head_dim=64,
                    ffn_dim=64, max_seq_len=512)
   assert decode.rotated_widths(tiny) == (16, 48, 32, 32)
-  res = decode.run(tiny, methods=["dense", "fdc50"], configs=[(256, 2)], steps=1,
-                   log=lambda s: None)
+  res = decode.run(tiny, methods=["dense", "fdc50", "zack50-4bit"], configs=[(256, 2)],
+                   steps=1, log=lambda s: None)
   recs = {r["method"]: r for r in res["records"]}
   assert recs["FDC-50%"]["cache_nbytes"] == recs["FDC-50%"]["cache_device_bytes"]
   ratio = recs["FDC-50%"]["cache_nbytes"] / recs["dense"]["cache_nbytes"]
   assert abs(ratio - 0.5) < 0.01
+  q4 = recs["ZACK-50% 4-bit"]
+  assert q4["cache_nbytes"] == q4["cache_device_bytes"] < 0.25 * recs["dense"]["cache_nbytes"]
