@@ -66,6 +66,8 @@ METHODS = {
     "gearl2": ("gear", GearSpec(sparsity=0.0), ("triton",)),
     "fdc50": ("fdc", RotatedSpec(), ("triton",)),
     "zack50": ("zack", RotatedSpec(), ("triton",)),
+    # 4-bit K'/V': the kernel on the prefix dequantized to bf16, the exact ring by jnp.
+    "zack50-4bit": ("zack", RotatedSpec(bits=4), ("triton",)),
     # Generation only (no per-layer `attend` of their own: XQuant-CL's layers need the
     # cross-layer carry; eviction's attention is its inner cache's plus the window's).
     "xquant_cl2": ("xquant_cl", XQuantCLSpec(bits=2, group_size=128), ("xla",)),
@@ -148,6 +150,9 @@ def test_decode_dispatch_and_attention_within_bound(gpu, name):
   if hasattr(c, "stores"):
     half = dataclasses.replace(c, stores=tuple(dataclasses.replace(s, lens=s.lens // 2)
                                                for s in c.stores))
+  elif getattr(c, "quant", None) is not None:     # quantized rotated: the inner store's
+    half = dataclasses.replace(c, lens=c.lens // 2,
+                               quant=dataclasses.replace(c.quant, lens=c.quant.lens // 2))
   else:
     half = dataclasses.replace(c, lens=c.lens // 2)
   other = np.asarray(run(half, q, "reference"), np.float64)

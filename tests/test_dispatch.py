@@ -47,7 +47,7 @@ def _cache(name, mspec, spec=SPEC, dtype=jnp.bfloat16):
     ("gear", GearSpec(), CPU, "reference", "needs a GPU"),
     ("fdc", RotatedSpec(), H100, "triton", None),
     ("zack", RotatedSpec(), H100, "triton", None),
-    ("fdc", RotatedSpec(bits=4), H100, "reference", "quantized K'/V'"),
+    ("fdc", RotatedSpec(bits=4), H100, "triton", None),
     ("xquant", XQuantSpec(bits=2), H100, "xla", None),
     ("xquant", XQuantSpec(bits=2, implementation="triton"), H100, "triton", None),
     ("xquant", XQuantSpec(bits=2, implementation="auto"), CPU, "reference", "needs a GPU"),
@@ -74,6 +74,8 @@ def test_decode_choice(name, mspec, platform, want, why):
 
 def test_fallback_reasons_name_the_cause():
   assert "float32" in _cache("dense", DenseSpec(), dtype=jnp.float32).choose_implementation(
+      DECODE, platform=H100)[1]
+  assert "float32" in _cache("fdc", RotatedSpec(bits=4), dtype=jnp.float32).choose_implementation(
       DECODE, platform=H100)[1]
   window = _cache("dense", DenseSpec(), spec=SPEC.replace(sliding_window=64))
   assert "sliding" in window.choose_implementation(DECODE, platform=H100)[1]

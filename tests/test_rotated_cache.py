@@ -229,3 +229,37 @@ def test_bench_decode_rotated_rows():
   assert abs(ratio - 0.5) < 0.01
   q4 = recs["ZACK-50% 4-bit"]
   assert q4["cache_nbytes"] == q4["cache_device_bytes"] < 0.25 * recs["dense"]["cache_nbytes"]
+
+
+@pytest.mark.parametrize("bits", [2, 4])
+def test_quantized_kernel_path_equals_the_jnp_path(bits):
+  """Quantized K'/V' on the kernel path (`_attend_kernel`: the prefix dequantized to the cache
+  dtype through `ragged_attention` at the prefix lengths, in the per-head layout, merged with
+  the exact ring by LSE) equals the jnp path, on ragged rows (40 and 25 tokens: prefix and
+  ring both non-empty); here `ragged_attention` runs its reference (CPU), the GPU tests run
+  the Triton kernel. Negative control: the ring zeroed changes the output."""
+  import dataclasses  # pylint: disable=import-outside-toplevel
+  lp, *_ = _ragged_layer((16, 32), (32, 16), seed=7)
+  rs = rotated.RotatedSpec(bits=bits, group_size=16, residual=16)
+  rng = np.random.default_rng(8)
+  t = 40
+  x, k = rng.standard_normal((2, t, 64)), rng.standard_normal((2, t, 2, 32))
+  pos = np.broadcast_to(np.arange(t, dtype=np.int32), (2, t)).copy()
+  pos[1, 25:] = -1                                                  # row 1: 25 tokens
+  f32 = lambda a: jnp.asarray(a, jnp.float32)
+  inputs = base.AttnInputs(x=f32(x), k=f32(k), k_pre=f32(k), v=f32(k), positions=jnp.asarray(pos))
+  c = rotated.RotatedCache.init(SPEC, lp, batch=2, capacity=64, dtype=jnp.float32, rspec=rs)
+  c = jax.jit(lambda c: c.update(inputs, lp))(c)
+  m, w_len = c.quant.segments()
+  assert np.all(np.asarray(m) > 0) and np.all(np.asarray(w_len) > 0)
+  q1 = f32(rng.standard_normal((2, 1, 6, 32)))
+  pos1 = jnp.asarray([[40], [25]], jnp.int32)
+  kern = jax.jit(lambda c: c._attend_kernel(q1, pos1, SPEC, "reference"))  # pylint: disable=W0212
+  out, lse = kern(c)
+  want, want_lse = jax.jit(lambda c: c.attend(q1, pos1, lp, spec=SPEC,
+                                              implementation="reference"))(c)
+  np.testing.assert_allclose(np.asarray(out), np.asarray(want), atol=1e-5)
+  np.testing.assert_allclose(np.asarray(lse), np.asarray(want_lse), atol=1e-5)
+  no_ring = dataclasses.replace(c, quant=dataclasses.replace(
+      c.quant, k_res=jnp.zeros_like(c.quant.k_res), v_res=jnp.zeros_like(c.quant.v_res)))
+  assert float(jnp.max(jnp.abs(kern(no_ring)[0] - out))) > 1e-2

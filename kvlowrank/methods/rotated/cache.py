@@ -27,11 +27,12 @@ v_max = max_g v_g so the attention block's folded W_O' [N·v_max, D] applies unc
 (`compress`); the padding is transient, never stored. Long prompts attend in query chunks
 (`model.attention.dot_product_attention`), so no [T, S] fp32 score matrix is built at once.
 
-Decode path: a decode step (T = 1) of an unquantized cache on a GPU runs the ragged-head
-kernel (`kvlowrank_kernels.rotated.ragged_attention`, Triton: (request, KV head) tasks split
-along the sequence, launched longest first) on k_rot / v_rot as stored; anything else (CPU,
-prefill, quantized K'/V', widths the kernel refuses) runs this jnp reference, the reason
-logged once (`cache.dispatch`).
+Decode path: a decode step (T = 1) on a GPU runs the ragged-head kernel
+(`kvlowrank_kernels.rotated.ragged_attention`, Triton: (request, KV head) tasks split along
+the sequence, launched longest first) on k_rot / v_rot as stored; with quantized K'/V' on
+the prefix dequantized to the cache dtype, the exact ring by the jnp path (no kernel reads
+the codes yet: `_attend_kernel`); anything else (CPU, prefill, widths the kernel refuses)
+runs this jnp reference, the reason logged once (`cache.dispatch`).
 
 `nbytes()` counts what grows with the cache (k_rot, v_rot or the quantized store and its
 exact window, lengths); the rotations and reconstructions are weights (`weights_nbytes`,
@@ -242,27 +243,52 @@ class RotatedCache(base.KVCache):
                                v_rot=base.scatter_slots(self.v_rot, vr, pos), lens=lens)
 
   def kernel_candidates(self, q_shape):
-    """The ragged-head Triton kernel for a query [B, N, H], with its fit check."""
+    """The ragged-head Triton kernel for a query [B, N, H], with its fit check (quantized
+    K'/V': on the prefix dequantized to the cache dtype, `_attend_kernel`)."""
     b, n, _ = q_shape
     def fit():
-      if self.quant is not None:
-        return "quantized K'/V' (the ragged kernel reads k_rot / v_rot)"
       g = n // len(self.k_widths)
+      dtype = self.k_rot.dtype if self.quant is None else self.quant.k_res.dtype
       return rotated_kernels.triton_fit((b, g, sum(self.k_widths)), self.k_widths,
-                                        self.v_widths, self.k_rot.dtype, self.capacity)
+                                        self.v_widths, dtype, self.capacity)
     return [("triton", "gpu", fit)]
 
   def _attend_kernel(self, q, q_positions, spec: ModelSpec, impl: str):
-    """One decode query per row through the ragged kernel: (out [B,1,N,v_max], lse)."""
+    """One decode query per row through the ragged kernel: (out [B,1,N,v_max], lse).
+    Quantized K'/V' (`bits`): no kernel reads the codes yet, so the quantized prefix [0, m)
+    is dequantized to the cache dtype (the same 16-bit values the jnp path attends) and the
+    kernel attends it in the packed layout it reads; the exact ring of the last tokens runs
+    the jnp path, and the two merge by their LSE. This reads the codes and writes and reads
+    one 16-bit copy of K'/V' per layer and step, but never the fp32 copies and per-head
+    [B, G, S] score matrices of the jnp path."""
     b, _, n, _ = q.shape
     vmax = max(self.v_widths)
-    q_rot = rotate_queries(q, self.rk, self.k_widths)[:, 0].astype(self.k_rot.dtype)
-    out, lse = _kernel_attention(q_rot, self.k_rot, self.v_rot, self.lens,
+    if self.quant is None:
+      k, v, lens = self.k_rot, self.v_rot, self.lens
+    else:
+      m, _ = self.quant.segments()
+      k_hat, v_hat = self.quant.dequantized()                        # [B, S, 1, Σ] 16-bit
+      k, v, lens = k_hat[:, :, 0], v_hat[:, :, 0], m
+    q_rot = rotate_queries(q, self.rk, self.k_widths)
+    out, lse = _kernel_attention(q_rot[:, 0].astype(k.dtype), k, v, lens,
                                  k_widths=self.k_widths, v_widths=self.v_widths,
                                  scale=spec.head_dim ** -0.5, out_dtype=q.dtype,
                                  implementation=impl, heads_width=vmax)  # [B, K, G, v_max]
-    out = out.reshape(b, 1, n, vmax)                                 # head n = h·G + g
-    return base.mask_padding_queries(out, lse.reshape(b, 1, n), q_positions, q.dtype)
+    out, lse = out.reshape(b, 1, n, vmax), lse.reshape(b, 1, n)      # head n = h·G + g
+    if self.quant is not None:
+      out, lse = combine([(out, lse), self._ring_attention(q_rot, q_positions, spec)],
+                         out_dtype=q.dtype)
+    return base.mask_padding_queries(out, lse, q_positions, q.dtype)
+
+  def _ring_attention(self, q_rot, q_positions, spec: ModelSpec):
+    """Quantized K'/V': the jnp attention over the exact ring of the last tokens."""
+    qc = self.quant
+    _, w_len = qc.segments()
+    ring_pos = qc._ring_positions(qc.lens)  # pylint: disable=protected-access
+    ring_ok = jnp.arange(qc.flush_block)[None, :] < w_len[:, None]
+    return ragged_attention(q_rot, qc.k_res[:, :, 0], qc.v_res[:, :, 0], q_positions,
+                            ring_pos, ring_ok, k_widths=self.k_widths, v_widths=self.v_widths,
+                            scale=spec.head_dim ** -0.5, sliding_window=spec.sliding_window)
 
   def attend(self, q, q_positions, lp, *, spec: ModelSpec, implementation=None):
     impl = self.decode_implementation(q.shape, implementation)
@@ -277,18 +303,13 @@ class RotatedCache(base.KVCache):
                                   **kw)
       return out.astype(q.dtype), lse
     # Quantized: the dequantized prefix [0, m) and the exact ring, merged by their LSE.
-    qc = self.quant
-    m, w_len = qc.segments()
-    k_hat, v_hat = qc.dequantized()
+    m, _ = self.quant.segments()
+    k_hat, v_hat = self.quant.dequantized()
     b, s = k_hat.shape[:2]
     s_pos = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
     prefix = ragged_attention(q_rot, k_hat[:, :, 0], v_hat[:, :, 0], q_positions, s_pos,
                               s_pos < m[:, None], **kw)
-    ring_pos = qc._ring_positions(qc.lens)  # pylint: disable=protected-access
-    ring_ok = jnp.arange(qc.flush_block)[None, :] < w_len[:, None]
-    ring = ragged_attention(q_rot, qc.k_res[:, :, 0], qc.v_res[:, :, 0], q_positions,
-                            ring_pos, ring_ok, **kw)
-    return combine([prefix, ring], out_dtype=q.dtype)
+    return combine([prefix, self._ring_attention(q_rot, q_positions, spec)], out_dtype=q.dtype)
 
   def stored(self):
     """(K' [B, S, Σk], V' [B, S, Σv]) fp32 as attention sees them."""
