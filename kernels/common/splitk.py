@@ -98,12 +98,21 @@ def combine_partials(o, lse, out_dtype=jnp.float32):
   """
   if o.shape[-2] == 1:
     return o[..., 0, :].astype(out_dtype), lse[..., 0]
-  m = jnp.max(lse, axis=-1, keepdims=True)
+  w, denom, total = split_weights(lse, axis=-1)
+  # Elementwise product + sum, not einsum: an f32 dot may run as TF32 on GPU.
+  out = jnp.sum(w[..., None] * o, axis=-2) / jnp.expand_dims(denom, -1)
+  return out.astype(out_dtype), total
+
+
+def split_weights(lse, axis: int = -1):
+  """The combine's weights over the splits along `axis` of lse (float32, -inf: empty):
+  (w = exp(lse_s - max) (0 for empty splits, same shape as lse), denom = sum_s w_s (1 where
+  every split is empty), total = the merged LSE (-inf there)); out = sum_s w_s o_s / denom."""
+  m = jnp.max(lse, axis=axis, keepdims=True)
   m_safe = jnp.where(jnp.isfinite(m), m, 0.0)
   w = jnp.where(jnp.isfinite(lse), jnp.exp(lse - m_safe), 0.0)
-  denom = jnp.sum(w, axis=-1)
-  # Elementwise product + sum, not einsum: an f32 dot may run as TF32 on GPU.
-  out = jnp.sum(w[..., None] * o, axis=-2) / jnp.where(denom > 0, denom, 1.0)[..., None]
-  total = jnp.where(denom > 0, m_safe[..., 0] + jnp.log(jnp.where(denom > 0, denom, 1.0)),
-                    -jnp.inf)
-  return out.astype(out_dtype), total
+  denom = jnp.sum(w, axis=axis)
+  has = denom > 0
+  denom = jnp.where(has, denom, 1.0)
+  total = jnp.where(has, jnp.squeeze(m_safe, axis) + jnp.log(denom), -jnp.inf)
+  return w, denom, total

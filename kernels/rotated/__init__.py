@@ -20,7 +20,7 @@ import warnings
 import jax.numpy as jnp
 
 from ..common import triton_backend
-from .reference import check_inputs, offsets, ragged_attention_reference
+from .reference import check_inputs, ragged_attention_reference, unpack
 
 IMPLEMENTATIONS = ("reference", "triton")
 
@@ -58,9 +58,7 @@ def resolve_implementation(implementation=None, *, args=None, options=None) -> s
 def to_heads(out, v_widths, width: int):
   """Packed out [B, G, sum v] → [B, K, G, width]: head h's v_h columns, then zeros."""
   check_heads_width(v_widths, width)
-  heads = [jnp.pad(out[..., o:o + w], ((0, 0), (0, 0), (0, width - w)))
-           for o, w in zip(offsets(v_widths), v_widths)]
-  return jnp.stack(heads, axis=1)
+  return unpack(out, v_widths, width).swapaxes(1, 2)
 
 
 def check_heads_width(v_widths, width):

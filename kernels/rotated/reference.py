@@ -31,6 +31,13 @@ def offsets(widths):
   return tuple(out)
 
 
+def unpack(x, widths, width: int):
+  """[..., sum w] → [..., K, width]: head h's packed slice, zero-padded to `width`."""
+  pad = [(0, 0)] * (x.ndim - 1)
+  return jnp.stack([jnp.pad(x[..., o:o + w], pad + [(0, width - w)])
+                    for o, w in zip(offsets(widths), widths)], axis=-2)
+
+
 def check_widths(k_widths, v_widths):
   """ValueError naming the field unless the widths are non-empty tuples of equal length whose
   entries are multiples of 16 and >= 16 (the contract)."""

@@ -32,6 +32,7 @@ import numpy as np
 import triton
 import triton.language as tl
 
+from ..common import splitk
 from ..common import triton_backend
 from ..dense.triton_decode import split_lse
 from . import lpt
@@ -143,20 +144,14 @@ def combine_heads(o, lse, p, out_dtype, heads_width=None):
   """Merges the chunk partials (o [T, G, VW] compact, lse [T, GP] float32, chunk ids
   (b, c, group)) into (out [B, G, sum v] out_dtype, lse [B, K, G] float32), or with
   `heads_width` out [B, K, G, heads_width]: head h's v_h columns, then zeros. The split-K
-  weights per (chunk, row) (`splitk.combine_partials`' arithmetic), each compact column
-  taking its row's weight, summed over the chunks in one reduction over contiguous rows;
-  then one static gather of the outputs."""
+  weights per (chunk, row) (`splitk.split_weights`), each compact column taking its row's
+  weight, summed over the chunks in one reduction over contiguous rows; then one static
+  gather of the outputs."""
   bsz, nc, ng, g = p.batch, p.n_chunks, p.n_groups, p.groups
   gp, vw = lse.shape[1], o.shape[2]
   weight_row, packed, lse_idx = p.output_index()
-  lse = lse.reshape(bsz, nc, ng, gp)
-  m = jnp.max(lse, axis=1, keepdims=True)
-  m_safe = jnp.where(jnp.isfinite(m), m, 0.0)
-  w = jnp.where(jnp.isfinite(lse), jnp.exp(lse - m_safe), 0.0)          # [B, NC, NG, GP]
-  denom = jnp.sum(w, axis=1)
-  total = jnp.where(denom > 0, m_safe[:, 0] + jnp.log(jnp.where(denom > 0, denom, 1.0)),
-                    -jnp.inf)
-  w = w / jnp.where(denom > 0, denom, 1.0)[:, None]
+  w, denom, total = splitk.split_weights(lse.reshape(bsz, nc, ng, gp), axis=1)
+  w = w / denom[:, None]                                                 # [B, NC, NG, GP]
   w_cols = w[:, :, np.arange(ng)[:, None, None], jnp.asarray(weight_row)]   # [B, NC, NG, G, VW]
   # Elementwise product + sum, not einsum: an f32 dot may run as TF32 on GPU.
   out = jnp.sum(w_cols * o.reshape(bsz, nc, ng, g, vw), axis=1).reshape(bsz, -1)

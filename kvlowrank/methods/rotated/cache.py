@@ -65,6 +65,7 @@ from kvlowrank.methods.rotated.spec import RotatedSpec, layout_from_params
 from kvlowrank.model.attention import combine, dot_product_attention
 from kvlowrank.spec import ModelSpec
 from kvlowrank_kernels import rotated as rotated_kernels
+from kvlowrank_kernels.rotated.reference import offsets, unpack
 
 _HI = jax.lax.Precision.HIGHEST
 # Jitted so that the layers' identical kernel calls are lowered once per model.
@@ -75,25 +76,9 @@ _kernel_attention = jax.jit(rotated_kernels.ragged_attention,
 CAPACITY_MULTIPLE = 64
 
 
-def offsets(widths) -> tuple[int, ...]:
-  """Start of each head's slice in a packed axis: (0, w0, w0 + w1, ...)."""
-  out, acc = [], 0
-  for w in widths:
-    out.append(acc)
-    acc += w
-  return tuple(out)
-
-
 def pack(x, widths):
   """[..., K, W] → [..., Σw]: head g's first widths[g] columns, heads concatenated."""
   return jnp.concatenate([x[..., g, :w] for g, w in enumerate(widths)], axis=-1)
-
-
-def unpack(x, widths, width: int):
-  """[..., Σw] → [..., K, width]: head g's packed slice, zero-padded to `width`."""
-  pad = [(0, 0)] * (x.ndim - 1)
-  return jnp.stack([jnp.pad(x[..., o:o + w], pad + [(0, width - w)])
-                    for o, w in zip(offsets(widths), widths)], axis=-2)
 
 
 def rotate_queries(q, rk, k_widths):
