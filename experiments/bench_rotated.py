@@ -6,13 +6,15 @@ mean of exactly 64 of H = 128 (`rotated.shapes.ragged_widths`, seeded). Rows: `d
 `dense-triton` (the baselines, full 128-wide bf16 K/V); the rotated Triton kernel with its
 launch orders (`lpt.SCHEDULES`: `rotated-rows`, `rotated-lpt`, `rotated-static`, the no-sort
 ablation) and `rotated-kernel-only` (the kernel alone on records prepared outside the timing:
-the rest is the order/records fusion and the split-K combine).
+the rest is the order/records fusion and the split-K combine). `--bits 4,2` adds
+`rotated-q<bits>`: the same K'/V' quantized as the quantized rotated cache stores them (KIVI
+planar codes, groups of 16, fp16 scales), read as codes by `triton_ragged_quant`.
 Timing: `kvlowrank.bench.time_op` (chained executables, median). Roofline
 (`kvlowrank.bench.finalize`) = bytes / the best dense bandwidth of the same call; bytes = the
 inputs read once plus the bf16 output. `pct_hbm` also states the time against a nominal
 4.8 TB/s (the H200's HBM3e).
 
-Usage (GPU): python experiments/bench_rotated.py --out rot.json [--sweep]
+Usage (GPU): python experiments/bench_rotated.py --out rot.json [--sweep] [--bits 4,2]
 """
 
 from __future__ import annotations
@@ -27,7 +29,8 @@ import numpy as np
 
 from kvlowrank.bench import environment, finalize, measure_ceilings, rand, time_op
 from kvlowrank_kernels.dense import decode_attention
-from kvlowrank_kernels.rotated import ragged_attention
+from kvlowrank_kernels.kivi import planar
+from kvlowrank_kernels.rotated import ragged_attention, ragged_attention_quantized
 from kvlowrank_kernels.rotated.shapes import ragged_widths
 from kvlowrank_kernels.rotated.triton_plan import plan
 from kvlowrank_kernels.rotated.triton_ragged import launch_kernel, records
@@ -99,7 +102,27 @@ def sweep(model, s, b, log, samples):
   return o, [dict(seconds=t, **o) for t, o in res]
 
 
-def run_config(model, s, b, opts, log, samples):
+def quantized_rows(model, s, b, inp, w, bits, log, samples):
+  """`rotated-q<bits>` rows: K'/V' of `inp` as the quantized rotated cache stores them, read
+  as codes by the quantized kernel (its default knobs)."""
+  q, k, v, lens = inp
+  recs = []
+  for nb in bits:
+    kq = planar.quantize_keys(k[:, :, None], nb, 16, scale_dtype=jnp.float16)
+    vq = planar.quantize_values(v[:, :, None], nb, 16, scale_dtype=jnp.float16)
+    fn = jax.jit(lambda q, kq, vq, l: ragged_attention_quantized(q, kq, vq, l,
+                                                                 implementation="triton", **w))
+    fl = 2.0 * q.shape[0] * q.shape[1] * s * (sum(w["k_widths"]) + sum(w["v_widths"]))
+    out_bytes = q.shape[0] * q.shape[1] * sum(w["v_widths"]) * 2
+    recs.append(dict(model=model, context=s, batch=b, kernel=f"rotated-q{nb}",
+                     bytes=nbytes(q, kq, vq, lens) + out_bytes, flops=fl,
+                     seconds=try_time(fn, (q, kq, vq, lens), log, f"q{nb}", samples),
+                     k_widths=w["k_widths"], v_widths=w["v_widths"]))
+    del kq, vq
+  return recs
+
+
+def run_config(model, s, b, opts, log, samples, bits=()):
   m = MODELS[model]
   key = jax.random.key(s + b)
   recs = []
@@ -136,6 +159,7 @@ def run_config(model, s, b, opts, log, samples):
   recs.append(dict(model=model, context=s, batch=b, kernel="rotated-kernel-only", bytes=read,
                    flops=fl, seconds=try_time(kern, (*inp[:3], rec), log, "kernel-only", samples),
                    options=opts))
+  recs += quantized_rows(model, s, b, inp, w, bits, log, samples)
   for r in recs:
     log(f"  {model} S={s} B={b} {r['kernel']}: "
         f"{r['seconds'] * 1e6 if r['seconds'] else float('nan'):.1f} us")
@@ -170,6 +194,7 @@ def main(argv=None):
   ap.add_argument("--sweep", action="store_true", help="tune the kernel knobs at 16K first")
   ap.add_argument("--options", default=None, help="JSON dict of kernel knobs (all models)")
   ap.add_argument("--samples", type=int, default=30)
+  ap.add_argument("--bits", default="", help="comma list: add rotated-q<bits> rows (2, 4)")
   ap.add_argument("--time_budget", type=float, default=1e9,
                   help="skip sweeps and configs started after this many seconds")
   args = ap.parse_args(argv)
@@ -192,7 +217,8 @@ def main(argv=None):
       if time.time() - t0 > args.time_budget:
         log(f"time budget reached: skipping {model} S={s}")
         continue
-      out["records"] += run_config(model, s, args.batch, opts, log, args.samples)
+      out["records"] += run_config(model, s, args.batch, opts, log, args.samples,
+                                   bits=[int(x) for x in args.bits.split(",") if x])
       with open(args.out, "w", encoding="utf-8") as f:
         json.dump(out, f, indent=1)
   dense_bw = finalize(out["records"], ceil.matmul_flops)

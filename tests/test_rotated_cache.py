@@ -233,11 +233,12 @@ def test_bench_decode_rotated_rows():
 
 @pytest.mark.parametrize("bits", [2, 4])
 def test_quantized_kernel_path_equals_the_jnp_path(bits):
-  """Quantized K'/V' on the kernel path (`_attend_kernel`: the prefix dequantized to the cache
-  dtype through `ragged_attention` at the prefix lengths, in the per-head layout, merged with
-  the exact ring by LSE) equals the jnp path, on ragged rows (40 and 25 tokens: prefix and
-  ring both non-empty); here `ragged_attention` runs its reference (CPU), the GPU tests run
-  the Triton kernel. Negative control: the ring zeroed changes the output."""
+  """Quantized K'/V' on the kernel path (`_attend_kernel`: the store's codes through
+  `ragged_attention_quantized` at the prefix lengths, in the per-head layout, merged with the
+  exact ring by LSE) equals the jnp path, on ragged rows (40 and 25 tokens: prefix and ring
+  both non-empty); here it runs its reference (the store dequantized; CPU), the GPU tests and
+  the interpreter check `rotated_quantized` run the Triton kernel. Negative control: the ring
+  zeroed changes the output."""
   import dataclasses  # pylint: disable=import-outside-toplevel
   lp, *_ = _ragged_layer((16, 32), (32, 16), seed=7)
   rs = rotated.RotatedSpec(bits=bits, group_size=16, residual=16)

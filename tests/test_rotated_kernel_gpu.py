@@ -96,3 +96,30 @@ def test_dispatcher_picks_triton_and_negative_control():
   out_bad, _ = ragged_attention(q, bad, v, lens, out_dtype=F32, **w)
   with pytest.raises(AssertionError):
     close(out_bad, ref, 2e-2, 2e-2, "corrupted key slot")
+
+
+@pytest.mark.parametrize("bits", [4, 2])
+def test_ragged_quantized_triton_matches_reference(bits):
+  """The kernel reading planar KIVI codes (the quantized rotated cache's store) vs the
+  reference on the dequantized store, Llama-3-like 16K with ragged lengths, poisoned
+  partials; negative control: request 0's key codes flipped."""
+  import dataclasses  # pylint: disable=import-outside-toplevel
+  from kvlowrank_kernels.kivi import planar  # pylint: disable=import-outside-toplevel
+  from kvlowrank_kernels.rotated import ragged_attention_quantized  # pylint: disable=C0415
+  shape, (q, k, v, lens) = problem(8, 4, 16384, seed=11)
+  w = dict(k_widths=shape.k_widths, v_widths=shape.v_widths, scale=shape.scale)
+  kq = planar.quantize_keys(k[:, :, None], bits, 16)
+  vq = planar.quantize_values(v[:, :, None], bits, 16)
+  kh = planar.dequantize_keys(kq, sum(shape.k_widths))[:, :, 0].astype(jnp.bfloat16)
+  vh = planar.dequantize_values(vq, sum(shape.v_widths))[:, :, 0].astype(jnp.bfloat16)
+  ref, ref_lse = ragged_attention_reference(q, kh, vh, lens, out_dtype=F32, **w)
+  run = jax.jit(lambda kq: ragged_attention_quantized(q, kq, vq, lens, out_dtype=F32,
+                                                      implementation="triton", poison=True,
+                                                      **w))
+  out, lse = run(kq)
+  close(out, ref, 2e-2, 2e-2, f"{bits}-bit out")
+  close(lse, ref_lse, 2e-2, 1e-3, f"{bits}-bit lse")
+  # One flipped slot barely moves a 16K-slot softmax: flip every key code of request 0.
+  bad = dataclasses.replace(kq, codes=kq.codes.at[0].set(255 - kq.codes[0]))
+  with pytest.raises(AssertionError):
+    close(run(bad)[0], ref, 2e-2, 2e-2, "flipped codes")

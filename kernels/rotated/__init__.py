@@ -11,6 +11,9 @@ Implementations:
                widths <= 256 (`triton_fit`).
 None picks "triton" on a GPU with jax-triton when the operands fit it (`triton_fit`) or kernel
 knobs are passed, else "reference".
+`ragged_attention_quantized(q_rot, keys, values, lengths, ...)`: the same over K'/V' held as
+planar KIVI codes (the quantized rotated cache's store), read as codes by
+`triton_ragged_quant` (2/4-bit, groups of 16: `quantized_fit`).
 """
 
 from __future__ import annotations
@@ -94,3 +97,49 @@ def ragged_attention(q_rot, k_rot, v_rot, lengths, *, k_widths, v_widths, scale,
   return ragged_attention_triton(q_rot, k_rot, v_rot, lengths, k_widths=tuple(k_widths),
                                  v_widths=tuple(v_widths), scale=scale, out_dtype=out_dtype,
                                  heads_width=heads_width, **knobs)
+
+
+def quantized_fit(q_shape, keys, values, k_widths, v_widths, dtype) -> str | None:
+  """None when the quantized Triton kernel reads this planar store (`triton_plan.check_store`)
+  with a query [B, G, sum(k_widths)] of `dtype` (bf16 or fp16) in its default knobs, else why
+  not (one line)."""
+  from .triton_plan import check_store  # pylint: disable=import-outside-toplevel
+  try:
+    check_store(keys, values, tuple(k_widths), tuple(v_widths))
+  except ValueError as e:
+    return str(e)
+  return triton_fit(q_shape, k_widths, v_widths, dtype, keys.codes.shape[2])
+
+
+def ragged_attention_quantized(q_rot, keys, values, lengths, *, k_widths, v_widths, scale,
+                               out_dtype=None, implementation=None, heads_width=None, **knobs):
+  """`ragged_attention` over K'/V' held as planar KIVI codes of one pseudo-head (the
+  quantized rotated cache's inner store: `kivi.planar.KiviKeys` [B, 1, S, Σk bits / 8],
+  `KiviValues`), attending slots [0, lengths[b]) of row b. "reference": the store
+  dequantized (`kivi.planar`, to the scales' dtype), cast to q_rot's dtype, then
+  `ragged_attention_reference`; "triton": the kernel reading the codes, dequantizing each tile
+  to the scales' dtype, its MMAs in that dtype (`triton_ragged_quant`). None picks "triton"
+  where it can run and the store fits it (`quantized_fit`) or knobs are passed."""
+  from ..kivi import planar  # pylint: disable=import-outside-toplevel
+  dtype = q_rot.dtype
+  check_heads_width(v_widths, heads_width)
+  impl = triton_backend.resolve(implementation, known=IMPLEMENTATIONS, default_gpu="triton",
+                                needs_gpu=("triton",), needs_triton=("triton",),
+                                op="ragged_attention_quantized")
+  if (implementation is None and impl == "triton" and not knobs
+      and quantized_fit(q_rot.shape, keys, values, k_widths, v_widths, dtype) is not None):
+    impl = "reference"
+  if implementation not in (None, impl):
+    warnings.warn(f"ragged_attention_quantized: {implementation!r} unavailable here, "
+                  f"running {impl!r}")
+  if impl == "reference":
+    kh = planar.dequantize_keys(keys, sum(k_widths))[:, :, 0].astype(dtype)
+    vh = planar.dequantize_values(values, sum(v_widths))[:, :, 0].astype(dtype)
+    return ragged_attention(q_rot, kh, vh, lengths, k_widths=k_widths, v_widths=v_widths,
+                            scale=scale, out_dtype=out_dtype, implementation="reference",
+                            heads_width=heads_width)
+  from .triton_ragged_quant import ragged_attention_quantized_triton  # pylint: disable=C0415
+  return ragged_attention_quantized_triton(q_rot, keys, values, lengths,
+                                           k_widths=tuple(k_widths), v_widths=tuple(v_widths),
+                                           scale=scale, out_dtype=out_dtype,
+                                           heads_width=heads_width, **knobs)

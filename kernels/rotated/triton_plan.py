@@ -42,6 +42,8 @@ DEFAULT_GROUP_WIDTH = 256  # columns of keys (and of values) per program at most
 MMA_ROWS = 16
 MIN_TILES = 4            # tiles per chunk at least (per-chunk fixed costs stay small)
 RECORD = 9               # int32 fields of a program's record (`triton_ragged.records`)
+QUANT_BITS = (2, 4)      # codes the quantized kernel reads (`triton_ragged_quant`)
+QUANT_GROUP = 16         # its key token group = value channel group (a sub-tile / block)
 
 
 def _pow2_at_least(x: int, lo: int = 16) -> int:
@@ -180,6 +182,26 @@ def check_fit(q_shape, k_widths, v_widths, dtype, capacity=None, block_s=DEFAULT
     raise ValueError(f"triton ragged attention: block_s must be a power of 2 >= 16, got {block_s}")
   if capacity is not None and capacity * max(sum(k_widths), sum(v_widths)) >= 2 ** 31:
     raise ValueError("triton ragged attention: one sequence's cache exceeds int32 indexing")
+
+
+def check_store(keys, values, k_widths, v_widths) -> None:
+  """ValueError naming the field unless the kernel reads this store (`QUANT_BITS`, groups of
+  `QUANT_GROUP`, 16-bit scales, the widths' sums as the store's channels)."""
+  if keys.bits != values.bits or keys.bits not in QUANT_BITS:
+    raise ValueError(f"quantized ragged attention: bits must be one of {QUANT_BITS} and equal "
+                     f"for keys and values, got {keys.bits}/{values.bits}")
+  if keys.group != QUANT_GROUP or values.group != QUANT_GROUP:
+    raise ValueError(f"quantized ragged attention: the quantizer group (RotatedSpec."
+                     f"group_size) must be {QUANT_GROUP}, got {keys.group}/{values.group}")
+  if keys.head_dim != sum(k_widths) or values.head_dim != sum(v_widths):
+    raise ValueError(f"quantized ragged attention: the store holds {keys.head_dim} key / "
+                     f"{values.head_dim} value channels, the widths sum to {sum(k_widths)} / "
+                     f"{sum(v_widths)}")
+  for name, x in (("keys.scale", keys.scale), ("keys.zero", keys.zero),
+                  ("values.scale", values.scale), ("values.zero", values.zero)):
+    if np.dtype(x.dtype).name not in ("bfloat16", "float16"):
+      raise ValueError(f"quantized ragged attention: {name} must be bf16 or fp16, got "
+                       f"{np.dtype(x.dtype).name}")
 
 
 def plan(q_shape, capacity, k_widths, v_widths, dtype, *, block_s=DEFAULT_BLOCK_S,

@@ -281,6 +281,67 @@ def check_rotated():
     raise AssertionError("rotated: a corrupted key slot went unnoticed")
 
 
+def check_rotated_quantized():
+  """The ragged kernel reading planar KIVI codes (`triton_ragged_quant`, the quantized
+  rotated cache's store) vs the reference on the dequantized store: every `TEST_SHAPES`
+  shape and one with 32-byte key planes (capacity rounded up to 32), 4- and 2-bit codes,
+  bf16 and fp16 scales, ragged lengths incl. 0, three launch knob sets, the per-head output; negative
+  control: flipped key codes of an attended slot move the output."""
+  import dataclasses  # pylint: disable=import-outside-toplevel
+  from kvlowrank_kernels.dense import shapes as ds  # pylint: disable=import-outside-toplevel
+  from kvlowrank_kernels.kivi import planar  # pylint: disable=import-outside-toplevel
+  from kvlowrank_kernels.rotated import shapes as rs, to_heads  # pylint: disable=C0415
+  from kvlowrank_kernels.rotated.reference import ragged_attention_reference  # pylint: disable=C0415
+  from kvlowrank_kernels.rotated.triton_ragged_quant import ragged_attention_quantized_triton  # pylint: disable=C0415
+  # TEST_SHAPES store plane widths 4-16; the fifth shape's 128 channels give CW = 32 keys.
+  extra = rs.RaggedShape(2, 160, 2, (64, 48, 16), (16, 64, 48), 64)
+  for i, shape in enumerate(rs.TEST_SHAPES + (extra,)):
+    cap = -(-shape.capacity // 32) * 32
+    lens = ds.ragged_lengths(shape.batch, cap, np.random.default_rng(900 + i))
+    if i == 0:
+      lens[0] = 0
+    q, k, v, lens = rs.make_inputs(rs.RaggedShape(shape.batch, cap, shape.groups, shape.k_widths,
+                                                  shape.v_widths, shape.head_dim),
+                                   jax.random.key(900 + i), lengths=lens)
+    for bits, sdt in ((4, None), (2, None), (4, jnp.float16)):
+      kq = planar.quantize_keys(k[:, :, None], bits, 16, scale_dtype=sdt)
+      vq = planar.quantize_values(v[:, :, None], bits, 16, scale_dtype=sdt)
+      kh = planar.dequantize_keys(kq, sum(shape.k_widths))[:, :, 0].astype(jnp.bfloat16)
+      vh = planar.dequantize_values(vq, sum(shape.v_widths))[:, :, 0].astype(jnp.bfloat16)
+      w = dict(k_widths=shape.k_widths, v_widths=shape.v_widths, scale=shape.scale)
+      ref, ref_lse = ragged_attention_reference(q, kh, vh, lens, out_dtype=F32, **w)
+      for opts in (dict(block_s=16), dict(block_s=16, group_width=16, schedule="static"),
+                   dict(block_s=32, target_chunks=5, group_width=64)):
+        with interpreted_launch():
+          out, lse = ragged_attention_quantized_triton(q, kq, vq, lens, out_dtype=F32,
+                                                       poison=True, **w, **opts)
+        tag = f"quant[{i}] bits={bits} scales={jnp.dtype(kq.scale.dtype).name} {opts}"
+        assert_close(out, ref, 1e-2, 1e-2, f"{tag} out")
+        assert_close(lse, ref_lse, 1e-2, 1e-3, f"{tag} lse")
+      width = max(shape.v_widths) + 16
+      with interpreted_launch():
+        heads, _ = ragged_attention_quantized_triton(q, kq, vq, lens, out_dtype=F32, block_s=16,
+                                                     heads_width=width, **w)
+      assert_close(heads, to_heads(ref, shape.v_widths, width), 1e-2, 1e-2, f"quant[{i}] heads")
+  # Negative control: one key code byte flipped in an attended slot of row 1.
+  shape = rs.TEST_SHAPES[0]
+  cap = 224
+  q, k, v, lens = rs.make_inputs(rs.RaggedShape(shape.batch, cap, shape.groups, shape.k_widths,
+                                                shape.v_widths, shape.head_dim), jax.random.key(7))
+  kq = planar.quantize_keys(k[:, :, None], 4, 16)
+  vq = planar.quantize_values(v[:, :, None], 4, 16)
+  w = dict(k_widths=shape.k_widths, v_widths=shape.v_widths, scale=shape.scale)
+  with interpreted_launch():
+    good, _ = ragged_attention_quantized_triton(q, kq, vq, lens, out_dtype=F32, block_s=16, **w)
+  bad_codes = kq.codes.at[1, 0, 3, :].set(jnp.uint8(0xFF) - kq.codes[1, 0, 3, :])
+  with interpreted_launch():
+    bad, _ = ragged_attention_quantized_triton(q, dataclasses.replace(kq, codes=bad_codes), vq,
+                                               lens, out_dtype=F32, block_s=16, **w)
+  diff = float(jnp.max(jnp.abs(bad - good)))
+  assert diff > 1e-2, diff
+  print(f"negative control: flipped codes move the output by {diff:.3g}")
+
+
 def check_kivi_update():
   """The fused decode update vs the cache's jnp update on XLA:CPU (recip=True: XLA:CPU's
   division, `triton_update`), step by step from ragged prefills

@@ -29,10 +29,11 @@ v_max = max_g v_g so the attention block's folded W_O' [N·v_max, D] applies unc
 
 Decode path: a decode step (T = 1) on a GPU runs the ragged-head kernel
 (`kvlowrank_kernels.rotated.ragged_attention`, Triton: (request, KV head) tasks split along
-the sequence, launched longest first) on k_rot / v_rot as stored; with quantized K'/V' on
-the prefix dequantized to the cache dtype, the exact ring by the jnp path (no kernel reads
-the codes yet: `_attend_kernel`); anything else (CPU, prefill, widths the kernel refuses)
-runs this jnp reference, the reason logged once (`cache.dispatch`).
+the sequence, launched longest first) on k_rot / v_rot as stored; with quantized K'/V' its
+twin `triton_ragged_quant` reads the inner store's planar codes over the quantized prefix
+(dequantizing each tile) and the exact ring runs the jnp path (`_attend_kernel`); anything
+else (CPU, prefill, widths or stores the kernels refuse) runs this jnp reference, the reason
+logged once (`cache.dispatch`).
 
 `nbytes()` counts what grows with the cache (k_rot, v_rot or the quantized store and its
 exact window, lengths); the rotations and reconstructions are weights (`weights_nbytes`,
@@ -72,6 +73,9 @@ _HI = jax.lax.Precision.HIGHEST
 _kernel_attention = jax.jit(rotated_kernels.ragged_attention,
                             static_argnames=("k_widths", "v_widths", "scale", "out_dtype",
                                              "implementation", "heads_width"))
+_quantized_attention = jax.jit(rotated_kernels.ragged_attention_quantized,
+                               static_argnames=("k_widths", "v_widths", "scale", "out_dtype",
+                                                "implementation", "heads_width"))
 # Slots in whole 64-token tiles, as the dense and Palu caches (the decode kernels' blocks).
 CAPACITY_MULTIPLE = 64
 
@@ -229,36 +233,38 @@ class RotatedCache(base.KVCache):
 
   def kernel_candidates(self, q_shape):
     """The ragged-head Triton kernel for a query [B, N, H], with its fit check (quantized
-    K'/V': on the prefix dequantized to the cache dtype, `_attend_kernel`)."""
+    K'/V': the kernel reading the store's codes, `quantized_fit`: 2/4 bits, group_size 16)."""
     b, n, _ = q_shape
     def fit():
       g = n // len(self.k_widths)
-      dtype = self.k_rot.dtype if self.quant is None else self.quant.k_res.dtype
+      if self.quant is not None:
+        st = self.quant.store
+        return rotated_kernels.quantized_fit((b, g, sum(self.k_widths)), st.keys, st.values,
+                                             self.k_widths, self.v_widths,
+                                             self.quant.k_res.dtype)
       return rotated_kernels.triton_fit((b, g, sum(self.k_widths)), self.k_widths,
-                                        self.v_widths, dtype, self.capacity)
+                                        self.v_widths, self.k_rot.dtype, self.capacity)
     return [("triton", "gpu", fit)]
 
   def _attend_kernel(self, q, q_positions, spec: ModelSpec, impl: str):
     """One decode query per row through the ragged kernel: (out [B,1,N,v_max], lse).
-    Quantized K'/V' (`bits`): no kernel reads the codes yet, so the quantized prefix [0, m)
-    is dequantized to the cache dtype (the same 16-bit values the jnp path attends) and the
-    kernel attends it in the packed layout it reads; the exact ring of the last tokens runs
-    the jnp path, and the two merge by their LSE. This reads the codes and writes and reads
-    one 16-bit copy of K'/V' per layer and step, but never the fp32 copies and per-head
-    [B, G, S] score matrices of the jnp path."""
+    Quantized K'/V' (`bits`): the kernel reads the inner store's planar codes and
+    dequantizes each tile (`ragged_attention_quantized`: the 16-bit values the jnp path
+    attends) over the quantized prefix [0, m); the exact ring of the last tokens runs the
+    jnp path, and the two merge by their LSE."""
     b, _, n, _ = q.shape
     vmax = max(self.v_widths)
-    if self.quant is None:
-      k, v, lens = self.k_rot, self.v_rot, self.lens
-    else:
-      m, _ = self.quant.segments()
-      k_hat, v_hat = self.quant.dequantized()                        # [B, S, 1, Σ] 16-bit
-      k, v, lens = k_hat[:, :, 0], v_hat[:, :, 0], m
     q_rot = rotate_queries(q, self.rk, self.k_widths)
-    out, lse = _kernel_attention(q_rot[:, 0].astype(k.dtype), k, v, lens,
-                                 k_widths=self.k_widths, v_widths=self.v_widths,
-                                 scale=spec.head_dim ** -0.5, out_dtype=q.dtype,
-                                 implementation=impl, heads_width=vmax)  # [B, K, G, v_max]
+    kw = dict(k_widths=self.k_widths, v_widths=self.v_widths, scale=spec.head_dim ** -0.5,
+              out_dtype=q.dtype, implementation=impl, heads_width=vmax)
+    if self.quant is None:
+      out, lse = _kernel_attention(q_rot[:, 0].astype(self.k_rot.dtype), self.k_rot,
+                                   self.v_rot, self.lens, **kw)      # [B, K, G, v_max]
+    else:                        # the quantized prefix [0, m), read as codes by the kernel
+      m, _ = self.quant.segments()
+      st = self.quant.store
+      out, lse = _quantized_attention(q_rot[:, 0].astype(self.quant.k_res.dtype), st.keys,
+                                      st.values, m, **kw)
     out, lse = out.reshape(b, 1, n, vmax), lse.reshape(b, 1, n)      # head n = h·G + g
     if self.quant is not None:
       out, lse = combine([(out, lse), self._ring_attention(q_rot, q_positions, spec)],

@@ -1,0 +1,259 @@
+"""The ragged-head decode kernel over planar KIVI codes: the quantized rotated (FDC / ZACK)
+cache's store read as it is stored, dequantized tile by tile inside the kernel.
+
+Operands (`kivi.planar`, one pseudo-head of Σk key and Σv value channels: the rotated cache's
+inner KIVI store): key codes [B, 1, S, Σk bits / 8] per channel over groups of 16 tokens
+(scale / zero [B, 1, S / 16, Σk]); value codes, token-blocked, [B, 1, S, Σv bits / 8] per token
+over groups of 16 channels (scale / zero [B, 1, S, Σv / 16]); 2- or 4-bit codes, 16-bit scales.
+Programs, records (LPT launch order), compact partials and the combine are `triton_ragged`'s:
+only the loop that reads the operands differs.
+
+Loop step: BLOCK_S tokens as sub-tiles of T = 16 tokens (one key group; T divides the value
+code block), one online-softmax step per loop step. A program's head group occupies the
+16-aligned channels [koff, koff + 16 kw16) of the packed rows (widths are multiples of 16);
+block j holds channels koff + 16 j + [0, 16):
+  keys:   scores^T [T, GP] += K_j [T, 16] @ q_j^T [16, GP]   (q_j: block j of the
+          block-diagonal query, zero outside each row's head),
+  values: acc_j [16, GP]   += V_j^T [16, T] @ p^T [T, GP],
+codes as the MMA's A operand, dequantized in it by the KIVI kernel's device function
+(`kivi.triton_dequant.dequant`: c * s + z, exact code, one rounding to the scales' dtype, which
+is the MMA dtype; inline PTX on the GPU), as `kivi.triton_kivi` does and for its reasons.
+Where block j's 16 channels sit in a row depends on the store's plane width CW and on the
+group's run-time offset (`_block_bytes`): for CW >= 16, 16 contiguous bytes and one bit field;
+for a smaller CW, a gather of 16 bytes with a shift per channel (correct, slower). Each code
+tile is shifted right by its field first, so the dequantization reads field 0.
+Key scale rows: one [16] row per (sub-tile, block); value scales: one [T] column per
+(sub-tile, block) since a 16-channel block is one value group. Blocks past the group's width
+load nothing (masked) and meet zero query columns.
+"""
+
+from __future__ import annotations
+
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import triton
+import triton.language as tl
+
+from ..common import triton_backend
+from ..dense.triton_decode import split_lse
+from ..kivi.planar import VALUE_BLOCK
+from ..kivi.triton_dequant import dequant as _dequant
+from ..kivi.triton_dequant import to_dtype as _to_dt
+from .triton_plan import DEFAULT_GROUP_WIDTH, check_store, plan
+from .triton_ragged import combine_heads, records
+
+# Tokens per loop step: two 16-token sub-tiles (each step unrolls NSUB x (KW + VW) / 16
+# dequantize-and-dot blocks, so longer steps grow the code and its compile time).
+QUANT_BLOCK_S = 32
+
+
+@triton.jit
+def _block_bytes(c0, BITS: tl.constexpr, CW: tl.constexpr):
+  """Byte columns and bit shifts [16] of channels c0 + [0, 16) (c0 a multiple of 16) in a
+  planar row: channel c sits in byte (c // (ppb CW)) CW + c % CW at bits ((c // CW) % ppb)
+  BITS (`kivi.planar`). CW >= 16: 16 contiguous bytes from a multiple of 16 (vector loads)."""
+  PPB: tl.constexpr = 8 // BITS
+  if CW >= 16:
+    by = tl.multiple_of((c0 // (PPB * CW)) * CW + c0 % CW, 16) + tl.arange(0, 16)
+    sh = ((c0 // CW) % PPB) * BITS + tl.zeros([16], tl.int32)
+  else:
+    c = c0 + tl.arange(0, 16)
+    by = (c // (PPB * CW)) * CW + c % CW
+    sh = ((c // CW) % PPB) * BITS
+  return by, sh
+
+
+@triton.jit
+def _quant_body(q_ptr, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, rec_ptr, row_ptr, S,
+                sm_scale, o_ptr, lse_ptr, G: tl.constexpr, GP: tl.constexpr, GC: tl.constexpr,
+                SK: tl.constexpr, SV: tl.constexpr, KW: tl.constexpr, VW: tl.constexpr,
+                BLOCK_S: tl.constexpr, BITS: tl.constexpr, KCW: tl.constexpr,
+                VCW: tl.constexpr, VB: tl.constexpr, KF16: tl.constexpr, VF16: tl.constexpr,
+                FAST: tl.constexpr):
+  KDT: tl.constexpr = tl.float16 if KF16 else tl.bfloat16   # key MMA operands
+  VDT: tl.constexpr = tl.float16 if VF16 else tl.bfloat16   # value MMA operands
+  T: tl.constexpr = 16
+  NSUB: tl.constexpr = BLOCK_S // T
+  NK: tl.constexpr = KW // 16
+  NV: tl.constexpr = VW // 16
+  RK: tl.constexpr = SK * BITS // 8      # bytes per key row
+  RV: tl.constexpr = SV * BITS // 8      # bytes per value row
+  NJV: tl.constexpr = SV // 16           # value groups per token
+  rec = rec_ptr + tl.program_id(0) * 9   # `triton_ragged.records`
+  t = tl.load(rec)
+  b = tl.load(rec + 1)
+  start = tl.load(rec + 2)
+  end = tl.load(rec + 3)
+  koff = tl.multiple_of(tl.load(rec + 4), 16)
+  voff = tl.multiple_of(tl.load(rec + 5), 16)
+  kw16 = tl.load(rec + 6)
+  vw16 = tl.load(rec + 7)
+  grp = tl.load(rec + 8)
+  b64 = b.to(tl.int64)
+  rows = tl.arange(0, GP)
+  row = row_ptr + (grp * GP + rows) * 4
+  lo = tl.load(row)
+  hi = tl.load(row + 1)
+  w16 = tl.arange(0, 16)
+  tcol = tl.arange(0, T)
+  # q^T per key block (the B operand of the key dots, in the key scales' dtype), and each
+  # block's byte columns and bit shifts in the key / value rows.
+  qrow = (b64 * G + rows % G) * SK + koff
+  q_t = ()
+  kby = ()
+  ksh = ()
+  for j in tl.static_range(NK):
+    qj = tl.load(q_ptr + qrow[None, :] + (j * 16 + w16)[:, None],
+                 mask=((j >= lo) & (j < hi))[None, :], other=0.0)
+    q_t = q_t + (_to_dt(qj.to(tl.float32), KDT, FAST),)
+    by, sh = _block_bytes(koff + j * 16, BITS, KCW)
+    kby = kby + (by,)
+    ksh = ksh + (sh,)
+  vby = ()
+  vsh = ()
+  for j in tl.static_range(NV):
+    by, sh = _block_bytes(voff + j * 16, BITS, VCW)
+    vby = vby + (by * VB,)
+    vsh = vsh + (sh,)
+  kc_base = kc_ptr + b64 * S * RK
+  ks_base = ks_ptr + b64 * (S // 16) * SK + koff
+  kz_base = kz_ptr + b64 * (S // 16) * SK + koff
+  vc_base = vc_ptr + b64 * S * RV
+  vs_base = vs_ptr + b64 * S * NJV + voff // 16
+  vz_base = vz_ptr + b64 * S * NJV + voff // 16
+  qk_scale = sm_scale * 1.4426950408889634
+  m_i = tl.full([GP], float("-inf"), tl.float32)
+  # Softmax denominator per (token slot, row), summed once at the end (as `triton_kivi`).
+  l_t = tl.zeros([T, GP], tl.float32)
+  accs = ()
+  for j in tl.static_range(NV):
+    accs = accs + (tl.zeros([16, GP], tl.float32),)
+  for t0 in range(start, end, BLOCK_S):
+    t0 = tl.multiple_of(t0, BLOCK_S)
+    scs = ()
+    m_new = m_i
+    for u in tl.static_range(NSUB):
+      tu = t0 + u * T
+      offs = tu + tcol
+      t_ok = offs < end
+      sc = tl.zeros([T, GP], tl.float32)
+      for j in tl.static_range(NK):
+        live = j < kw16
+        kb = tl.load(kc_base + offs[:, None] * RK + kby[j][None, :],
+                     mask=t_ok[:, None] & live, other=0)
+        sp = (tu // 16) * SK + j * 16 + w16[None, :]
+        s = tl.load(ks_base + sp, mask=(tu < end) & live, other=0.0)
+        z = tl.load(kz_base + sp, mask=(tu < end) & live, other=0.0)
+        k_j = _dequant((kb >> ksh[j][None, :]).to(tl.uint8), s, z, 0, BITS, KDT, False, 0,
+                       FAST)
+        sc = tl.dot(k_j, q_t[j], sc)
+      sc = tl.where(t_ok[:, None], sc * qk_scale, float("-inf"))
+      m_new = tl.maximum(m_new, tl.max(sc, 0))
+      scs = scs + (sc,)
+    alpha = tl.exp2(m_i - m_new)
+    l_t = l_t * alpha[None, :]
+    for j in tl.static_range(NV):
+      accs = accs[:j] + (accs[j] * alpha[None, :],) + accs[j + 1:]
+    for u in tl.static_range(NSUB):
+      tu = t0 + u * T
+      toks = tu + tcol
+      tok_ok = toks < end
+      p = tl.exp2(scs[u] - m_new[None, :])
+      l_t = l_t + p
+      p_t = _to_dt(p, VDT, FAST)
+      # Token-blocked value codes: byte r of token t at ((t // VB) RV + r) VB + t % VB; the
+      # sub-tile lies in one block (T | VB), its T bytes per column contiguous.
+      tok = (tu // VB) * (VB * RV) + tl.multiple_of(tu % VB, T) + tcol
+      for j in tl.static_range(NV):
+        live = j < vw16
+        vb = tl.load(vc_base + tok[None, :] + vby[j][:, None], mask=live, other=0)
+        sv = tl.load(vs_base + toks * NJV + j, mask=tok_ok & live, other=0.0)
+        zv = tl.load(vz_base + toks * NJV + j, mask=tok_ok & live, other=0.0)
+        v_j = _dequant((vb >> vsh[j][:, None]).to(tl.uint8), sv[None, :], zv[None, :], 0, BITS,
+                       VDT, False, 0, FAST)
+        accs = accs[:j] + (tl.dot(v_j, p_t, accs[j]),) + accs[j + 1:]
+    m_i = m_new
+  # Compact partial (as `triton_ragged`): row g of chunk t holds query g of every head of the
+  # group in its own value columns; a 0/1 [GC, GP] selection sums the G-strided rows in fp32.
+  l_safe, lse = split_lse(m_i, tl.sum(l_t, 0))
+  vlo = tl.load(row + 2)
+  vhi = tl.load(row + 3)
+  qsel = tl.arange(0, GC)
+  sel = tl.where((rows[None, :] % G) == qsel[:, None], 1.0, 0.0)
+  t64 = t.to(tl.int64)
+  for j in tl.static_range(NV):
+    oj = tl.where(((j >= vlo) & (j < vhi))[None, :], accs[j] / l_safe[None, :], 0.0)
+    oc = tl.dot(sel, tl.trans(oj), input_precision="ieee")                  # [GC, 16]
+    tl.store(o_ptr + (t64 * G + qsel)[:, None] * VW + (j * 16 + w16)[None, :], oc,
+             mask=(qsel < G)[:, None])
+  tl.store(lse_ptr + t64 * GP + rows, lse)
+
+
+@triton.jit
+def ragged_quant_kernel(q_ptr, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, rec_ptr, row_ptr,
+                        S, sm_scale, o_ptr, lse_ptr, G: tl.constexpr, GP: tl.constexpr,
+                        GC: tl.constexpr, SK: tl.constexpr, SV: tl.constexpr, KW: tl.constexpr,
+                        VW: tl.constexpr, BLOCK_S: tl.constexpr, BITS: tl.constexpr,
+                        KCW: tl.constexpr, VCW: tl.constexpr, VB: tl.constexpr,
+                        KF16: tl.constexpr, VF16: tl.constexpr, FAST: tl.constexpr):
+  _quant_body(q_ptr, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, rec_ptr, row_ptr, S,
+              sm_scale, o_ptr, lse_ptr, G, GP, GC, SK, SV, KW, VW, BLOCK_S, BITS, KCW, VCW, VB,
+              KF16, VF16, FAST)
+
+
+@triton.jit
+def ragged_quant_kernel_poisoned(q_ptr, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, rec_ptr,
+                                 row_ptr, S, sm_scale, o_init, lse_init, o_ptr, lse_ptr,
+                                 G: tl.constexpr, GP: tl.constexpr, GC: tl.constexpr,
+                                 SK: tl.constexpr, SV: tl.constexpr, KW: tl.constexpr,
+                                 VW: tl.constexpr, BLOCK_S: tl.constexpr, BITS: tl.constexpr,
+                                 KCW: tl.constexpr, VCW: tl.constexpr, VB: tl.constexpr,
+                                 KF16: tl.constexpr, VF16: tl.constexpr, FAST: tl.constexpr):
+  _quant_body(q_ptr, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, rec_ptr, row_ptr, S,
+              sm_scale, o_ptr, lse_ptr, G, GP, GC, SK, SV, KW, VW, BLOCK_S, BITS, KCW, VCW, VB,
+              KF16, VF16, FAST)
+
+
+def ragged_attention_quantized_triton(q_rot, keys, values, lengths, *, k_widths, v_widths,
+                                      scale, out_dtype=None, block_s=QUANT_BLOCK_S,
+                                      target_chunks=None, chunk_tokens=None,
+                                      group_width=DEFAULT_GROUP_WIDTH, schedule="rows",
+                                      num_warps=1, num_stages=2, poison=False,
+                                      return_partials=False, heads_width=None, fast=None):
+  """`triton_ragged.ragged_attention_triton` over K'/V' held as planar KIVI codes
+  (`kivi.planar.KiviKeys` / `KiviValues` of one pseudo-head; module docstring), attending
+  slots [0, lengths[b]) of row b. Same outputs as the reference on the store dequantized to
+  the scales' dtype (the values `kivi.planar.dequantize_*` give) with q_rot in that dtype.
+
+  Extra Args: as `ragged_attention_triton`'s; fast: inline-PTX dequantization (None: on unless
+  TRITON_INTERPRET=1).
+  """
+  check_store(keys, values, k_widths, v_widths)
+  b, _, s, _ = keys.codes.shape
+  p = plan(q_rot.shape, s, tuple(k_widths), tuple(v_widths), q_rot.dtype, block_s=block_s,
+           target_chunks=target_chunks, chunk_tokens=chunk_tokens, group_width=group_width)
+  rec = records(p, lengths, schedule)
+  c = p.constexprs
+  t = p.total_chunks
+  if fast is None:
+    fast = os.environ.get("TRITON_INTERPRET") != "1"
+  out_shapes = [jax.ShapeDtypeStruct((t, c["G"], c["VW"]), jnp.float32),
+                jax.ShapeDtypeStruct((t, c["GP"]), jnp.float32)]
+  flat = lambda x: x.reshape(b, *x.shape[2:])
+  f16 = lambda x: jnp.dtype(x.dtype) == jnp.float16
+  # np.float32: jax-triton passes a Python float as an fp64 scalar.
+  o, lse = triton_backend.launch(
+      ragged_quant_kernel, ragged_quant_kernel_poisoned, q_rot, flat(keys.codes),
+      flat(keys.scale), flat(keys.zero).astype(keys.scale.dtype), flat(values.codes),
+      flat(values.scale), flat(values.zero).astype(values.scale.dtype), rec,
+      jnp.asarray(p.row_table()), int(s), np.float32(scale), out_shapes=out_shapes, grid=(t,),
+      num_warps=num_warps, num_stages=num_stages, poison=poison, BITS=keys.bits,
+      KCW=keys.plane_width, VCW=values.plane_width, VB=VALUE_BLOCK, KF16=f16(keys.scale),
+      VF16=f16(values.scale), FAST=bool(fast), **c)
+  out, total = combine_heads(o, lse, p, out_dtype or q_rot.dtype, heads_width)
+  if return_partials:
+    return out, total, (o, lse)
+  return out, total

@@ -1,0 +1,43 @@
+"""Compiles the ragged rotated kernels (bf16 and planar-code operands) for sm_90 with the
+Triton wheel's ptxas: no GPU needed (`python tests/kernels/aot_compile_check.py`). A compile
+error here is one the device would raise; the semantics are the interpreter checks'."""
+import os
+import sys
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from kvlowrank_kernels.rotated import triton_ragged as tr
+from kvlowrank_kernels.rotated import triton_ragged_quant as trq
+
+TARGET = GPUTarget("cuda", 90, 64)
+COMMON = dict(G=4, GP=16, GC=16, SK=512, SV=512, KW=256, VW=256, BLOCK_S=64)
+PTRS = {"rec_ptr": "*i32", "row_ptr": "*i32", "S": "i32", "sm_scale": "fp32", "o_ptr": "*fp32",
+        "lse_ptr": "*fp32"}
+
+
+def compile_kernel(fn, pointers, constexprs, num_warps=4):
+  sig = dict(pointers)
+  for name in ("rec_ptr", "row_ptr", "S", "sm_scale", "o_ptr", "lse_ptr"):
+    sig[name] = PTRS[name]
+  sig.update({k: "constexpr" for k in constexprs})
+  # Pointers 16-byte aligned and S a multiple of 16, as jax-triton's launches specialise them.
+  attrs = {(i,): [["tt.divisibility", 16]] for i, (name, ty) in enumerate(sig.items())
+           if ty.startswith("*") or name == "S"}
+  k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=constexprs, attrs=attrs),
+                     target=TARGET, options=dict(num_warps=num_warps, num_stages=2))
+  print(f"{k.metadata.name}: compiled for sm_90, {k.metadata.shared} bytes of shared memory")
+
+
+if __name__ == "__main__":
+  if os.environ.get("TRITON_INTERPRET"):
+    sys.exit("unset TRITON_INTERPRET: this compiles the kernels")
+  compile_kernel(tr.ragged_kernel, {"q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16"},
+                 COMMON)
+  for bits, kcw in ((4, 32), (2, 32), (2, 8)):
+    compile_kernel(trq.ragged_quant_kernel,
+                   {"q_ptr": "*bf16", "kc_ptr": "*u8", "ks_ptr": "*bf16", "kz_ptr": "*bf16",
+                    "vc_ptr": "*u8", "vs_ptr": "*fp16", "vz_ptr": "*fp16"},
+                   dict(COMMON, BLOCK_S=32, BITS=bits, KCW=kcw, VCW=16, VB=32, KF16=False,
+                        VF16=True, FAST=True), num_warps=1)
