@@ -40,20 +40,21 @@ from .triton_plan import DEFAULT_BLOCK_S, DEFAULT_GROUP_WIDTH, plan
 
 
 @triton.jit
+def load_record(rec_ptr):
+  """This program's record (`records`), independent loads of one row: (chunk id, batch row,
+  first slot, end slot, k offset, v offset (multiples of 16), k width / 16, v width / 16,
+  head group)."""
+  rec = rec_ptr + tl.program_id(0) * 9
+  return (tl.load(rec), tl.load(rec + 1), tl.load(rec + 2), tl.load(rec + 3),
+          tl.multiple_of(tl.load(rec + 4), 16), tl.multiple_of(tl.load(rec + 5), 16),
+          tl.load(rec + 6), tl.load(rec + 7), tl.load(rec + 8))
+
+
+@triton.jit
 def _ragged_body(q_ptr, k_ptr, v_ptr, rec_ptr, row_ptr, S, sm_scale, o_ptr, lse_ptr,
                  G: tl.constexpr, GP: tl.constexpr, GC: tl.constexpr, SK: tl.constexpr,
                  SV: tl.constexpr, KW: tl.constexpr, VW: tl.constexpr, BLOCK_S: tl.constexpr):
-  # This program's record (`records`): independent loads of one row.
-  rec = rec_ptr + tl.program_id(0) * 9
-  t = tl.load(rec)
-  b = tl.load(rec + 1)
-  start = tl.load(rec + 2)
-  end = tl.load(rec + 3)
-  koff = tl.multiple_of(tl.load(rec + 4), 16)
-  voff = tl.multiple_of(tl.load(rec + 5), 16)
-  kw16 = tl.load(rec + 6)
-  vw16 = tl.load(rec + 7)
-  grp = tl.load(rec + 8)
+  t, b, start, end, koff, voff, kw16, vw16, grp = load_record(rec_ptr)
   b64 = b.to(tl.int64)
   rows = tl.arange(0, GP)
   kcols = tl.arange(0, KW)

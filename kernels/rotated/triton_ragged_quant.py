@@ -43,7 +43,7 @@ from ..kivi.planar import VALUE_BLOCK
 from ..kivi.triton_dequant import dequant as _dequant
 from ..kivi.triton_dequant import to_dtype as _to_dt
 from .triton_plan import DEFAULT_GROUP_WIDTH, check_store, plan
-from .triton_ragged import combine_heads, records
+from .triton_ragged import combine_heads, load_record, records
 
 # Tokens per loop step: two 16-token sub-tiles (each step unrolls NSUB x (KW + VW) / 16
 # dequantize-and-dot blocks, so longer steps grow the code and its compile time).
@@ -82,16 +82,7 @@ def _quant_body(q_ptr, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, rec_ptr, 
   RK: tl.constexpr = SK * BITS // 8      # bytes per key row
   RV: tl.constexpr = SV * BITS // 8      # bytes per value row
   NJV: tl.constexpr = SV // 16           # value groups per token
-  rec = rec_ptr + tl.program_id(0) * 9   # `triton_ragged.records`
-  t = tl.load(rec)
-  b = tl.load(rec + 1)
-  start = tl.load(rec + 2)
-  end = tl.load(rec + 3)
-  koff = tl.multiple_of(tl.load(rec + 4), 16)
-  voff = tl.multiple_of(tl.load(rec + 5), 16)
-  kw16 = tl.load(rec + 6)
-  vw16 = tl.load(rec + 7)
-  grp = tl.load(rec + 8)
+  t, b, start, end, koff, voff, kw16, vw16, grp = load_record(rec_ptr)
   b64 = b.to(tl.int64)
   rows = tl.arange(0, GP)
   row = row_ptr + (grp * GP + rows) * 4
