@@ -249,3 +249,38 @@ def test_triton_fit_and_dispatcher_without_gpu():
     ref, _ = ragged_attention_reference(q, k, v, lens, k_widths=shape.k_widths,
                                         v_widths=shape.v_widths, scale=shape.scale)
     np.testing.assert_array_equal(out, ref)
+
+
+def test_quantized_fit_names_the_field_and_the_reference_dequantizes():
+  """`quantized_fit`: None for the store the codes kernel reads (2/4 bits, groups of 16,
+  16-bit scales, the widths' sums as its channels), else one line naming what is off; the
+  reference of `ragged_attention_quantized` equals the bf16 reference on the store
+  dequantized (`kivi.planar`), and a flipped code row moves it (negative control)."""
+  import dataclasses  # pylint: disable=import-outside-toplevel
+  from kvlowrank_kernels.kivi import planar  # pylint: disable=import-outside-toplevel
+  from kvlowrank_kernels.rotated import quantized_fit, ragged_attention_quantized  # pylint: disable=C0415
+  shape, (q, k, v, lens) = case(0)
+  kw, vw = shape.k_widths, shape.v_widths
+  cap = -(-k.shape[1] // 32) * 32
+  k = jnp.pad(k, ((0, 0), (0, cap - k.shape[1]), (0, 0)))
+  v = jnp.pad(v, ((0, 0), (0, cap - v.shape[1]), (0, 0)))
+  store = lambda bits, group, sdt=None: (planar.quantize_keys(k[:, :, None], bits, group, sdt),
+                                         planar.quantize_values(v[:, :, None], bits, group, sdt))
+  kq, vq = store(4, 16, jnp.float16)
+  qs = (q.shape[0], q.shape[1], sum(kw))
+  assert quantized_fit(qs, kq, vq, kw, vw, jnp.bfloat16) is None
+  assert "float32" in quantized_fit(qs, kq, vq, kw, vw, jnp.float32)
+  assert "bits" in quantized_fit(qs, *store(8, 16, jnp.float16), kw, vw, jnp.bfloat16)
+  assert "group_size" in quantized_fit(qs, *store(4, 8, jnp.float16), kw, vw, jnp.bfloat16)
+  assert "keys.scale" in quantized_fit(qs, *store(4, 16, jnp.float32), kw, vw, jnp.bfloat16)
+  assert "widths sum" in quantized_fit(qs, kq, vq, kw[:-1] + (kw[-1] + 16,), vw, jnp.bfloat16)
+  w = dict(k_widths=kw, v_widths=vw, scale=shape.scale)
+  out, lse = ragged_attention_quantized(q, kq, vq, lens, implementation="reference", **w)
+  kh = planar.dequantize_keys(kq, sum(kw))[:, :, 0].astype(q.dtype)
+  vh = planar.dequantize_values(vq, sum(vw))[:, :, 0].astype(q.dtype)
+  ref, ref_lse = ragged_attention_reference(q, kh, vh, lens, **w)
+  np.testing.assert_array_equal(out, ref)
+  np.testing.assert_array_equal(lse, ref_lse)
+  bad = dataclasses.replace(kq, codes=kq.codes.at[1].set(255 - kq.codes[1]))
+  moved, _ = ragged_attention_quantized(q, bad, vq, lens, implementation="reference", **w)
+  assert float(jnp.max(jnp.abs(moved - out))) > 1e-2
