@@ -44,16 +44,16 @@ def triton_fit(q_shape, k_widths, v_widths, dtype, capacity=None) -> str | None:
   return None
 
 
-def resolve_implementation(implementation=None, *, args=None, options=None) -> str:
-  """The implementation `ragged_attention` runs: `implementation` if it can run here (GPU
-  kernels fall back to "reference" without a GPU or jax-triton); for None, "triton" where it
-  can run and `args` = (q_shape, k_widths, v_widths, dtype, capacity) fit it or `options`
-  (kernel knobs) are passed, else "reference"."""
+def resolve_implementation(implementation=None, *, args=None, options=None, fit=None,
+                           op="ragged_attention") -> str:
+  """The implementation `op` runs: `implementation` if it can run here (GPU kernels fall back
+  to "reference" without a GPU or jax-triton); for None, "triton" where it can run and `args`
+  fit it (`fit(*args)` is None; default `triton_fit`, args = (q_shape, k_widths, v_widths,
+  dtype, capacity)) or `options` (kernel knobs) are passed, else "reference"."""
   impl = triton_backend.resolve(implementation, known=IMPLEMENTATIONS, default_gpu="triton",
-                                needs_gpu=("triton",), needs_triton=("triton",),
-                                op="ragged_attention")
+                                needs_gpu=("triton",), needs_triton=("triton",), op=op)
   if (implementation is None and impl == "triton" and args is not None and not options
-      and triton_fit(*args) is not None):
+      and (fit or triton_fit)(*args) is not None):
     return "reference"
   return impl
 
@@ -123,12 +123,9 @@ def ragged_attention_quantized(q_rot, keys, values, lengths, *, k_widths, v_widt
   from ..kivi import planar  # pylint: disable=import-outside-toplevel
   dtype = q_rot.dtype
   check_heads_width(v_widths, heads_width)
-  impl = triton_backend.resolve(implementation, known=IMPLEMENTATIONS, default_gpu="triton",
-                                needs_gpu=("triton",), needs_triton=("triton",),
-                                op="ragged_attention_quantized")
-  if (implementation is None and impl == "triton" and not knobs
-      and quantized_fit(q_rot.shape, keys, values, k_widths, v_widths, dtype) is not None):
-    impl = "reference"
+  impl = resolve_implementation(
+      implementation, args=(q_rot.shape, keys, values, k_widths, v_widths, dtype),
+      options=knobs, fit=quantized_fit, op="ragged_attention_quantized")
   if implementation not in (None, impl):
     warnings.warn(f"ragged_attention_quantized: {implementation!r} unavailable here, "
                   f"running {impl!r}")

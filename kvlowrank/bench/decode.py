@@ -120,8 +120,8 @@ METHODS = {
     # random widths (`rotated_widths`) averaging H/2 for keys and values.
     "fdc50": BenchMethod("FDC-50%", "fdc", RotatedSpec()),
     "zack50": BenchMethod("ZACK-50%", "zack", RotatedSpec()),
-    # ... with K' / V' quantized to 4 bits (KIVI-style, groups of 16): no kernel reads the
-    # codes, so each step dequantizes the prefix for the ragged kernel (`RotatedCache`).
+    # ... with K' / V' quantized to 4 bits (KIVI-style, groups of 16), read as codes by the
+    # ragged kernel's twin (`kvlowrank_kernels.rotated.triton_ragged_quant`).
     "zack50-4bit": BenchMethod("ZACK-50% 4-bit", "zack", RotatedSpec(bits=4)),
 }
 # Timed executions of the `steps`-step decode loop (after one warm-up): the median / steps.
