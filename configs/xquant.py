@@ -13,7 +13,8 @@ decode (false: prefill mode only, faster on CPU), smoke (stories260K, < 2 min). 
 knobs via --config.xquant.<field> /
 --config.xquant_cl.<field> (kvlowrank.cache.XQuantSpec / XQuantCLSpec: window,
 key_axis, value_axis, n_high_layers, high_bits, base_layer, delta_axis, layer_bits,
-scale_dtype, implementation, decode_chunk).
+scale_dtype, implementation, decode_chunk; XQuant-CL also rows_per_pass, the batch rows
+one forward pass runs: None = as many as keep its fp32 carry within 2 GiB).
 
 The XQuant-CL section follows the paper's Table 4 recipe: base layer 2, layers 0-2 at
 4 bits, deltas of layers 3.. at `bits`. Evaluation protocol = configs/main.py (first 4
@@ -45,7 +46,8 @@ def xquant_cl_section(bits: int = 2, group_size: int = 64, path: str = "auto") -
                          layer_bits=(), group_size=group_size, window=0, path=path,
                          delta_axis="token", key_axis="channel", value_axis="token",
                          scale_dtype="float16",
-                         implementation=config_dict.placeholder(str), decode_chunk=2048))
+                         implementation=config_dict.placeholder(str), decode_chunk=2048,
+                         rows_per_pass=config_dict.placeholder(int)))
 
 
 def get_config(arg=None):

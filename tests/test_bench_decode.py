@@ -99,6 +99,23 @@ def test_cross_layer_method_and_max_batch_check():
   assert decode.table(res).splitlines()[-1].endswith(" ✓ |")
 
 
+def test_max_batch_counts_one_pass_of_temporaries_for_row_sliced_caches():
+  """A cache that runs the batch in passes of a few rows (XQuant-CL) holds one pass's
+  temporaries: the estimate counts them once, not per sequence. The numbers: 1 GiB of cache
+  and 1 GiB of temporaries per row, 100 GiB free after weights and margin."""
+  gib = 1 << 30
+  rec = dict(batch=8, cache_device_bytes=8 * gib, step_temp_bytes=8 * gib)
+  limit, weights = 110 * gib, 8 * gib
+  assert decode.max_batch(rec, weights, limit) == 50                  # (1 + 1) GiB per row
+  sliced = dict(rec, rows_per_pass=4, step_temp_bytes=4 * gib)        # one pass of 4 rows
+  assert decode.max_batch(sliced, weights, limit) == 96               # (100 - 4) / 1
+  # Measured below one pass (2 rows of 4): the temporaries of a full pass are twice that.
+  small = dict(rec, batch=2, cache_device_bytes=2 * gib, step_temp_bytes=2 * gib,
+               rows_per_pass=4)
+  assert decode.max_batch(small, weights, limit) == 96
+  assert decode.max_batch(dict(sliced, rows_per_pass=None), weights, limit) == 66
+
+
 def test_max_batch_check_steps_down_to_the_largest_that_runs():
   """An estimate that does not allocate: the check tries one sequence fewer at a time."""
   calls = []

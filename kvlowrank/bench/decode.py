@@ -75,6 +75,7 @@ from kvlowrank.cache.base import KVCache
 from kvlowrank.methods.palu.spec import default_group_size, folds_value
 from kvlowrank.methods.rotated import RotatedSpec
 from kvlowrank.methods.rotated import sharding as rotated_sharding
+from kvlowrank.model import row_slices
 from kvlowrank.model.params import layer_shapes
 from kvlowrank.model.transformer import forward
 from kvlowrank.spec import ModelSpec, RopeScaling
@@ -464,7 +465,8 @@ def run_config(spec: ModelSpec, params, method: BenchMethod, context: int, batch
               implementation=impl,
               mesh=None if mesh is None else [mesh.shape[parallel.DATA],
                                               mesh.shape[parallel.MODEL]],
-              dispatch_reason=reason, step_ms=1e3 * step_s,
+              dispatch_reason=reason, rows_per_pass=row_slices.rows_per_pass(caches),
+              step_ms=1e3 * step_s,
               tokens_per_s=batch / step_s,
               attention_ms=None if attn_s is None else 1e3 * attn_s,
               rest_ms=None if attn_s is None else 1e3 * (step_s - attn_s),
@@ -522,10 +524,19 @@ def max_batch(rec: dict, weight_bytes: int, limit: Optional[int],
   """Largest batch whose weights + caches + step temporaries fit in `limit` bytes
   (per-sequence costs from the measured record; `margin` left for the allocator). With
   `data` > 1 the record's bytes are one device's, holding batch / data rows; the result
-  is the batch over the whole mesh."""
+  is the batch over the whole mesh. A cache that bounds the rows of one forward pass (the
+  record's `rows_per_pass`, XQuant-CL's carry: `kvlowrank.model.row_slices`) holds one
+  pass's temporaries whatever the batch: they count once, at the measured bytes per row
+  of a pass times the rows of a pass."""
   if limit is None or rec.get("step_temp_bytes") is None:
     return None
-  per_seq = (rec["cache_device_bytes"] + rec["step_temp_bytes"]) / (rec["batch"] // data)
+  local = rec["batch"] // data
+  temp, rows = rec["step_temp_bytes"], rec.get("rows_per_pass")
+  if rows:
+    fixed = temp / min(local, rows) * rows
+    return data * max(0, int((limit - weight_bytes - margin - fixed)
+                             // (rec["cache_device_bytes"] / local)))
+  per_seq = (rec["cache_device_bytes"] + temp) / local
   return data * max(0, int((limit - weight_bytes - margin) // per_seq))
 
 

@@ -241,6 +241,13 @@ class KVCache(abc.ABC):
     raise NotImplementedError(f"{type(self).__name__} does not declare shard_axes(): it "
                               f"cannot be split over a mesh")
 
+  def rows_per_pass(self) -> Optional[int]:
+    """How many batch rows one forward pass may run on this cache at once (None: any). A
+    cache whose step holds temporaries of rows × capacity beyond its own storage (XQuant-CL's
+    fp32 carry) bounds them; `kvlowrank.model.forward` then runs the batch that many rows at a
+    time (`kvlowrank.model.row_slices`)."""
+    return None
+
   def for_spec(self, spec: ModelSpec) -> "KVCache":
     """This cache with `spec` as the model spec it keeps (if any): `kvlowrank.parallel`
     hands each device its local spec (its share of the heads) and takes the global one
@@ -290,6 +297,24 @@ def init_caches(method: str, method_spec, spec: ModelSpec, params, *, batch: int
     raise ValueError(f"cache capacity and batch must be positive, got {capacity}, {batch}")
   return _REGISTRY[method](method_spec, spec, params, batch=batch, capacity=capacity,
                            dtype=dtype)
+
+
+def leaf_axes(cache) -> tuple[list, Any]:
+  """([(keystr path, leaf, (batch axis, head axis))] for every array leaf of `cache`, treedef):
+  each leaf's axes from the longest prefix of its path that the cache's `shard_axes()`
+  declares. Raises a one-line ValueError naming a leaf it does not cover."""
+  axes = cache.shard_axes()
+  leaves, treedef = jax.tree_util.tree_flatten_with_path(cache)
+  out = []
+  for path, leaf in leaves:
+    key = jax.tree_util.keystr(path)
+    hits = [p for p in axes
+            if key == p or (key.startswith(p) and key[len(p)] in ".[")]
+    if not hits:
+      raise ValueError(f"{type(cache).__name__}{key}: the cache's shard_axes() does not "
+                       f"say how this array splits")
+    out.append((key, leaf, axes[max(hits, key=len)]))
+  return out, treedef
 
 
 def caches_nbytes(caches) -> int:

@@ -10,6 +10,7 @@ import jax.numpy as jnp
 from kvlowrank.cache import base as cache_base
 from kvlowrank.cache.base import AttnInputs
 from kvlowrank.model.attention import dot_product_attention
+from kvlowrank.model import row_slices
 from kvlowrank.model.rope import apply_rope
 from kvlowrank.spec import ModelSpec
 
@@ -145,7 +146,8 @@ def check_context(positions, caches: Optional[tuple], spec: ModelSpec, *,
 def forward(params, tokens, positions, caches: Optional[tuple], spec: ModelSpec, *,
             capture_inputs: bool = False, last_only: bool = False,
             logits_at: Optional[jax.Array] = None,
-            allow_beyond_max_seq_len: bool = False, axis_name: Optional[str] = None):
+            allow_beyond_max_seq_len: bool = False, axis_name: Optional[str] = None,
+            rows_per_pass: Optional[int] = None):
   """Runs the decoder on T new tokens.
 
   Args:
@@ -168,6 +170,10 @@ def forward(params, tokens, positions, caches: Optional[tuple], spec: ModelSpec,
       device of a mesh (shard_map) with the local spec and parameter shards: whole KV heads
       (q/k/v column blocks, W_o row block), MLP column/row blocks, vocabulary blocks of the
       embedding and LM head; the row-split products are summed over this mesh axis.
+    rows_per_pass: run the batch this many rows at a time (`kvlowrank.model.row_slices`:
+      one pass per slice, the weights read once per pass); None: the bound the caches set
+      (`KVCache.rows_per_pass`, e.g. XQuant-CL's carry), else the whole batch; 0: the whole
+      batch.
   Returns:
     (logits [B, T, V] fp32, caches) or (logits, caches, captured) when capture_inputs.
     Under `jit` positions are traced and only T is checked: a row with a position
@@ -178,6 +184,17 @@ def forward(params, tokens, positions, caches: Optional[tuple], spec: ModelSpec,
   """
   limit = check_context(positions, caches, spec,
                         allow_beyond_max_seq_len=allow_beyond_max_seq_len)
+  rows = row_slices.rows_per_pass(caches) if rows_per_pass is None else rows_per_pass
+  if caches is not None and rows and rows < tokens.shape[0]:
+    def one_pass(tok, pos, at, c):
+      out = forward(params, tok, pos, c, spec, capture_inputs=capture_inputs,
+                    last_only=last_only, logits_at=at,
+                    allow_beyond_max_seq_len=allow_beyond_max_seq_len,
+                    axis_name=axis_name, rows_per_pass=0)
+      return (out[0], out[2], out[1]) if capture_inputs else out
+    *outs, caches = row_slices.run(one_pass, rows, (tokens, positions, logits_at), caches,
+                                   (0, 1) if capture_inputs else (0,))
+    return (outs[0], caches, outs[1]) if capture_inputs else (outs[0], caches)
   x = embed(params, tokens, axis_name)
   new_caches = []
   captured = []

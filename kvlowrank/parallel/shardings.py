@@ -27,6 +27,7 @@ from typing import Optional
 import jax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from kvlowrank.cache import base as cache_base
 from kvlowrank.methods.rotated import sharding as rotated_sharding
 from kvlowrank.parallel.mesh import DATA, MODEL, check_layout
 from kvlowrank.spec import ModelSpec
@@ -81,27 +82,14 @@ def param_specs(params, spec: ModelSpec, tp: int = 1) -> dict:
   return out
 
 
-def _matches(path: str, prefix: str) -> bool:
-  return path == prefix or (path.startswith(prefix) and path[len(prefix)] in ".[")
-
-
 def cache_specs(caches) -> Optional[tuple]:
   """PartitionSpecs of a model-level cache (tuple of per-layer caches; same structure)."""
   if caches is None:
     return None
 
   def one(cache):
-    axes = cache.shard_axes()
-    leaves, treedef = jax.tree_util.tree_flatten_with_path(cache)
-    specs = []
-    for path, leaf in leaves:
-      key = jax.tree_util.keystr(path)
-      hits = [p for p in axes if _matches(key, p)]
-      if not hits:
-        raise ValueError(f"{type(cache).__name__}{key}: the cache's shard_axes() does not "
-                         f"say how this array splits")
-      batch, head = axes[max(hits, key=len)]
-      specs.append(_split(leaf.ndim, head, batch=batch))
+    leaves, treedef = cache_base.leaf_axes(cache)
+    specs = [_split(leaf.ndim, head, batch=batch) for _, leaf, (batch, head) in leaves]
     return jax.tree_util.tree_unflatten(treedef, specs)
 
   return tuple(one(c) for c in caches)

@@ -45,7 +45,10 @@ log-sum-exp, so a layer's temporaries beside the carry are one chunk's (the whol
 held the previous carry, the deltas, the new carry and K/V of every slot at once). The
 carry itself stays: a decode step needs X̂_i of every slot at every layer, and X̂_i is
 D wide and fp32, so for a GQA model one carry is several layers' worth of a dense KV cache
-(Llama-3-8B: 16 KiB per token against 4 KiB of K/V per layer).
+(Llama-3-8B: 16 KiB per token against 4 KiB of K/V per layer). So the cache bounds the rows
+one forward pass runs (`rows_per_pass`, default: a carry of at most `CARRY_BYTES`), and
+`kvlowrank.model.forward` runs a larger batch in slices of rows (`kvlowrank.model.row_slices`):
+the carry is [rows, S, D], not [B, S, D], and the largest batch is set by the codes again.
 kvlowrank.model.segments (the layer-major decode-mode perplexity) keeps one carry per
 decode step for the next layer, i.e. steps·B·S·D·4 bytes per layer; XLA on CPU may ask
 for all CL layers' carries at once, so decode-mode runs here use batch 1.
@@ -90,6 +93,9 @@ class XQuantCLSpec:
     (decode_chunk: slots per chunk of the "xla" decode path, `XCLCache.chunked_step`).
   delta_axis: quantization axis of the deltas ("token" as XQuant-MHA; "channel").
   key_axis / value_axis: axes of the plain latent layers before the base.
+  rows_per_pass: batch rows one forward pass runs (`KVCache.rows_per_pass`): the carry X̂ is
+    [rows, S, D] fp32, so it bounds that temporary. None: as many rows as keep it within
+    `CARRY_BYTES` (at least one).
   """
 
   bits: Optional[int] = 2
@@ -106,10 +112,14 @@ class XQuantCLSpec:
   scale_dtype: str = "float16"
   implementation: Optional[str] = None
   decode_chunk: int = 2048
+  rows_per_pass: Optional[int] = None
 
   def __post_init__(self):
     if self.bits is not None:
       packing.check_bits(self.bits, "XQuantCLSpec.bits")
+    r = self.rows_per_pass
+    if r is not None and (isinstance(r, bool) or not isinstance(r, (int, np.integer)) or r < 1):
+      raise ValueError(f"XQuantCLSpec.rows_per_pass must be None or an int >= 1, got {r!r}")
     d = self.decode_chunk
     if isinstance(d, bool) or not isinstance(d, (int, np.integer)) or d < 0:
       raise ValueError(f"XQuantCLSpec.decode_chunk must be an int >= 0, got {d!r}")
@@ -145,6 +155,12 @@ class XQuantCLSpec:
     return self.high_bits if i < self.n_high_layers else self.bits
 
 
+# Default bound of one pass's carry (`XQuantCLSpec.rows_per_pass` None): 2 GiB is 3 rows of a
+# 32K Llama-3-8B cache (0.5 GiB each); passes cost a weight read each (~3.4 ms on an H200)
+# against ~90 ms of rematerialisation per row and step there.
+CARRY_BYTES = 2 << 30
+
+
 def _gather_slots(acc, positions):
   """acc [B, S, D] at slots = positions [B, T] (padding reads slot 0; never stored)."""
   return _rows(acc, jnp.clip(positions, 0, acc.shape[1] - 1))
@@ -163,6 +179,7 @@ class XCLCache(base.KVCache):
   kv_heads: int = base.static_field(default=1)
   dtype: str = base.static_field(default="bfloat16")   # of K/V rematerialised by "xla"
   decode_chunk: int = base.static_field(default=2048)  # XQuantCLSpec.decode_chunk
+  pass_rows: Optional[int] = base.static_field(default=None)  # see rows_per_pass()
 
   name = "xquant_cl"
 
@@ -186,10 +203,16 @@ class XCLCache(base.KVCache):
                             bits=cspec.bits_of(layer), axis=cspec.delta_axis,
                             group_size=cspec.group_size, window=cspec.window, dtype=dtype,
                             scale_dtype=cspec.scale_dtype, field="XQuantCLSpec")
+    rows = cspec.rows_per_pass or max(1, CARRY_BYTES // (capacity * spec.dim * 4))
     return cls(store=store, u=u, is_base=layer == cspec.base_layer,
                implementation=cspec.implementation, sliding_window=spec.sliding_window,
                kv_heads=spec.n_kv_heads, dtype=jnp.dtype(dtype).name,
-               decode_chunk=cspec.decode_chunk)
+               decode_chunk=cspec.decode_chunk, pass_rows=rows)
+
+  def rows_per_pass(self) -> Optional[int]:
+    """`XQuantCLSpec.rows_per_pass` (default: as many rows as keep the fp32 carry
+    [rows, S, D] within `CARRY_BYTES`)."""
+    return self.pass_rows
 
   @property
   def capacity(self) -> int:
