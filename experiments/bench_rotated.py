@@ -102,27 +102,36 @@ def sweep(model, s, b, log, samples):
   return o, [dict(seconds=t, **o) for t, o in res]
 
 
-def quantized_rows(model, s, b, inp, w, bits, log, samples):
+# Knob sets of --quant_sweep (first: the library default).
+QUANT_SWEEP = [{}, dict(num_warps=2), dict(num_warps=4), dict(group_width=128),
+               dict(group_width=128, num_warps=2), dict(group_width=128, num_warps=4),
+               dict(block_s=64, num_warps=4)]
+
+
+def quantized_rows(model, s, b, inp, w, bits, log, samples, sweep=False):
   """`rotated-q<bits>` rows: K'/V' of `inp` as the quantized rotated cache stores them, read
-  as codes by the quantized kernel (its default knobs)."""
+  as codes by the quantized kernel (its default knobs; with `sweep`, one row per
+  `QUANT_SWEEP` knob set, named by it)."""
   q, k, v, lens = inp
   recs = []
   for nb in bits:
     kq = planar.quantize_keys(k[:, :, None], nb, 16, scale_dtype=jnp.float16)
     vq = planar.quantize_values(v[:, :, None], nb, 16, scale_dtype=jnp.float16)
-    fn = jax.jit(lambda q, kq, vq, l: ragged_attention_quantized(q, kq, vq, l,
-                                                                 implementation="triton", **w))
     fl = 2.0 * q.shape[0] * q.shape[1] * s * (sum(w["k_widths"]) + sum(w["v_widths"]))
     out_bytes = q.shape[0] * q.shape[1] * sum(w["v_widths"]) * 2
-    recs.append(dict(model=model, context=s, batch=b, kernel=f"rotated-q{nb}",
-                     bytes=nbytes(q, kq, vq, lens) + out_bytes, flops=fl,
-                     seconds=try_time(fn, (q, kq, vq, lens), log, f"q{nb}", samples),
-                     k_widths=w["k_widths"], v_widths=w["v_widths"]))
+    for o in (QUANT_SWEEP if sweep else [{}]):
+      fn = jax.jit(lambda q, kq, vq, l, o=o: ragged_attention_quantized(
+          q, kq, vq, l, implementation="triton", **w, **o))
+      name = f"rotated-q{nb}" + "".join(f" {key}={val}" for key, val in o.items())
+      recs.append(dict(model=model, context=s, batch=b, kernel=name,
+                       bytes=nbytes(q, kq, vq, lens) + out_bytes, flops=fl,
+                       seconds=try_time(fn, (q, kq, vq, lens), log, name, samples),
+                       k_widths=w["k_widths"], v_widths=w["v_widths"], options=o))
     del kq, vq
   return recs
 
 
-def run_config(model, s, b, opts, log, samples, bits=()):
+def run_config(model, s, b, opts, log, samples, bits=(), quant_sweep=False):
   m = MODELS[model]
   key = jax.random.key(s + b)
   recs = []
@@ -159,7 +168,7 @@ def run_config(model, s, b, opts, log, samples, bits=()):
   recs.append(dict(model=model, context=s, batch=b, kernel="rotated-kernel-only", bytes=read,
                    flops=fl, seconds=try_time(kern, (*inp[:3], rec), log, "kernel-only", samples),
                    options=opts))
-  recs += quantized_rows(model, s, b, inp, w, bits, log, samples)
+  recs += quantized_rows(model, s, b, inp, w, bits, log, samples, quant_sweep)
   for r in recs:
     log(f"  {model} S={s} B={b} {r['kernel']}: "
         f"{r['seconds'] * 1e6 if r['seconds'] else float('nan'):.1f} us")
@@ -195,6 +204,7 @@ def main(argv=None):
   ap.add_argument("--options", default=None, help="JSON dict of kernel knobs (all models)")
   ap.add_argument("--samples", type=int, default=30)
   ap.add_argument("--bits", default="", help="comma list: add rotated-q<bits> rows (2, 4)")
+  ap.add_argument("--quant_sweep", action="store_true", help="rotated-q rows per QUANT_SWEEP set")
   ap.add_argument("--time_budget", type=float, default=1e9,
                   help="skip sweeps and configs started after this many seconds")
   args = ap.parse_args(argv)
@@ -218,7 +228,8 @@ def main(argv=None):
         log(f"time budget reached: skipping {model} S={s}")
         continue
       out["records"] += run_config(model, s, args.batch, opts, log, args.samples,
-                                   bits=[int(x) for x in args.bits.split(",") if x])
+                                   bits=[int(x) for x in args.bits.split(",") if x],
+                                   quant_sweep=args.quant_sweep)
       with open(args.out, "w", encoding="utf-8") as f:
         json.dump(out, f, indent=1)
   dense_bw = finalize(out["records"], ceil.matmul_flops)

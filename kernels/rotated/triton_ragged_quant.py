@@ -10,21 +10,26 @@ only the loop that reads the operands differs.
 
 Loop step: BLOCK_S tokens as sub-tiles of T = 16 tokens (one key group; T divides the value
 code block), one online-softmax step per loop step. A program's head group occupies the
-16-aligned channels [koff, koff + 16 kw16) of the packed rows (widths are multiples of 16);
-block j holds channels koff + 16 j + [0, 16):
-  keys:   scores^T [T, GP] += K_j [T, 16] @ q_j^T [16, GP]   (q_j: block j of the
-          block-diagonal query, zero outside each row's head),
-  values: acc_j [16, GP]   += V_j^T [16, T] @ p^T [T, GP],
+16-aligned channels [koff, koff + 16 kw16) of the packed rows (widths are multiples of 16),
+read as one whole-width tile per sub-tile and operand:
+  keys:   scores^T [T, GP] += K [T, KW] @ q^T [KW, GP]   (q: the block-diagonal query, zero
+          outside each row's head),
+  values: acc [VW, GP]     += V^T [VW, T] @ p^T [T, GP],
 codes as the MMA's A operand, dequantized in it by the KIVI kernel's device function
 (`kivi.triton_dequant.dequant`: c * s + z, exact code, one rounding to the scales' dtype, which
 is the MMA dtype; inline PTX on the GPU), as `kivi.triton_kivi` does and for its reasons.
-Where block j's 16 channels sit in a row depends on the store's plane width CW and on the
-group's run-time offset (`_block_bytes`): for CW >= 16, 16 contiguous bytes and one bit field;
-for a smaller CW, a gather of 16 bytes with a shift per channel (correct, slower). Each code
-tile is shifted right by its field first, so the dequantization reads field 0.
-Key scale rows: one [16] row per (sub-tile, block); value scales: one [T] column per
-(sub-tile, block) since a 16-channel block is one value group. Blocks past the group's width
-load nothing (masked) and meet zero query columns.
+Where a channel sits in a row depends on the store's plane width CW and on the group's
+run-time offset (`_row_bytes`): for CW >= 16, runs of 16 contiguous bytes from multiples of 16,
+told to the compiler so that the key tile loads as 16-byte vectors; for a smaller CW, a gather
+(correct, slower). Each code is shifted right by its field first, so the dequantization reads
+field 0. Key scales: one [KW] row per sub-tile; value scales: the [VW / 16, T] group scales of a
+sub-tile, repeated over each group's 16 channels. Channels past the group's width load nothing
+(masked) and meet zero query columns.
+
+One tile per operand replaced a loop of 16-channel blocks (one MMA chain per block): at
+KW = 256 the blocks' kernel spilled 544-832 bytes of registers (ptxas sm_90a) and ran 835 µs
+at Llama-3-8B 32K x 8 on an H200, this one 392.7 µs at its default 2 warps
+(`results/rotated_kernel.md`, "Reading the codes").
 """
 
 from __future__ import annotations
@@ -45,25 +50,22 @@ from ..kivi.triton_dequant import to_dtype as _to_dt
 from .triton_plan import DEFAULT_GROUP_WIDTH, check_store, plan
 from .triton_ragged import combine_heads, load_record, records
 
-# Tokens per loop step: two 16-token sub-tiles (each step unrolls NSUB x (KW + VW) / 16
-# dequantize-and-dot blocks, so longer steps grow the code and its compile time).
+# Tokens per loop step: two 16-token sub-tiles (one whole-width key and value tile each).
 QUANT_BLOCK_S = 32
 
 
 @triton.jit
-def _block_bytes(c0, BITS: tl.constexpr, CW: tl.constexpr):
-  """Byte columns and bit shifts [16] of channels c0 + [0, 16) (c0 a multiple of 16) in a
+def _row_bytes(c0, N: tl.constexpr, BITS: tl.constexpr, CW: tl.constexpr):
+  """Byte columns and bit shifts [N] of channels c0 + [0, N) (c0 a multiple of 16) in a
   planar row: channel c sits in byte (c // (ppb CW)) CW + c % CW at bits ((c // CW) % ppb)
-  BITS (`kivi.planar`). CW >= 16: 16 contiguous bytes from a multiple of 16 (vector loads)."""
+  BITS (`kivi.planar`). CW >= 16: runs of 16 contiguous bytes from multiples of 16 (told to the
+  compiler, so the loads are 16-byte vectors)."""
   PPB: tl.constexpr = 8 // BITS
+  c = c0 + tl.arange(0, N)
+  by = (c // (PPB * CW)) * CW + c % CW
   if CW >= 16:
-    by = tl.multiple_of((c0 // (PPB * CW)) * CW + c0 % CW, 16) + tl.arange(0, 16)
-    sh = ((c0 // CW) % PPB) * BITS + tl.zeros([16], tl.int32)
-  else:
-    c = c0 + tl.arange(0, 16)
-    by = (c // (PPB * CW)) * CW + c % CW
-    sh = ((c // CW) % PPB) * BITS
-  return by, sh
+    by = tl.max_contiguous(tl.multiple_of(by, 16), 16)
+  return by, ((c // CW) % PPB) * BITS
 
 
 @triton.jit
@@ -77,8 +79,7 @@ def _quant_body(q_ptr, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, rec_ptr, 
   VDT: tl.constexpr = tl.float16 if VF16 else tl.bfloat16   # value MMA operands
   T: tl.constexpr = 16
   NSUB: tl.constexpr = BLOCK_S // T
-  NK: tl.constexpr = KW // 16
-  NV: tl.constexpr = VW // 16
+  NV: tl.constexpr = VW // 16            # value groups in a tile
   RK: tl.constexpr = SK * BITS // 8      # bytes per key row
   RV: tl.constexpr = SV * BITS // 8      # bytes per value row
   NJV: tl.constexpr = SV // 16           # value groups per token
@@ -88,40 +89,30 @@ def _quant_body(q_ptr, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, rec_ptr, 
   row = row_ptr + (grp * GP + rows) * 4
   lo = tl.load(row)
   hi = tl.load(row + 1)
-  w16 = tl.arange(0, 16)
+  kcols = tl.arange(0, KW)
+  vcols = tl.arange(0, VW)
   tcol = tl.arange(0, T)
-  # q^T per key block (the B operand of the key dots, in the key scales' dtype), and each
-  # block's byte columns and bit shifts in the key / value rows.
-  qrow = (b64 * G + rows % G) * SK + koff
-  q_t = ()
-  kby = ()
-  ksh = ()
-  for j in tl.static_range(NK):
-    qj = tl.load(q_ptr + qrow[None, :] + (j * 16 + w16)[:, None],
-                 mask=((j >= lo) & (j < hi))[None, :], other=0.0)
-    q_t = q_t + (_to_dt(qj.to(tl.float32), KDT, FAST),)
-    by, sh = _block_bytes(koff + j * 16, BITS, KCW)
-    kby = kby + (by,)
-    ksh = ksh + (sh,)
-  vby = ()
-  vsh = ()
-  for j in tl.static_range(NV):
-    by, sh = _block_bytes(voff + j * 16, BITS, VCW)
-    vby = vby + (by * VB,)
-    vsh = vsh + (sh,)
+  kmask = (kcols // 16) < kw16
+  vmask = (vcols // 16) < vw16
+  # q^T [KW, GP] (block-diagonal, the B operand of the key dot, in the key scales' dtype).
+  kc16 = kcols // 16
+  q_t = tl.load(q_ptr + ((b64 * G + rows % G) * SK + koff)[None, :] + kcols[:, None],
+                mask=(kc16[:, None] >= lo[None, :]) & (kc16[:, None] < hi[None, :]), other=0.0)
+  q_t = _to_dt(q_t.to(tl.float32), KDT, FAST)
+  kby, ksh = _row_bytes(koff, KW, BITS, KCW)
+  vby, vsh = _row_bytes(voff, VW, BITS, VCW)
   kc_base = kc_ptr + b64 * S * RK
   ks_base = ks_ptr + b64 * (S // 16) * SK + koff
   kz_base = kz_ptr + b64 * (S // 16) * SK + koff
   vc_base = vc_ptr + b64 * S * RV
   vs_base = vs_ptr + b64 * S * NJV + voff // 16
   vz_base = vz_ptr + b64 * S * NJV + voff // 16
+  jv = tl.arange(0, NV)
   qk_scale = sm_scale * 1.4426950408889634
   m_i = tl.full([GP], float("-inf"), tl.float32)
   # Softmax denominator per (token slot, row), summed once at the end (as `triton_kivi`).
   l_t = tl.zeros([T, GP], tl.float32)
-  accs = ()
-  for j in tl.static_range(NV):
-    accs = accs + (tl.zeros([16, GP], tl.float32),)
+  acc = tl.zeros([VW, GP], tl.float32)
   for t0 in range(start, end, BLOCK_S):
     t0 = tl.multiple_of(t0, BLOCK_S)
     scs = ()
@@ -130,56 +121,50 @@ def _quant_body(q_ptr, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, rec_ptr, 
       tu = t0 + u * T
       offs = tu + tcol
       t_ok = offs < end
-      sc = tl.zeros([T, GP], tl.float32)
-      for j in tl.static_range(NK):
-        live = j < kw16
-        kb = tl.load(kc_base + offs[:, None] * RK + kby[j][None, :],
-                     mask=t_ok[:, None] & live, other=0)
-        sp = (tu // 16) * SK + j * 16 + w16[None, :]
-        s = tl.load(ks_base + sp, mask=(tu < end) & live, other=0.0)
-        z = tl.load(kz_base + sp, mask=(tu < end) & live, other=0.0)
-        k_j = _dequant((kb >> ksh[j][None, :]).to(tl.uint8), s, z, 0, BITS, KDT, False, 0,
-                       FAST)
-        sc = tl.dot(k_j, q_t[j], sc)
+      kb = tl.load(kc_base + offs[:, None] * RK + kby[None, :], mask=t_ok[:, None] & kmask[None, :],
+                   other=0)
+      sp = (tu // 16) * SK + kcols[None, :]
+      s = tl.load(ks_base + sp, mask=(tu < end) & kmask[None, :], other=0.0)
+      z = tl.load(kz_base + sp, mask=(tu < end) & kmask[None, :], other=0.0)
+      k = _dequant((kb >> ksh[None, :]).to(tl.uint8), s, z, 0, BITS, KDT, False, 0, FAST)
+      sc = tl.dot(k, q_t)                                                 # [T, GP]
       sc = tl.where(t_ok[:, None], sc * qk_scale, float("-inf"))
       m_new = tl.maximum(m_new, tl.max(sc, 0))
       scs = scs + (sc,)
     alpha = tl.exp2(m_i - m_new)
     l_t = l_t * alpha[None, :]
-    for j in tl.static_range(NV):
-      accs = accs[:j] + (accs[j] * alpha[None, :],) + accs[j + 1:]
+    acc = acc * alpha[None, :]
     for u in tl.static_range(NSUB):
       tu = t0 + u * T
       toks = tu + tcol
       tok_ok = toks < end
       p = tl.exp2(scs[u] - m_new[None, :])
       l_t = l_t + p
-      p_t = _to_dt(p, VDT, FAST)
       # Token-blocked value codes: byte r of token t at ((t // VB) RV + r) VB + t % VB; the
       # sub-tile lies in one block (T | VB), its T bytes per column contiguous.
       tok = (tu // VB) * (VB * RV) + tl.multiple_of(tu % VB, T) + tcol
-      for j in tl.static_range(NV):
-        live = j < vw16
-        vb = tl.load(vc_base + tok[None, :] + vby[j][:, None], mask=live, other=0)
-        sv = tl.load(vs_base + toks * NJV + j, mask=tok_ok & live, other=0.0)
-        zv = tl.load(vz_base + toks * NJV + j, mask=tok_ok & live, other=0.0)
-        v_j = _dequant((vb >> vsh[j][:, None]).to(tl.uint8), sv[None, :], zv[None, :], 0, BITS,
-                       VDT, False, 0, FAST)
-        accs = accs[:j] + (tl.dot(v_j, p_t, accs[j]),) + accs[j + 1:]
+      vb = tl.load(vc_base + tok[None, :] + (vby * VB)[:, None], mask=vmask[:, None], other=0)
+      # Per-token scale / zero of each 16-channel group [NV, T], repeated over its channels.
+      gp = toks[None, :] * NJV + jv[:, None]
+      gmask = tok_ok[None, :] & ((jv < vw16)[:, None])
+      sv = tl.load(vs_base + gp, mask=gmask, other=0.0)
+      zv = tl.load(vz_base + gp, mask=gmask, other=0.0)
+      sv = tl.reshape(tl.broadcast_to(sv[:, None, :], (NV, 16, T)), (VW, T))
+      zv = tl.reshape(tl.broadcast_to(zv[:, None, :], (NV, 16, T)), (VW, T))
+      v = _dequant((vb >> vsh[:, None]).to(tl.uint8), sv, zv, 0, BITS, VDT, False, 0, FAST)
+      acc = tl.dot(v, _to_dt(p, VDT, FAST), acc)                          # [VW, GP]
     m_i = m_new
   # Compact partial (as `triton_ragged`): row g of chunk t holds query g of every head of the
   # group in its own value columns; a 0/1 [GC, GP] selection sums the G-strided rows in fp32.
   l_safe, lse = split_lse(m_i, tl.sum(l_t, 0))
-  vlo = tl.load(row + 2)
-  vhi = tl.load(row + 3)
+  vc16 = vcols // 16
+  own = (vc16[:, None] >= tl.load(row + 2)[None, :]) & (vc16[:, None] < tl.load(row + 3)[None, :])
+  o = tl.where(own, acc / l_safe[None, :], 0.0)                             # [VW, GP]
   qsel = tl.arange(0, GC)
   sel = tl.where((rows[None, :] % G) == qsel[:, None], 1.0, 0.0)
+  oc = tl.dot(sel, tl.trans(o), input_precision="ieee")                     # [GC, VW]
   t64 = t.to(tl.int64)
-  for j in tl.static_range(NV):
-    oj = tl.where(((j >= vlo) & (j < vhi))[None, :], accs[j] / l_safe[None, :], 0.0)
-    oc = tl.dot(sel, tl.trans(oj), input_precision="ieee")                  # [GC, 16]
-    tl.store(o_ptr + (t64 * G + qsel)[:, None] * VW + (j * 16 + w16)[None, :], oc,
-             mask=(qsel < G)[:, None])
+  tl.store(o_ptr + (t64 * G + qsel)[:, None] * VW + vcols[None, :], oc, mask=(qsel < G)[:, None])
   tl.store(lse_ptr + t64 * GP + rows, lse)
 
 
@@ -212,7 +197,7 @@ def ragged_attention_quantized_triton(q_rot, keys, values, lengths, *, k_widths,
                                       scale, out_dtype=None, block_s=QUANT_BLOCK_S,
                                       target_chunks=None, chunk_tokens=None,
                                       group_width=DEFAULT_GROUP_WIDTH, schedule="rows",
-                                      num_warps=1, num_stages=2, poison=False,
+                                      num_warps=2, num_stages=2, poison=False,
                                       return_partials=False, heads_width=None, fast=None):
   """`triton_ragged.ragged_attention_triton` over K'/V' held as planar KIVI codes
   (`kivi.planar.KiviKeys` / `KiviValues` of one pseudo-head; module docstring), attending
