@@ -103,9 +103,8 @@ def sweep(model, s, b, log, samples):
 
 
 # Knob sets of --quant_sweep (first: the library default).
-QUANT_SWEEP = [{}, dict(num_warps=2), dict(num_warps=4), dict(group_width=128),
-               dict(group_width=128, num_warps=2), dict(group_width=128, num_warps=4),
-               dict(block_s=64, num_warps=4)]
+QUANT_SWEEP = [{}, dict(num_warps=1), dict(num_warps=4), dict(group_width=128),
+               dict(block_s=64), dict(num_stages=3), dict(block_s=64, num_warps=4)]
 
 
 def quantized_rows(model, s, b, inp, w, bits, log, samples, sweep=False):

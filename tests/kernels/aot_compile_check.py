@@ -1,11 +1,15 @@
 """Compiles the ragged rotated kernels (bf16 and planar-code operands) for sm_90 with the
-Triton wheel's ptxas: no GPU needed (`python tests/kernels/aot_compile_check.py`). A compile
-error here is one the device would raise; the semantics are the interpreter checks'."""
+Triton wheel's ptxas: no GPU needed (`python tests/kernels/aot_compile_check.py`), and prints
+each kernel's registers per thread and spills (`ptxas -v`, sm_90a). A compile error here is one
+the device would raise; the semantics are the interpreter checks'."""
 import os
+import subprocess
 import sys
+import tempfile
 
 import triton
 from triton.backends.compiler import GPUTarget
+from triton.backends.nvidia import compiler as nvidia_compiler
 from triton.compiler import ASTSource
 
 from kvlowrank_kernels.rotated import triton_ragged as tr
@@ -27,7 +31,22 @@ def compile_kernel(fn, pointers, constexprs, num_warps=4):
            if ty.startswith("*") or name == "S"}
   k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=constexprs, attrs=attrs),
                      target=TARGET, options=dict(num_warps=num_warps, num_stages=2))
-  print(f"{k.metadata.name}: compiled for sm_90, {k.metadata.shared} bytes of shared memory")
+  print(f"{k.metadata.name} ({num_warps} warps): compiled for sm_90, {k.metadata.shared} bytes "
+        f"of shared memory; {ptxas_usage(k.asm['ptx'])}")
+
+
+def ptxas_usage(ptx: str) -> str:
+  """ptxas -v's registers and spills of one kernel's PTX."""
+  tool = nvidia_compiler.get_ptxas(TARGET.arch)
+  with tempfile.TemporaryDirectory() as d:
+    path = os.path.join(d, "k.ptx")
+    with open(path, "w", encoding="utf-8") as f:
+      f.write(ptx)
+    err = subprocess.run([getattr(tool, "path", tool), "-v", "--gpu-name=sm_90a", path, "-o",
+                          os.path.join(d, "k.o")], capture_output=True, text=True,
+                         check=True).stderr
+  return "; ".join(line.split(":", 1)[-1].strip() for line in err.splitlines()
+                   if "registers" in line or "spill" in line)
 
 
 if __name__ == "__main__":
@@ -40,4 +59,4 @@ if __name__ == "__main__":
                    {"q_ptr": "*bf16", "kc_ptr": "*u8", "ks_ptr": "*bf16", "kz_ptr": "*bf16",
                     "vc_ptr": "*u8", "vs_ptr": "*fp16", "vz_ptr": "*fp16"},
                    dict(COMMON, BLOCK_S=32, BITS=bits, KCW=kcw, VCW=16, VB=32, KF16=False,
-                        VF16=True, FAST=True), num_warps=1)
+                        VF16=True, FAST=True), num_warps=2)
