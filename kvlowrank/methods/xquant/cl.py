@@ -49,9 +49,8 @@ D wide and fp32, so for a GQA model one carry is several layers' worth of a dens
 one forward pass runs (`rows_per_pass`, default: a carry of at most `CARRY_BYTES`), and
 `kvlowrank.model.forward` runs a larger batch in slices of rows (`kvlowrank.model.row_slices`):
 the carry is [rows, S, D], not [B, S, D], and the largest batch is set by the codes again.
-kvlowrank.model.segments (the layer-major decode-mode perplexity) keeps one carry per
-decode step for the next layer, i.e. steps·B·S·D·4 bytes per layer; XLA on CPU may ask
-for all CL layers' carries at once, so decode-mode runs here use batch 1.
+The decode-mode perplexity (kvlowrank.model.segments) runs cross-layer caches token-major:
+each segment through the whole `forward`, so it gets the same passes of rows.
 
 Choices the paper leaves open: deltas are quantized per token (`delta_axis`) in
 groups of `group_size` channels; the base latent of the GQA variant is the delta
