@@ -44,25 +44,29 @@ def plan(batch: int, rows: int) -> tuple[int, int, int]:
   return size, batch // size, batch % size
 
 
-def _rows_of(caches, start, size):
+def _batch_axes(caches) -> list[list]:
+  """Per cache, the batch axis of each array leaf in flatten order (None: no batch axis)."""
+  return [[b for _, _, (b, _) in cache_base.leaf_axes(c)[0]] for c in caches]
+
+
+def _rows_of(caches, axes, start, size):
   out = []
-  for c in caches:
-    leaves, treedef = cache_base.leaf_axes(c)
+  for c, ax in zip(caches, axes):
+    leaves, treedef = jax.tree_util.tree_flatten(c)
     out.append(jax.tree_util.tree_unflatten(treedef, [
         leaf if b is None else jax.lax.dynamic_slice_in_dim(leaf, start, size, axis=b)
-        for _, leaf, (b, _) in leaves]))
+        for leaf, b in zip(leaves, ax)]))
   return tuple(out)
 
 
-def _put_rows(caches, sub, start):
+def _put_rows(caches, axes, sub, start):
   out = []
-  for c, s in zip(caches, sub):
-    leaves, treedef = cache_base.leaf_axes(c)
-    new = jax.tree_util.tree_leaves(s)
+  for c, ax, s in zip(caches, axes, sub):
+    leaves, treedef = jax.tree_util.tree_flatten(c)
     out.append(jax.tree_util.tree_unflatten(treedef, [
         leaf if b is None else jax.lax.dynamic_update_slice_in_dim(leaf, n.astype(leaf.dtype),
                                                                   start, axis=b)
-        for (_, leaf, (b, _)), n in zip(leaves, new)]))
+        for leaf, b, n in zip(leaves, ax, jax.tree_util.tree_leaves(s))]))
   return tuple(out)
 
 
@@ -86,18 +90,18 @@ def run(call: Callable, rows: int, batch_args: tuple, caches: tuple, out_axes: t
   """
   batch = next(a.shape[0] for a in batch_args if a is not None)
   size, full, rem = plan(batch, rows)
+  axes = _batch_axes(caches)
 
   def one(caches, start, n):
     args = [None if a is None else jax.lax.dynamic_slice_in_dim(a, start, n, axis=0)
             for a in batch_args]
-    *outs, sub = call(*args, _rows_of(caches, start, n))
-    return _put_rows(caches, sub, start), tuple(outs)
+    *outs, sub = call(*args, _rows_of(caches, axes, start, n))
+    return _put_rows(caches, axes, sub, start), tuple(outs)
 
   parts = []
   if full:
     caches, ys = jax.lax.scan(lambda c, i: one(c, i * size, size), caches,
                               jnp.arange(full, dtype=jnp.int32))
-    # [passes, ..., size at axis a + 1, ...] -> [..., passes * size at axis a, ...]
     parts.append(tuple(None if y is None else _merge(y, a) for y, a in zip(ys, out_axes)))
   if rem:
     caches, ys = one(caches, full * size, rem)

@@ -22,10 +22,7 @@ PTRS = {"rec_ptr": "*i32", "row_ptr": "*i32", "S": "i32", "sm_scale": "fp32", "o
 
 
 def compile_kernel(fn, pointers, constexprs, num_warps=4):
-  sig = dict(pointers)
-  for name in ("rec_ptr", "row_ptr", "S", "sm_scale", "o_ptr", "lse_ptr"):
-    sig[name] = PTRS[name]
-  sig.update({k: "constexpr" for k in constexprs})
+  sig = {**pointers, **PTRS, **{k: "constexpr" for k in constexprs}}
   # Pointers 16-byte aligned and S a multiple of 16, as jax-triton's launches specialise them.
   attrs = {(i,): [["tt.divisibility", 16]] for i, (name, ty) in enumerate(sig.items())
            if ty.startswith("*") or name == "S"}
