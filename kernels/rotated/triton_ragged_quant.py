@@ -11,25 +11,29 @@ only the loop that reads the operands differs.
 Loop step: BLOCK_S tokens as sub-tiles of T = 16 tokens (one key group; T divides the value
 code block), one online-softmax step per loop step. A program's head group occupies the
 16-aligned channels [koff, koff + 16 kw16) of the packed rows (widths are multiples of 16),
-read as one whole-width tile per sub-tile and operand:
-  keys:   scores^T [T, GP] += K [T, KW] @ q^T [KW, GP]   (q: the block-diagonal query, zero
-          outside each row's head),
-  values: acc [VW, GP]     += V^T [VW, T] @ p^T [T, GP],
-codes as the MMA's A operand, dequantized in it by the KIVI kernel's device function
-(`kivi.triton_dequant.dequant`: c * s + z, exact code, one rounding to the scales' dtype, which
-is the MMA dtype; inline PTX on the GPU), as `kivi.triton_kivi` does and for its reasons.
-Where a channel sits in a row depends on the store's plane width CW and on the group's
+read as one whole-width tile per sub-tile and operand, with the query rows on the MMA's M:
+  keys:   scores [GP, T] = q [GP, KW] @ K^T [KW, T]   (q: the block-diagonal query, zero
+          outside each row's head; the A operand, held in registers for the whole loop),
+  values: acc [GP, VW]  += p [GP, T] @ V [T, VW],
+the dequantized code tiles as the B operands. Why this way round: with the tokens on M
+(scores^T = K q^T) every warp needed the whole key tile, since a [T, GP] = [16, 16] product
+splits over the warps only along GP; here each warp reads its own token columns of K^T and
+its own channel columns of V.
+Codes are dequantized by the KIVI kernels' device function (`kivi.triton_dequant.dequant`:
+c * s + z, exact code, one rounding to the scales' dtype, which is the MMA dtype; inline PTX on
+the GPU). Where a channel sits in a row depends on the store's plane width CW and on the group's
 run-time offset (`_row_bytes`): for CW >= 16, runs of 16 contiguous bytes from multiples of 16,
 told to the compiler so that the key tile loads as 16-byte vectors; for a smaller CW, a gather
-(correct, slower). Each code is shifted right by its field first, so the dequantization reads
-field 0. Key scales: one [KW] row per sub-tile; value scales: the [VW / 16, T] group scales of a
-sub-tile, repeated over each group's 16 channels. Channels past the group's width load nothing
-(masked) and meet zero query columns.
-
-One tile per operand replaced a loop of 16-channel blocks (one MMA chain per block): at
-KW = 256 the blocks' kernel spilled 544-832 bytes of registers (ptxas sm_90a) and ran 835 µs
-at Llama-3-8B 32K x 8 on an H200, this one 392.7 µs at its default 2 warps
-(`results/rotated_kernel.md`, "Reading the codes").
+(correct, slower). A channel's bit field is a run-time shift, constant over runs of CW >= 4
+channels (widths and groups are multiples of 16, so CW >= 4 at 2 and 4 bits): the device
+function shifts each 32-bit word of 4 codes once (`dequant(..., sh=)`), which needs the 4
+codes it packs to share their field, as 4 consecutive channels (or tokens) of an aligned run
+do. Key scales: one [KW] row per sub-tile (cp.async through the pipeliner). Value scales and
+zeros [T, VW / 16] per sub-tile, repeated over each group's 16 channels: 2-byte loads at a
+run-time column offset, which the pipeliner's cp.async does not take, so the loop loads the
+next step's [BLOCK_S, VW / 16] one step ahead by hand (their latency was the loop's critical
+path). Channels past the group's width load nothing (masked) and meet zero query columns.
+Measurements: `results/rotated_kernel.md`, "Reading the codes".
 """
 
 from __future__ import annotations
@@ -94,11 +98,12 @@ def _quant_body(q_ptr, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, rec_ptr, 
   tcol = tl.arange(0, T)
   kmask = (kcols // 16) < kw16
   vmask = (vcols // 16) < vw16
-  # q^T [KW, GP] (block-diagonal, the B operand of the key dot, in the key scales' dtype).
+  # q [GP, KW] (block-diagonal: row r is zero outside its head's columns; the A operand of
+  # the key dot, in the key scales' dtype).
   kc16 = kcols // 16
-  q_t = tl.load(q_ptr + ((b64 * G + rows % G) * SK + koff)[None, :] + kcols[:, None],
-                mask=(kc16[:, None] >= lo[None, :]) & (kc16[:, None] < hi[None, :]), other=0.0)
-  q_t = _to_dt(q_t.to(tl.float32), KDT, FAST)
+  q = tl.load(q_ptr + ((b64 * G + rows % G) * SK + koff)[:, None] + kcols[None, :],
+              mask=(kc16[None, :] >= lo[:, None]) & (kc16[None, :] < hi[:, None]), other=0.0)
+  q = _to_dt(q.to(tl.float32), KDT, FAST)
   kby, ksh = _row_bytes(koff, KW, BITS, KCW)
   vby, vsh = _row_bytes(voff, VW, BITS, VCW)
   kc_base = kc_ptr + b64 * S * RK
@@ -110,59 +115,76 @@ def _quant_body(q_ptr, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, rec_ptr, 
   jv = tl.arange(0, NV)
   qk_scale = sm_scale * 1.4426950408889634
   m_i = tl.full([GP], float("-inf"), tl.float32)
-  # Softmax denominator per (token slot, row), summed once at the end (as `triton_kivi`).
-  l_t = tl.zeros([T, GP], tl.float32)
-  acc = tl.zeros([VW, GP], tl.float32)
+  # Softmax denominator per (row, token slot), summed once at the end (as `triton_kivi`).
+  l_t = tl.zeros([GP, T], tl.float32)
+  acc = tl.zeros([GP, VW], tl.float32)
+  # Value scale / zero [BLOCK_S, NV] of the next step, loaded one step ahead (module docstring).
+  bs = tl.arange(0, BLOCK_S)
+  gmask_c = (jv < vw16)[None, :]
+  gp = (start + bs)[:, None] * NJV + jv[None, :]
+  sv_n = tl.load(vs_base + gp, mask=((start + bs) < end)[:, None] & gmask_c, other=0.0)
+  zv_n = tl.load(vz_base + gp, mask=((start + bs) < end)[:, None] & gmask_c, other=0.0)
   for t0 in range(start, end, BLOCK_S):
     t0 = tl.multiple_of(t0, BLOCK_S)
+    sv_c = sv_n
+    zv_c = zv_n
+    nx = t0 + BLOCK_S + bs
+    gp = nx[:, None] * NJV + jv[None, :]
+    sv_n = tl.load(vs_base + gp, mask=(nx < end)[:, None] & gmask_c, other=0.0)
+    zv_n = tl.load(vz_base + gp, mask=(nx < end)[:, None] & gmask_c, other=0.0)
+    sv3 = tl.reshape(sv_c, (NSUB, T, NV))
+    zv3 = tl.reshape(zv_c, (NSUB, T, NV))
     scs = ()
     m_new = m_i
     for u in tl.static_range(NSUB):
       tu = t0 + u * T
       offs = tu + tcol
       t_ok = offs < end
-      kb = tl.load(kc_base + offs[:, None] * RK + kby[None, :], mask=t_ok[:, None] & kmask[None, :],
-                   other=0)
-      sp = (tu // 16) * SK + kcols[None, :]
-      s = tl.load(ks_base + sp, mask=(tu < end) & kmask[None, :], other=0.0)
-      z = tl.load(kz_base + sp, mask=(tu < end) & kmask[None, :], other=0.0)
-      k = _dequant((kb >> ksh[None, :]).to(tl.uint8), s, z, 0, BITS, KDT, False, 0, FAST)
-      sc = tl.dot(k, q_t)                                                 # [T, GP]
-      sc = tl.where(t_ok[:, None], sc * qk_scale, float("-inf"))
-      m_new = tl.maximum(m_new, tl.max(sc, 0))
+      kb = tl.load(kc_base + offs[None, :] * RK + kby[:, None],
+                   mask=t_ok[None, :] & kmask[:, None], other=0)              # [KW, T]
+      # The sub-tile's key group: one [KW] scale / zero row.
+      sp = (tu // 16) * SK + kcols[:, None]
+      smask = (tu < end) & kmask[:, None]
+      sk = tl.load(ks_base + sp, mask=smask, other=0.0)
+      zk = tl.load(kz_base + sp, mask=smask, other=0.0)
+      k_t = _dequant(kb, sk, zk, 0, BITS, KDT, False, 0, FAST,
+                     tl.broadcast_to(ksh[:, None], kb.shape))
+      sc = tl.dot(q, k_t)                                                 # [GP, T]
+      sc = tl.where(t_ok[None, :], sc * qk_scale, float("-inf"))
+      m_new = tl.maximum(m_new, tl.max(sc, 1))
       scs = scs + (sc,)
     alpha = tl.exp2(m_i - m_new)
-    l_t = l_t * alpha[None, :]
-    acc = acc * alpha[None, :]
+    l_t = l_t * alpha[:, None]
+    acc = acc * alpha[:, None]
     for u in tl.static_range(NSUB):
       tu = t0 + u * T
-      toks = tu + tcol
-      tok_ok = toks < end
-      p = tl.exp2(scs[u] - m_new[None, :])
+      p = tl.exp2(scs[u] - m_new[:, None])
       l_t = l_t + p
       # Token-blocked value codes: byte r of token t at ((t // VB) RV + r) VB + t % VB; the
       # sub-tile lies in one block (T | VB), its T bytes per column contiguous.
       tok = (tu // VB) * (VB * RV) + tl.multiple_of(tu % VB, T) + tcol
-      vb = tl.load(vc_base + tok[None, :] + (vby * VB)[:, None], mask=vmask[:, None], other=0)
-      # Per-token scale / zero of each 16-channel group [NV, T], repeated over its channels.
-      gp = toks[None, :] * NJV + jv[:, None]
-      gmask = tok_ok[None, :] & ((jv < vw16)[:, None])
-      sv = tl.load(vs_base + gp, mask=gmask, other=0.0)
-      zv = tl.load(vz_base + gp, mask=gmask, other=0.0)
-      sv = tl.reshape(tl.broadcast_to(sv[:, None, :], (NV, 16, T)), (VW, T))
-      zv = tl.reshape(tl.broadcast_to(zv[:, None, :], (NV, 16, T)), (VW, T))
-      v = _dequant((vb >> vsh[:, None]).to(tl.uint8), sv, zv, 0, BITS, VDT, False, 0, FAST)
-      acc = tl.dot(v, _to_dt(p, VDT, FAST), acc)                          # [VW, GP]
+      vb = tl.load(vc_base + tok[:, None] + (vby * VB)[None, :], mask=vmask[None, :],
+                   other=0)                                                # [T, VW]
+      # Sub-tile u's [T, NV] of the step's [NSUB, T, NV] (a 0/1 select summed over NSUB, in
+      # registers), each group's scale / zero then repeated over its 16 channels: [T, VW].
+      pick = (tl.arange(0, NSUB) == u)[:, None, None]
+      su = tl.sum(tl.where(pick, sv3.to(tl.float32), 0.0), 0).to(sv3.dtype)
+      zu = tl.sum(tl.where(pick, zv3.to(tl.float32), 0.0), 0).to(zv3.dtype)
+      sv = tl.reshape(tl.broadcast_to(su[:, :, None], (T, NV, 16)), (T, VW))
+      zv = tl.reshape(tl.broadcast_to(zu[:, :, None], (T, NV, 16)), (T, VW))
+      v = _dequant(vb, sv, zv, 0, BITS, VDT, False, 0, FAST,
+                   tl.broadcast_to(vsh[None, :], vb.shape))
+      acc = tl.dot(_to_dt(p, VDT, FAST), v, acc)                          # [GP, VW]
     m_i = m_new
   # Compact partial (as `triton_ragged`): row g of chunk t holds query g of every head of the
   # group in its own value columns; a 0/1 [GC, GP] selection sums the G-strided rows in fp32.
-  l_safe, lse = split_lse(m_i, tl.sum(l_t, 0))
+  l_safe, lse = split_lse(m_i, tl.sum(l_t, 1))
   vc16 = vcols // 16
-  own = (vc16[:, None] >= tl.load(row + 2)[None, :]) & (vc16[:, None] < tl.load(row + 3)[None, :])
-  o = tl.where(own, acc / l_safe[None, :], 0.0)                             # [VW, GP]
+  own = (vc16[None, :] >= tl.load(row + 2)[:, None]) & (vc16[None, :] < tl.load(row + 3)[:, None])
+  o = tl.where(own, acc / l_safe[:, None], 0.0)                             # [GP, VW]
   qsel = tl.arange(0, GC)
   sel = tl.where((rows[None, :] % G) == qsel[:, None], 1.0, 0.0)
-  oc = tl.dot(sel, tl.trans(o), input_precision="ieee")                     # [GC, VW]
+  oc = tl.dot(sel, o, input_precision="ieee")                               # [GC, VW]
   t64 = t.to(tl.int64)
   tl.store(o_ptr + (t64 * G + qsel)[:, None] * VW + vcols[None, :], oc, mask=(qsel < G)[:, None])
   tl.store(lse_ptr + t64 * GP + rows, lse)
