@@ -188,12 +188,13 @@ def _value_update(accs, p, vc_base, vs_base, vz_base, t0, end, sv, H: tl.constex
   # Per-token scale/zero of every group: [T] int32 words of two 16-bit groups (NJ even) or
   # [T] DT (NJ = 1); contiguous tiles, so they pipeline like the codes.
   toks = t0 + tl.arange(0, T)
-  if NW == 2:  # one [T, 2] tile per array (coalesced, not re-loaded per thread), split in registers
-    wp = (toks * NW)[:, None] + tl.arange(0, 2)[None, :]
+  if NW <= 2:  # one [T, 2] tile per array (coalesced, not re-loaded per thread), split in
+    # registers; NW = 1 (two groups per token) loads each token's word twice and keeps one.
+    wp = (toks * NW)[:, None] + (tl.arange(0, 2) % NW)[None, :]
     s0, s1 = tl.split(tl.load(vs_base + wp, mask=(toks < end)[:, None], other=0))
     z0, z1 = tl.split(tl.load(vz_base + wp, mask=(toks < end)[:, None], other=0))
-    sw = (s0, s1)
-    zw = (z0, z1)
+    sw = (s0, s1) if NW == 2 else (s0,)
+    zw = (z0, z1) if NW == 2 else (z0,)
   else:
     sw = ()
     zw = ()
