@@ -79,8 +79,9 @@ def dispatch(costs_in_order, slots: int):
   return slot, finish
 
 
-# Up to this many keys `descending` ranks by counting (two [N, N] XLA fusions, 1-2 µs each on
-# an H100) instead of XLA's sort (5.2 µs for Llama-3's 264 row tasks); beyond, argsort.
+# Up to this many keys `descending` ranks by counting (two small [N, N] XLA fusions) instead of
+# XLA's sort kernel, which was slower for the few hundred row tasks of a decode step
+# (results/rotated_kernel.md, "Compact partials, counting-rank order"); beyond, argsort.
 COUNT_SORT_MAX = 2048
 
 
