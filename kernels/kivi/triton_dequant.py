@@ -23,8 +23,8 @@ def dequant_asm(x, s, z, K: tl.constexpr, BITS: tl.constexpr, DT: tl.constexpr,
     half HALF is this plane's group; prmt pairs them up).
   sh: None, or an int32 tile of run-time field positions (K must be 0): the packed word of 4
     codes is shifted right by the first of its 4 elements' sh before the prmt, so the 4
-    elements that one call packs must share their sh (the callers' tiles hold runs of 16
-    elements with one sh each, contiguous per thread).
+    elements that one call packs must share their sh (the caller's sh is constant over
+    aligned runs of at least 4 elements along each axis a pack can take).
   Per 2 codes: prmt puts byte i in the low byte of 16-bit lane i (shared by the
   planes of a byte), lop3 keeps plane K's field (at bit P of the lane, shifted
   down first if it would reach the exponent) and ORs in the exponent of the

@@ -73,6 +73,16 @@ def _row_bytes(c0, N: tl.constexpr, BITS: tl.constexpr, CW: tl.constexpr):
 
 
 @triton.jit
+def _value_scales(vs_base, vz_base, toks, end, jv, gmask, NJV: tl.constexpr):
+  """Value scale and zero [len(toks), NV] of tokens toks: group jv of token t at t NJV + jv
+  (masked: tokens >= end, groups outside gmask)."""
+  gp = toks[:, None] * NJV + jv[None, :]
+  mask = (toks < end)[:, None] & gmask
+  return (tl.load(vs_base + gp, mask=mask, other=0.0),
+          tl.load(vz_base + gp, mask=mask, other=0.0))
+
+
+@triton.jit
 def _quant_body(q_ptr, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, rec_ptr, row_ptr, S,
                 sm_scale, o_ptr, lse_ptr, G: tl.constexpr, GP: tl.constexpr, GC: tl.constexpr,
                 SK: tl.constexpr, SV: tl.constexpr, KW: tl.constexpr, VW: tl.constexpr,
@@ -120,18 +130,13 @@ def _quant_body(q_ptr, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, rec_ptr, 
   acc = tl.zeros([GP, VW], tl.float32)
   # Value scale / zero [BLOCK_S, NV] of the next step, loaded one step ahead (module docstring).
   bs = tl.arange(0, BLOCK_S)
-  gmask_c = (jv < vw16)[None, :]
-  gp = (start + bs)[:, None] * NJV + jv[None, :]
-  sv_n = tl.load(vs_base + gp, mask=((start + bs) < end)[:, None] & gmask_c, other=0.0)
-  zv_n = tl.load(vz_base + gp, mask=((start + bs) < end)[:, None] & gmask_c, other=0.0)
+  gmask = (jv < vw16)[None, :]
+  sv_n, zv_n = _value_scales(vs_base, vz_base, start + bs, end, jv, gmask, NJV)
   for t0 in range(start, end, BLOCK_S):
     t0 = tl.multiple_of(t0, BLOCK_S)
     sv_c = sv_n
     zv_c = zv_n
-    nx = t0 + BLOCK_S + bs
-    gp = nx[:, None] * NJV + jv[None, :]
-    sv_n = tl.load(vs_base + gp, mask=(nx < end)[:, None] & gmask_c, other=0.0)
-    zv_n = tl.load(vz_base + gp, mask=(nx < end)[:, None] & gmask_c, other=0.0)
+    sv_n, zv_n = _value_scales(vs_base, vz_base, t0 + BLOCK_S + bs, end, jv, gmask, NJV)
     sv3 = tl.reshape(sv_c, (NSUB, T, NV))
     zv3 = tl.reshape(zv_c, (NSUB, T, NV))
     scs = ()
