@@ -6,6 +6,10 @@ the GEAR entry runs the KIVI kernel's code: its output equals `kivi_attention_tr
 bitwise. Run on the device machine with `pytest -m gpu`.
 """
 
+import os
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 
@@ -44,7 +48,8 @@ def _inputs(idx, variant, seed):
 
 @pytest.mark.parametrize("variant", shapes.VARIANTS)
 @pytest.mark.parametrize("idx", range(len(SHAPES)))
-@pytest.mark.parametrize("opts", [dict(), dict(block_s=32, num_splits=7)])
+@pytest.mark.parametrize("opts", [dict(), dict(block_s=32, num_splits=7),
+                                  dict(max_registers=168)])
 def test_gear_triton_matches_reference(idx, variant, opts):
   args, groups = _inputs(idx, variant, 10 + idx)
   run = lambda: gear_attention(*args, **groups, implementation="triton", out_dtype=F32,
@@ -70,3 +75,25 @@ def test_flags_off_is_the_kivi_kernel():
   b = kivi_attention_triton(*args, **opts)
   for x, y in zip(a, b):
     assert np.array_equal(np.asarray(x), np.asarray(y))
+
+
+_CAP_SCRIPT = """
+import jax, numpy as np
+from kvlowrank_kernels.gear import gear_attention, shapes
+shape = shapes.GearShape(shapes.backbone(batch=2, capacity=1024, window=64, n_heads=32,
+                                         n_kv_heads=8))
+args, groups = shapes.make_inputs(shape, jax.random.key(0), variant="gear-l")
+for cap in (0, 200):
+  out, _ = gear_attention(*args, **groups, implementation="triton", max_registers=cap)
+  np.asarray(out)
+"""
+
+
+def test_register_cap_reaches_the_ptx(tmp_path):
+  """`max_registers` (jax-triton 0.3.1 has no such option) ends up as the PTX's `.maxnreg`."""
+  env = dict(os.environ, JAX_TRITON_DUMP_DIR=str(tmp_path))
+  subprocess.run([sys.executable, "-c", _CAP_SCRIPT], env=env, check=True, timeout=600)
+  ptx = [p.read_text() for p in tmp_path.rglob("*.ptx")]
+  assert len(ptx) == 2, [str(p) for p in tmp_path.rglob("*")]
+  assert sum(".maxnreg 200" in t for t in ptx) == 1
+  assert sum(".maxnreg" not in t for t in ptx) == 1  # negative control: the uncapped build

@@ -10,6 +10,12 @@ compiled kernel then serves every context length and batch size).
 `poison=True` (tests) pre-fills every output with NaN and aliases it to the
 kernel's output, so an element the kernel fails to write stays NaN. This needs a
 `*_poisoned` entry point that takes the NaN buffers as extra inputs.
+
+`max_registers=n` caps the registers per thread (Triton's `maxnreg`, the PTX `.maxnreg`
+directive), which jax-triton 0.3.1 does not pass: `_install_register_cap` wraps its
+`get_or_create_triton_kernel` so that a kernel launched with the constexpr `MAXNREG` (which
+the kernel must declare, unused) compiles with `maxnreg=MAXNREG`. The constexpr is part of
+jax-triton's compile-cache key, so capped and uncapped builds of one kernel do not collide.
 """
 
 from __future__ import annotations
@@ -78,8 +84,37 @@ def poison_value(dtype) -> float:
   return math.nan
 
 
+MAX_REGISTERS = "MAXNREG"  # the constexpr that carries `max_registers` to the compiler
+
+
+def _with_maxnreg(backend_init_func, maxnreg: int):
+  """A jax-triton backend factory whose Triton options carry `maxnreg`."""
+  def init(device, compute_capability):
+    backend = backend_init_func(device, compute_capability)
+    parse = backend.parse_options
+    backend.parse_options = lambda opts: parse({**opts, "maxnreg": maxnreg})
+    return backend
+  return init
+
+
+@functools.lru_cache(maxsize=None)
+def _install_register_cap() -> None:
+  """Makes jax-triton compile kernels launched with constexpr MAXNREG = n under `maxnreg=n`."""
+  from jax_triton import triton_lib  # pylint: disable=import-outside-toplevel
+  create = triton_lib.get_or_create_triton_kernel
+
+  def get_or_create(backend_init_func, *args, metaparams, **kwargs):
+    cap = metaparams.get(MAX_REGISTERS)
+    if cap:
+      backend_init_func = _with_maxnreg(backend_init_func, int(cap))
+    return create(backend_init_func, *args, metaparams=metaparams, **kwargs)
+
+  triton_lib.get_or_create_triton_kernel = get_or_create
+
+
 def launch(kernel, poisoned_kernel, *args, out_shapes, grid, num_warps: int, num_stages: int,
-           poison: bool = False, aliases=None, **constexprs):
+           poison: bool = False, aliases=None, max_registers: int | None = None,
+           **constexprs):
   """Runs a Triton kernel on JAX arrays.
 
   Args:
@@ -93,12 +128,20 @@ def launch(kernel, poisoned_kernel, *args, out_shapes, grid, num_warps: int, num
     poison: use `poisoned_kernel` with NaN-filled outputs.
     aliases: {array argument index: output index}: outputs written in place of those
       inputs (the kernel starts from the input's contents; not with poison).
+    max_registers: cap on registers per thread; 0: no cap, the compiler's choice (up to
+      255); None: the kernel does not declare the constexpr `MAXNREG` (no cap either).
     **constexprs: compile-time kernel parameters.
   Returns:
     list of output arrays.
   """
+  if max_registers and not 24 <= max_registers <= 255:
+    raise ValueError(f"launch: max_registers must be 0 or in [24, 255], got {max_registers}")
   import jax_triton as jt  # pylint: disable=import-outside-toplevel
   out_shapes = list(out_shapes)
+  if max_registers is not None:
+    if max_registers:
+      _install_register_cap()
+    constexprs[MAX_REGISTERS] = int(max_registers)
   if aliases and poison:
     raise ValueError("launch: poison and aliases exclude each other")
   if not poison:

@@ -27,7 +27,8 @@ __all__ = ["GearLowRank", "GearSparseKeys", "GearSparseValues", "gear_attention"
 
 IMPLEMENTATIONS = ("reference", "triton")
 TRITON_OPTIONS = frozenset(("block_s", "block_w", "num_splits", "target_programs", "num_warps",
-                            "num_stages", "min_rows", "poison", "return_partials", "fast"))
+                            "num_stages", "min_rows", "poison", "return_partials", "fast",
+                            "max_registers"))
 
 
 def triton_fit(q_shape, keys: KiviKeys, values: KiviValues, w_cap: int, lowrank=None,

@@ -5,7 +5,9 @@ with its GEAR flags on.
 form (scores^T += a_k @ (B^T q^T), acc += B_v @ (a_v^T p^T), ranks padded to one MMA dim of
 16) and the outliers inside the dequantized plane tiles (one-hot compares); see its docstring.
 With the flags off the same source compiles to the KIVI kernel's code. Absent groups get
-1-element dummy pointers (never read).
+1-element dummy pointers (never read). qk_ptr (HAS_LR): q already in the key MMA dtype, read
+for the key planes instead of q_ptr (see `triton_kivi._quant_part`: with an in-kernel
+bf16 -> fp16 cast Triton keeps the q planes in registers across the loop).
 """
 
 from __future__ import annotations
@@ -21,31 +23,39 @@ from ..kivi.planar import KiviKeys, KiviValues
 from .operands import GearLowRank, GearSparseKeys, GearSparseValues
 from .triton_plan import plan
 
+# GEAR-L's register cap. Uncapped, ptxas takes all 255 registers once the low-rank terms are
+# in the loop (4 programs of 2 warps per SM); capped at 160 the loop spills a little and runs
+# faster. Caps of 176-232 ran slower, and GEAR with outliers runs slower under a cap (H200
+# A/B: results/gear_kernel.md, "Register cap").
+LOWRANK_REGISTERS = 160
+
 
 @triton.jit
 def gear_kernel(q_ptr, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, kw_ptr, vw_ptr, qlen_ptr,
                 wlen_ptr, ak_ptr, av_ptr, bk_ptr, bv_ptr, bpk_ptr, bpv_ptr, npc_ptr, ski_ptr,
-                skv_ptr, svi_ptr, svv_ptr, S, W, NSPLIT, sm_scale, o_ptr, lse_ptr,
+                skv_ptr, svi_ptr, svv_ptr, qk_ptr, S, W, NSPLIT, sm_scale, o_ptr, lse_ptr,
                 KH: tl.constexpr, QPK: tl.constexpr, QP: tl.constexpr, H: tl.constexpr,
                 KBITS: tl.constexpr, VBITS: tl.constexpr, KCW: tl.constexpr,
                 VCW: tl.constexpr, G: tl.constexpr, GV: tl.constexpr, VB: tl.constexpr,
                 BLOCK_S: tl.constexpr, BLOCK_W: tl.constexpr, KF16: tl.constexpr,
                 VF16: tl.constexpr, FAST: tl.constexpr, HAS_LR: tl.constexpr,
                 HAS_SK: tl.constexpr, HAS_SV: tl.constexpr, NB: tl.constexpr, RP: tl.constexpr,
-                RG: tl.constexpr, RA: tl.constexpr, NK: tl.constexpr, NV: tl.constexpr):
+                RG: tl.constexpr, RA: tl.constexpr, NK: tl.constexpr, NV: tl.constexpr,
+                MAXNREG: tl.constexpr):  # pylint: disable=unused-argument
   triton_kivi._kivi_body(  # pylint: disable=protected-access
       q_ptr, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, kw_ptr, vw_ptr, qlen_ptr, wlen_ptr,
       S, W, NSPLIT, sm_scale, o_ptr, lse_ptr, KH, QPK, QP, H, KBITS, VBITS, KCW, VCW, G, GV, VB,
       BLOCK_S, BLOCK_W, KF16, VF16, FAST,
       (ak_ptr, av_ptr, bk_ptr, bv_ptr, bpk_ptr, bpv_ptr, npc_ptr, ski_ptr, skv_ptr, svi_ptr,
-       svv_ptr),
+       svv_ptr, qk_ptr),
       (HAS_LR, HAS_SK, HAS_SV, NB, RP, RG, RA, NK, NV))
 
 
 @triton.jit
 def gear_kernel_poisoned(q_ptr, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, kw_ptr, vw_ptr,
                          qlen_ptr, wlen_ptr, ak_ptr, av_ptr, bk_ptr, bv_ptr, bpk_ptr, bpv_ptr,
-                         npc_ptr, ski_ptr, skv_ptr, svi_ptr, svv_ptr, S, W, NSPLIT, sm_scale,
+                         npc_ptr, ski_ptr, skv_ptr, svi_ptr, svv_ptr, qk_ptr, S, W, NSPLIT,
+                         sm_scale,
                          o_init, lse_init, o_ptr, lse_ptr, KH: tl.constexpr, QPK: tl.constexpr,
                          QP: tl.constexpr, H: tl.constexpr, KBITS: tl.constexpr,
                          VBITS: tl.constexpr, KCW: tl.constexpr, VCW: tl.constexpr,
@@ -54,13 +64,13 @@ def gear_kernel_poisoned(q_ptr, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, 
                          VF16: tl.constexpr, FAST: tl.constexpr, HAS_LR: tl.constexpr,
                          HAS_SK: tl.constexpr, HAS_SV: tl.constexpr, NB: tl.constexpr,
                          RP: tl.constexpr, RG: tl.constexpr, RA: tl.constexpr, NK: tl.constexpr,
-                         NV: tl.constexpr):
+                         NV: tl.constexpr, MAXNREG: tl.constexpr):  # pylint: disable=unused-argument
   triton_kivi._kivi_body(  # pylint: disable=protected-access
       q_ptr, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, kw_ptr, vw_ptr, qlen_ptr, wlen_ptr,
       S, W, NSPLIT, sm_scale, o_ptr, lse_ptr, KH, QPK, QP, H, KBITS, VBITS, KCW, VCW, G, GV, VB,
       BLOCK_S, BLOCK_W, KF16, VF16, FAST,
       (ak_ptr, av_ptr, bk_ptr, bv_ptr, bpk_ptr, bpv_ptr, npc_ptr, ski_ptr, skv_ptr, svi_ptr,
-       svv_ptr),
+       svv_ptr, qk_ptr),
       (HAS_LR, HAS_SK, HAS_SV, NB, RP, RG, RA, NK, NV))
 
 
@@ -74,11 +84,16 @@ def gear_attention_triton(q, keys: KiviKeys, values: KiviValues, k_win, v_win, q
                           sparse_v: GearSparseValues | None = None, scale=None, out_dtype=None,
                           block_s=None, block_w=32, num_splits=None, target_programs=None,
                           num_warps=2, num_stages=4, poison=False, return_partials=False,
-                          fast=None, min_rows=1):
+                          fast=None, min_rows=1, max_registers=None):
   """Fused GEAR decode attention; same contract as `reference.gear_attention_reference`.
 
-  Knobs as `triton_kivi.kivi_attention_triton` (block_s must divide the chunk; default 64).
+  Knobs as `triton_kivi.kivi_attention_triton` (block_s must divide the chunk; default 64);
+  max_registers: `triton_backend.launch`'s register cap (0: none; None: `LOWRANK_REGISTERS` for
+  GEAR-L, low rank without outliers, else none).
   """
+  if max_registers is None:
+    max_registers = (LOWRANK_REGISTERS if lowrank is not None and sparse_k is None
+                     and sparse_v is None else 0)
   h = q.shape[-1]
   scale = np.float32(h ** -0.5 if scale is None else scale)
   # The KIVI wrapper's scale-dtype handling (16-bit raw, else bf16).
@@ -99,6 +114,8 @@ def gear_attention_triton(q, keys: KiviKeys, values: KiviValues, k_win, v_win, q
                                       lowrank.n_pchunks.astype(jnp.int32)]
   else:
     lr = [_dummy(f16)] * 6 + [_dummy(jnp.int32)]
+  # q in the key MMA dtype for the key planes (the same values the kernel's RNE cast gives).
+  qk = q.astype(ks.dtype) if lowrank is not None else _dummy(ks.dtype)
   sk = ([sparse_k.idx.astype(u8), sparse_k.val.astype(f16)] if sparse_k is not None
         else [_dummy(u8), _dummy(f16)])
   sv = ([sparse_v.idx.astype(u8), sparse_v.val.astype(f16)] if sparse_v is not None
@@ -109,8 +126,8 @@ def gear_attention_triton(q, keys: KiviKeys, values: KiviValues, k_win, v_win, q
       triton_kivi._value_words(values.scale),  # pylint: disable=protected-access
       triton_kivi._value_words(values.zero),  # pylint: disable=protected-access
       k_win.astype(jnp.bfloat16), v_win.astype(jnp.bfloat16), q_len.astype(jnp.int32),
-      w_len.astype(jnp.int32), *lr, *sk, *sv, int(keys.codes.shape[2]), int(k_win.shape[1]),
+      w_len.astype(jnp.int32), *lr, *sk, *sv, qk, int(keys.codes.shape[2]), int(k_win.shape[1]),
       p["num_splits"], scale,
       out_shapes=p["out_shapes"], grid=p["grid"], num_warps=num_warps, num_stages=num_stages,
       poison=poison, out_dtype=out_dtype or q.dtype, return_partials=return_partials,
-      **p["constexprs"])
+      max_registers=max_registers, **p["constexprs"])

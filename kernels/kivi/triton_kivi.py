@@ -237,7 +237,8 @@ def _quant_part(q_ptr, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, qlen_ptr,
 
   GEAR = (HAS_LR, HAS_SK, HAS_SV, NB, RP, RG, RA, NK, NV) (all 0 for KIVI, whose code is then
   unchanged) adds GEAR's residual terms (`kvlowrank_kernels.gear`), gx = their pointers
-  (a_k, a_v, b_k, b_v, bp_k, bp_v, n_pchunks, sk_idx, sk_val, sv_idx, sv_val). A loop step
+  (a_k, a_v, b_k, b_v, bp_k, bp_v, n_pchunks, sk_idx, sk_val, sv_idx, sv_val, q_k: q in the
+  key MMA dtype, read instead of q when HAS_LR). A loop step
   lies in one chunk of NB tokens (BLOCK_S | NB):
     HAS_LR: low rank, factored, ranks padded to 16 (one MMA dim) with zero columns:
       scores^T += a_k [T, 16] @ qB^T per sub-tile, qB^T [16, QP] = B^T q^T (B: the prefill
@@ -279,9 +280,18 @@ def _quant_part(q_ptr, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, qlen_ptr,
   vz_base = vz_ptr + head * S * NW
   # q^T per key plane (unscaled, the key scale's dtype): the B operand of the key dots.
   kcw = tl.arange(0, KCW)
+  # GEAR-L reads q from gx[11], cast to the key dtype by the wrapper (same values): with the
+  # cast here (bf16 -> KDT, elementwise) Triton converts the raw planes to the MMA operand
+  # layout before the loop and keeps them (and the low-rank products' second copy) in
+  # registers across it (+32 live registers per thread); loaded in KDT, each plane stays in
+  # shared memory and is read at its dot, as the KIVI kernel does.
+  if HAS_LR:
+    q_src = gx[11]
+  else:
+    q_src = q_ptr
   q_t = ()
   for j in tl.static_range(NPK):
-    qj = tl.load(q_ptr + heads[None, :] * H + (j * KCW + kcw)[:, None], mask=row_ok[None, :],
+    qj = tl.load(q_src + heads[None, :] * H + (j * KCW + kcw)[:, None], mask=row_ok[None, :],
                  other=0.0)
     q_t = q_t + (_to_dt(qj.to(tl.float32), KDT, FAST),)
   accs = ()

@@ -203,17 +203,18 @@ def test_flags_off_compile_to_the_kivi_kernel():
               "vc_ptr": "*u8", "vs_ptr": "*i32", "vz_ptr": "*i32", "kw_ptr": "*bf16",
               "vw_ptr": "*bf16", "qlen_ptr": "*i32", "wlen_ptr": "*i32"}
   extra = {n: t for n, t in zip(("ak_ptr", "av_ptr", "bk_ptr", "bv_ptr", "bpk_ptr", "bpv_ptr",
-                                  "npc_ptr", "ski_ptr", "skv_ptr", "svi_ptr", "svv_ptr"),
-                                ["*fp16"] * 6 + ["*i32", "*u8", "*fp16", "*u8", "*fp16"])}
+                                  "npc_ptr", "ski_ptr", "skv_ptr", "svi_ptr", "svv_ptr",
+                                  "qk_ptr"),
+                                ["*fp16"] * 6 + ["*i32", "*u8", "*fp16", "*u8", "*fp16", "*fp16"])}
   tail = {"S": "i32", "W": "i32", "NSPLIT": "i32", "sm_scale": "fp32", "o_ptr": "*fp32",
           "lse_ptr": "*fp32"}
   ce = dict(KH=8, QPK=4, QP=4, H=128, KBITS=2, VBITS=2, KCW=32, VCW=32, G=64, GV=64, VB=32,
             BLOCK_S=64, BLOCK_W=32, KF16=1, VF16=1, FAST=True)
-  off = dict(HAS_LR=0, HAS_SK=0, HAS_SV=0, NB=64, RP=4, RG=2, RA=4, NK=2, NV=3)
+  off = dict(HAS_LR=0, HAS_SK=0, HAS_SV=0, NB=64, RP=4, RG=2, RA=4, NK=2, NV=3, MAXNREG=0)
   kivi = _ptx_instructions(triton_kivi.kivi_kernel, dict(kivi_sig, **tail), ce)
   gear = _ptx_instructions(triton_gear.gear_kernel, dict(kivi_sig, **extra, **tail),
-                           dict(ce, **off), lambda i: i - 11 if i >= 22 else i)
+                           dict(ce, **off), lambda i: i - 12 if i >= 23 else i)
   assert gear == kivi
   lowrank = _ptx_instructions(triton_gear.gear_kernel, dict(kivi_sig, **extra, **tail),
-                              dict(ce, **dict(off, HAS_LR=1)), lambda i: i - 11 if i >= 22 else i)
+                              dict(ce, **dict(off, HAS_LR=1)), lambda i: i - 12 if i >= 23 else i)
   assert lowrank != kivi  # the check can fail

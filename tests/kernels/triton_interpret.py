@@ -98,11 +98,14 @@ def _patch_interpreter():
 
 
 def launch_interpreted(kernel, poisoned_kernel, *args, out_shapes, grid, num_warps: int,
-                       num_stages: int, poison: bool = False, aliases=None, **constexprs):
+                       num_stages: int, poison: bool = False, aliases=None,
+                       max_registers=None, **constexprs):
   """Drop-in for `triton_backend.launch` that runs the kernel in the interpreter (an
   aliased output starts as a copy of its input, as XLA gives it; uint32 arrays travel as
-  int32, bit for bit)."""
+  int32, bit for bit; a register cap only reaches the kernel as its constexpr)."""
   del num_warps, num_stages
+  if max_registers is not None:
+    constexprs["MAXNREG"] = int(max_registers)
   import torch  # pylint: disable=import-outside-toplevel
   if os.environ.get("TRITON_INTERPRET") != "1":
     raise RuntimeError("set TRITON_INTERPRET=1 before importing the kernel modules")
