@@ -26,7 +26,7 @@ from .triton_plan import plan
 # GEAR-L's register cap. Uncapped, ptxas takes all 255 registers once the low-rank terms are
 # in the loop (4 programs of 2 warps per SM); capped at 160 the loop spills a little and runs
 # faster. Caps of 176-232 ran slower, and GEAR with outliers runs slower under a cap (H200
-# A/B: results/gear_kernel.md, "Register cap").
+# A/B: results/gear_kernel.md, "Register cap and q in the key dtype").
 LOWRANK_REGISTERS = 160
 
 

@@ -105,7 +105,8 @@ def launch_interpreted(kernel, poisoned_kernel, *args, out_shapes, grid, num_war
   int32, bit for bit; a register cap only reaches the kernel as its constexpr)."""
   del num_warps, num_stages
   if max_registers is not None:
-    constexprs["MAXNREG"] = int(max_registers)
+    from kvlowrank_kernels.common import triton_backend  # pylint: disable=import-outside-toplevel
+    constexprs[triton_backend.MAX_REGISTERS] = int(max_registers)
   import torch  # pylint: disable=import-outside-toplevel
   if os.environ.get("TRITON_INTERPRET") != "1":
     raise RuntimeError("set TRITON_INTERPRET=1 before importing the kernel modules")
