@@ -245,8 +245,9 @@ def sweep(model, s, b, log, families=FAMILIES):
 
 
 # Winners of the --sweep runs on the H200 (16K context, batch 8, `time_op` timing) of 2026-11-22:
-# dense/KIVI experiments/results/bench_sweep_2026-11-22.json, Palu (fourth session, after the
-# interleaved P|Q operand) experiments/results/bench_sweep_palu_2026-11-22.json.
+# dense/KIVI bench_sweep_2026-11-22.json, Palu (fourth session, after the interleaved P|Q
+# operand) bench_sweep_palu_2026-11-22.json; removed from experiments/results/, kept in git:
+# `git show f1beb7d:experiments/results/<file>`.
 DEFAULT_OPTIONS = {
     "llama2-7b": dict(dense=dict(block_s=64, num_warps=4, num_stages=4, target_programs=528),
                       palu=dict(block_s=128, num_warps=8, num_stages=1, trans=False,

@@ -40,7 +40,8 @@ MODELS = {"llama3-8b": dict(n_heads=32, n_kv_heads=8, head_dim=128),
 HBM_TBPS = 4.8
 DENSE_OPTS = dict(block_s=64, num_warps=4, num_stages=4, target_programs=528)
 # Measured winners (H200, 16K, batch 8; results/rotated_kernel.md, run 3 of 2026-11-25); the
-# library default (target_chunks=792) was within 2-11% of both.
+# library default (target_chunks=792) is the compromise between them (`triton_plan`; the
+# sweep's rows: experiments/results/bench_rotated_2026-11-25_run3.json).
 DEFAULT_OPTIONS = {
     "llama3-8b": dict(schedule="rows", group_width=256, block_s=64, num_warps=4, num_stages=2,
                       target_chunks=396),

@@ -315,9 +315,9 @@ def device_storage_bytes(caches) -> int:
 
 def sharded_params(spec: ModelSpec, key, method: BenchMethod, mesh):
   """`random_params` (the same values) created directly in their shards on the mesh, one
-  compiled program for all layers (one program for the whole model compiled for 40 s at
-  Llama-3-8B, 100 s at 70B, on the H200); Palu groups of at most K / model KV heads, so that
-  no group straddles devices."""
+  compiled program for all layers (one program for the whole model, unrolled over its layers,
+  took far longer to compile: `results/decode_ablations.md`, "Several GPUs: the first run");
+  Palu groups of at most K / model KV heads, so that no group straddles devices."""
   tp = mesh.shape[parallel.MODEL]
   group = min(PALU_GROUP, spec.n_kv_heads // tp)
   make = lambda k: random_params(spec, k, method, group, tp)
@@ -484,8 +484,8 @@ def step_down(batch: int, tries: int) -> list[int]:
   """The batches `check_max_batch` tries, largest first: the estimate, one sequence fewer,
   then 97%, 90% and 75% of it (distinct, positive; `tries` at most). The finer steps
   settle an estimate that is one or two sequences high; the coarser ones one that misses
-  by a few percent (Palu-50% 4-bit at Llama-3 32K on the H200, 2026-11-27: 214, 213 and
-  212 did not allocate)."""
+  by a few percent (a case: Palu-50% 4-bit's max-batch check in `results/decode_ablations.md`,
+  "Where each row comes from")."""
   out = []
   for b in (batch, batch - 1, int(batch * 0.97), int(batch * 0.9), int(batch * 0.75)):
     if 0 < b and (not out or b < out[-1]):

@@ -10,8 +10,12 @@ declares in `shard_axes`), runs the layers on them and writes them back in place
 without a batch axis (weights a cache keeps, e.g. XQuant's U) are passed whole.
 
 Cost: the model's weights are read once per pass, and each pass copies its rows' cache arrays
-in and out. For XQuant-CL at 32K that is about 3.4 ms of weights (H200) against ~90 ms of
-rematerialisation per row. Rows never mix in a forward call, so the logits and caches are
+in and out. For XQuant-CL that is small beside the work of a row: a weight read is the weights'
+bytes at the HBM bandwidth (Llama-3-8B: ~16 GB of bf16, ~3.3 ms at the H200's 4.8 TB/s), while
+each row rematerialises K/V of all its slots from X̂ at every layer (latent path: about
+8·D·kv_dim FLOPs per token and layer, ~35 TFLOP per row and step at 32K, >= 35 ms even at the
+H200's ~990 TFLOP/s bf16 peak). Measured step times with and without passes: BENCHMARKS.md,
+whole-model decode (XQuant-CL-2). Rows never mix in a forward call, so the logits and caches are
 the whole batch's up to the floating-point order of the row-blocked products
 (`tests/test_row_slices.py`).
 """

@@ -16,8 +16,8 @@ span(A) alone, so column signs that differ between the two do not change the cac
 reason is the GPU: `jnp.linalg.qr` runs as cuSOLVER calls (geqrf + orgqr) inside the chunk
 compression's `lax.cond`; removing them shortened the GEAR-L-2 decode step (measured:
 results/decode_ablations.md). On the CPU the LAPACK call compiles in a fraction of the
-unrolled reflections' time (a stories260K GEAR model's prefill and decode steps: 3.2 + 2.4 s
-instead of 6.0 + 4.1 s, measured 2026-11-27 on the 2-core box). Householder, not
+unrolled reflections' time (one reflection per column in the program; measured on a small
+GEAR model: results/decode_ablations.md, "GEAR: the power iteration's QR"). Householder, not
 Gram-Schmidt: after L-1 unnormalised iterations the columns are nearly parallel
 (condition ~ (sigma_1 / sigma_r)^(2(L-1))), and Householder's Q stays orthonormal, with a
 full basis for rank-deficient input as LAPACK's, where Gram-Schmidt loses the trailing

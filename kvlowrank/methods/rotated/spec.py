@@ -49,8 +49,8 @@ class RotatedSpec:
       whitened SVD on the calib windows' XᵀX, whatever `calibration` says: FDC says V
       "follows Palu") or "svd" (plain SVD of W_V, FDC's literal text; data-free). Default
       "whiten", a deliberate choice: on SmolLM2 plain SVD of W_V at ~50% of the value dims
-      gave PPL 51157 (dense 28.2) against 54.0 whitened (results/rotated.md). Ignored by
-      ZACK.
+      gave a perplexity about a thousand times the whitened one's (results/rotated.md).
+      Ignored by ZACK.
     bits: None (K', V' at the cache dtype) or 2/4/8: KIVI-style quantization of the stored
       K' (per channel, groups of `group_size` tokens) and V' (per token, groups of
       `group_size` channels) through the KIVI cache code, with a `residual`-token exact

@@ -155,8 +155,9 @@ class XQuantCLSpec:
 
 
 # Default bound of one pass's carry (`XQuantCLSpec.rows_per_pass` None): 2 GiB is 3 rows of a
-# 32K Llama-3-8B cache (0.5 GiB each); passes cost a weight read each (~3.4 ms on an H200)
-# against ~90 ms of rematerialisation per row and step there.
+# 32K Llama-3-8B cache (0.5 GiB each); passes cost a weight read each, small beside the
+# rematerialisation of each row's K/V at every step (the arithmetic: `model.row_slices`;
+# measured: BENCHMARKS.md, whole-model decode, XQuant-CL-2).
 CARRY_BYTES = 2 << 30
 
 
