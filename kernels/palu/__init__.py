@@ -11,8 +11,8 @@ Implementations:
                latents without row padding, `triton_fit`; fp16 latents are computed in
                fp16, other float arrays are rounded to bf16);
   "mosaic"     the warp-specialised Pallas Mosaic GPU kernel in `mosaic_palu`
-               (Hopper; bf16 latents, H = 128, ranks multiple of 64, no key bias,
-               `mosaic_fit`).
+               (Hopper; bf16 latents or both latents packed at 2 or 4 bits with 16-bit
+               scales, H = 128, ranks multiple of 64, no key bias, `mosaic_fit`).
 None picks "mosaic" on a Hopper GPU when the inputs fit it with its default knobs and no
 kernel options are passed (`mosaic_fit`), else "triton" on a GPU with jax-triton, else
 "reference". How the kernels compare with dense attention: BENCHMARKS.md.
@@ -39,14 +39,15 @@ def mosaic_fit(q, hk, hv, b_k, lengths, k_bias=None) -> str | None:
   `plan`), no device needed. fp16 latents are refused here although the kernel takes them:
   it would round them to bf16, which the triton kernel does not.
   """
-  from .mosaic_plan import check_inputs, plan  # pylint: disable=import-outside-toplevel
+  from .mosaic_plan import check_inputs, packed_bits, plan  # pylint: disable=C0415
   try:
     check_shapes(q, hk, hv, b_k, lengths, k_bias)
     check_inputs(hk, hv, k_bias)
+    bits = packed_bits(hk)
     for name, x in (("hk", hk), ("hv", hv)):
-      if jnp.dtype(x.dtype) != jnp.bfloat16:
+      if bits is None and jnp.dtype(x.dtype) != jnp.bfloat16:
         return f"{name} is {jnp.dtype(x.dtype).name}, not bfloat16"
-    plan(q.shape, hk.shape, hv.shape, b_k.shape)
+    plan(q.shape, hk.shape, hv.shape, b_k.shape, bits=bits)
   except ValueError as e:
     return str(e)
   return None

@@ -112,3 +112,74 @@ def store_transposed(x, dst, row_stride=1, row_offset=0):
   def f(_, xv, ref):
     store_transposed_swizzled(xv, ref, row_stride=row_stride, row_offset=row_offset)
   f(x, dst)
+
+
+def dequantize_rows(codes_ref, sz_ref, dst_ref, grp, *, bits: int, groups: int):
+  """dst[t, j] = fp16(code[t, order[j]] * scale[t] + zero[t]) for a 64-token tile of packed
+  codes, order = `mosaic_plan.code_order(R, bits)`.
+
+  codes_ref: [64, R * bits / 8] uint8 in shared memory, a `quant.packing` row per token
+    (code c at bits `bits` * (c % (32 / bits)) of the c / (32 / bits)-th little-endian
+    32-bit word);
+  sz_ref: [2, 64 * groups / 8, 8] fp16: row 0 the tile's scales, row 1 its zeros, of every
+    head group, token-major (token t of group g at t * groups + g);
+  dst_ref: the tiled view [8, R / 64, 8, 64] of a [64, R] fp16 buffer with (8, 64) tiles
+    and the 128-byte swizzle (16-byte chunk j of row t at chunk (j % 8) ^ (t % 8) of its
+    128-byte tile row): a wgmma operand;
+  grp: the head group (i32, uniform).
+  Each of the warpgroup's 128 threads takes half a row, a 32-bit code word at a time. No
+  int -> float conversion (a quarter-rate instruction): codes i and i + 16 / bits of a word
+  are masked into the mantissas of an fp16 pair 1024 + code (one shift, one and-or), then
+  (x - 1024) * scale + zero in fp16 pair arithmetic: the subtraction is exact and the fma
+  rounds once, from fp16 scales and zeros that are exact; the pairs of a word go out in
+  16-byte stores, hence the column order. Ends with a warpgroup barrier: the codes may be
+  overwritten (TMA) after it.
+  """
+  import jax.experimental.mosaic.gpu as mgpu  # pylint: disable=import-outside-toplevel
+  from jax._src.lib.mlir import ir  # pylint: disable=import-outside-toplevel
+  from jax._src.lib.mlir.dialects import arith, llvm, math as mlir_math, memref, vector  # pylint: disable=import-outside-toplevel
+  utils = mgpu.utils
+  i32, f16 = ir.IntegerType.get_signless(32), ir.F16Type.get()
+  index = ir.IndexType.get()
+  c = lambda v: arith.constant(i32, v)
+  dshape = ir.MemRefType(dst_ref.type).shape
+  cshape = ir.MemRefType(codes_ref.type).shape
+  assert dshape[0] == 8 and dshape[2:] == [8, 64], dst_ref.type
+  r = dshape[1] * 64
+  assert cshape == [64, r * bits // 8], (codes_ref.type, dst_ref.type)
+  words = r * bits // 32                 # 32-bit code words per row
+  assert words % 2 == 0, words
+  half = words // 2                      # per thread
+  pairs = 16 // bits                     # fp16 pairs per word
+  chunks = pairs // 4                    # 16-byte stores per word
+  mask = ((1 << bits) - 1) * 0x10001
+  tid = arith.remui(utils.thread_idx(), c(128))
+  t = arith.shrui(tid, c(1))
+  h = arith.andi(tid, c(1))
+  t8, tr = arith.shrui(t, c(3)), arith.andi(t, c(7))
+  idx = arith.addi(arith.muli(t, c(groups)), grp)
+  ids = lambda row: [arith.index_cast(index, v)
+                     for v in (c(row), arith.shrui(idx, c(3)), arith.andi(idx, c(7)))]
+  pair_ty = ir.VectorType.get([2], f16)
+  splat = lambda x: vector.broadcast(pair_ty, x)
+  scale, zero = splat(memref.load(sz_ref, ids(0))), splat(memref.load(sz_ref, ids(1)))
+  magic = splat(arith.constant(f16, 1024.0))
+  cptr, dptr = utils.memref_ptr(codes_ref), utils.memref_ptr(dst_ref)
+  chunk_ty = ir.VectorType.get([4], i32)
+  row_words = arith.addi(arith.muli(t, c(words)), arith.muli(h, c(half)))
+  tile_base = arith.addi(arith.muli(t8, c(r // 64 * 64)), arith.muli(tr, c(8)))
+  for m in range(half):
+    word = llvm.load(i32, utils.getelementptr(cptr, [arith.addi(row_words, c(m))], i32))
+    out = []
+    for k in range(pairs):
+      x = arith.andi(arith.shrui(word, c(bits * k)) if k else word, c(mask))
+      x = llvm.bitcast(pair_ty, arith.ori(x, c(0x64006400)))
+      y = mlir_math.fma(arith.subf(x, magic), scale, zero)
+      out.append(llvm.bitcast(i32, y))
+    for q in range(chunks):
+      j = arith.addi(arith.muli(h, c(half * chunks)), c(m * chunks + q))   # chunk in row
+      off = arith.addi(tile_base, arith.addi(arith.muli(arith.shrui(j, c(3)), c(64)),
+                                             arith.xori(arith.andi(j, c(7)), tr)))
+      llvm.store(vector.from_elements(chunk_ty, out[4 * q:4 * q + 4]),
+                 utils.getelementptr(dptr, [off], chunk_ty))
+  utils.warpgroup_barrier()

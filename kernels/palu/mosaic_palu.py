@@ -45,8 +45,20 @@ Choices (written down, as they differ from the Triton kernel where noted):
     f32 rounding of the angle, the same size as the reference's own rounding;
   * slots in [length, capacity) are read by the tile loads and masked to -inf before
     the softmax, so they must hold finite values (caches are zero-initialised);
-  * bf16 latents only (packed latents stay on the Triton kernel), rk and rv multiples
+  * bf16 latents, or both latents packed at 2 or 4 bits with fp16 scale/zero per (token,
+    group) (`packed.PackedLatent`, rows without padding, <= 256 bytes); rk and rv multiples
     of 64, H = 128, QPK <= 16, no key bias, cache capacity a multiple of 8.
+
+Packed latents (Palu's low-bit latents, read as the cache stores them): the producer
+warpgroup becomes a converter. TMA streams each tile's key and value codes and the tile's
+scale/zero rows into a `c_stages`-slot code ring; the warpgroup dequantizes them into the
+key and value rings (`mosaic_fragments.dequantize_rows`: fp16 pair arithmetic, no int ->
+float conversion) and arrives on the ring slot's barrier where TMA arrived before, so the
+compute warpgroups run unchanged, on fp16 tiles (B_k and p in fp16 too: `latent_dtype`).
+A converted tile's columns come in `code_order`: B_k's rows are permuted to match and the
+output's latent channels put back. Choices: the dequantized latents are rounded once to
+fp16 (the reference dequantizes in float32; the bf16 path reads bf16 latents, 8 times
+coarser); p is rounded to fp16 for the value product (bf16 on the bf16 path).
 """
 
 from __future__ import annotations
@@ -58,19 +70,35 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+import numpy as np
+
 from ..common import splitk
 from . import mosaic_fragments as frag
 from .mosaic_plan import (  # noqa: F401  (re-exported: the kernel's public planning API)
-    AUTO_STAGES, RED_PER_COL, SMEM_LIMIT, T, _smem_bytes, check_inputs, plan, query_columns,
-    query_operand, rope_tables, shares_values, unpad_partials)
+    AUTO_STAGES, AUTO_STAGES_PACKED, RED_PER_COL, SMEM_LIMIT, T, _smem_bytes, check_inputs,
+    code_order, latent_dtype, packed_bits, plan, query_columns, query_operand, rope_tables,
+    shares_values, unpad_partials)
+
+# Registers per thread of the compute and producer warpgroups (setmaxnreg): with HPP = 2
+# compute warpgroups, 2 * 232 + 40 fits the 512 per thread that 3 warpgroups x 128 threads
+# may hold at one CTA per SM. With packed latents the producer dequantizes and takes more.
+COMPUTE_REGISTERS = 232
+PRODUCER_REGISTERS = 40
+PACKED_REGISTERS = (216, 72)   # (compute, producer) with packed latents
+# The launch gives each of the 3 warpgroups 168 registers per thread (65536 / 384, rounded
+# down to 8); setmaxnreg.inc waits until the decreases free what it asks for, so a split
+# over 3 x 168 would never start.
+assert 2 * COMPUTE_REGISTERS + PRODUCER_REGISTERS <= 504
+assert 2 * PACKED_REGISTERS[0] + PACKED_REGISTERS[1] <= 504
 
 
 def _kernel(p, q_ref, hk_ref, hv_ref, bk_ref, cos_ref, base_ref, len_ref, o_ref, lse_ref, smem,
-            bars):
+            bars, sz_refs=(), packed=()):
   import jax.experimental.pallas as pl  # pylint: disable=import-outside-toplevel
   import jax.experimental.pallas.mosaic_gpu as plgpu  # pylint: disable=import-outside-toplevel
   hpp, hh, rv, gr, g, ns = p["hpp"], p["hh"], p["rv"], p["gr"], p["g"], p["num_splits"]
   stages, v_stages, np_ = p["stages"], p["v_stages"], p["np"]
+  ldt = latent_dtype(p["bits"])
   shared = p["values"] == "shared"
   rvw = rv // hpp if shared else rv    # value-latent rows of this warpgroup's accumulator
   ncol = hpp * np_ if shared else np_  # its columns (shared: every head of the CTA)
@@ -103,7 +131,8 @@ def _kernel(p, q_ref, hk_ref, hv_ref, bk_ref, cos_ref, base_ref, len_ref, o_ref,
     return f(k, cs)
 
   def compute(w):
-    plgpu.set_max_registers(232, action="increase")
+    plgpu.set_max_registers(PACKED_REGISTERS[0] if packed else COMPUTE_REGISTERS,
+                            action="increase")
     j = part * hpp + w                   # KV head within the group
     kv = (b * gr + grp) * g + j          # global KV head (q / output row)
     # (`+ 0 * hh` and barrier w * 2 of 2 * hpp: as the removed two-halves layout lowered
@@ -123,6 +152,8 @@ def _kernel(p, q_ref, hk_ref, hv_ref, bk_ref, cos_ref, base_ref, len_ref, o_ref,
     acc0 = plgpu.layout_cast(jnp.zeros((rvw, ncol), jnp.float32), wgmma_layout)
     rows = plgpu.broadcasted_iota(jnp.int32, (T, np_), 0, layout=wgmma_layout)
     rope_regs = plgpu.load(cos_s, (), layout=wgmma_layout)  # in-tile cos/sin pairs
+    if packed:  # the table's memory takes the value codes from now on (`_convert`)
+      plgpu.barrier_arrive(packed[-1])
 
     def rotate_queries(slot):
       """q . R(t0 + i) k = (R(t0)^T q) . (R(i) k): the queries take the tile start's
@@ -170,7 +201,7 @@ def _kernel(p, q_ref, hk_ref, hv_ref, bk_ref, cos_ref, base_ref, len_ref, o_ref,
     def own_values(i, acc_ref, pr, alpha):
       """values="per-head": o^T [rv, NP] += V^T [rv, T] @ p [T, NP] for this KV head."""
       acc_ref[...] = acc_ref[...] * lax.broadcast_in_dim(alpha, (rv, np_), [1])
-      frag.store_transposed(pr.astype(jnp.bfloat16), p_s.at[w])
+      frag.store_transposed(pr.astype(ldt), p_s.at[w])
       plgpu.commit_smem()
       vslot = lax.rem(i, v_stages)
       plgpu.barrier_wait(v_bar.at[vslot])
@@ -194,7 +225,7 @@ def _kernel(p, q_ref, hk_ref, hv_ref, bk_ref, cos_ref, base_ref, len_ref, o_ref,
       @pl.when(i > 0)
       def _():
         plgpu.barrier_wait(p_free)  # every warpgroup's value product of tile i - 1 retired
-      frag.store_transposed(pr.astype(jnp.bfloat16), p_s.at[pl.ds(w * np_, np_)])
+      frag.store_transposed(pr.astype(ldt), p_s.at[pl.ds(w * np_, np_)])
       alphas = exchange(alpha, i)  # also publishes the p^T rows (commit + barrier)
       acc_ref[...] = acc_ref[...] * lax.broadcast_in_dim(alphas, (rvw, ncol), [1])
       vslot = lax.rem(i, v_stages)
@@ -247,8 +278,13 @@ def _kernel(p, q_ref, hk_ref, hv_ref, bk_ref, cos_ref, base_ref, len_ref, o_ref,
 
   @pl.when(wg == hpp)
   def _producer():
-    plgpu.set_max_registers(40, action="decrease")
+    plgpu.set_max_registers(PACKED_REGISTERS[1] if packed else PRODUCER_REGISTERS,
+                            action="decrease")
     plgpu.copy_gmem_to_smem(cos_ref, cos_s, rope_bar.at[0])
+    if packed:
+      _convert(p, b, grp, start, n_tiles, hk_ref, hv_ref, sz_refs, base_ref, packed,
+               (l_s, base_s, v_s), (base_bar, l_bar, v_bar, k_free, v_free))
+      return
 
     def load_keys(i, slot):
       t0 = start + i * T
@@ -281,11 +317,88 @@ def _kernel(p, q_ref, hk_ref, hv_ref, bk_ref, cos_ref, base_ref, len_ref, o_ref,
         load_values(i + v_stages, vslot)
 
 
-def _call(p, qt, hk, hv, bk, cs, sin, base, lengths):
+def _convert(p, b, grp, start, n_tiles, hk_ref, hv_ref, sz_refs, base_ref, packed, rings,
+             bars):
+  """The producer warpgroup's body with packed latents: it streams codes and dequantizes
+  them (`mosaic_fragments.dequantize_rows`) into the key and value rings that the compute
+  warpgroups read, arriving on a ring slot's barrier once its tile is written and made
+  visible to wgmma (where a TMA copy arrived before), so the compute warpgroups run
+  unchanged.
+
+  Code rings: the key codes and scale/zero rows in `c_stages` slots, TMA'd `c_stages` tiles
+  ahead; the value codes and rows in one slot that aliases the in-tile cos/sin table (dead
+  once both compute warpgroups hold it in registers: `cos_free`), reloaded as soon as a
+  tile is converted. Per iteration i: the values of tile i, then the keys of tile i + 1
+  (the keys of tile 0 before the loop), so that both run a tile ahead of the compute
+  warpgroups whenever the rings have a second slot."""
+  import jax.experimental.pallas as pl  # pylint: disable=import-outside-toplevel
+  import jax.experimental.pallas.mosaic_gpu as plgpu  # pylint: disable=import-outside-toplevel
+  kc_s, ksz_s, vc_s, vsz_s, ck_bar, cv_bar, cos_free = packed
+  l_s, base_s, v_s = rings
+  base_bar, l_bar, v_bar, k_free, v_free = bars
+  stages, v_stages, cs, gr, bits = p["stages"], p["v_stages"], p["c_stages"], p["gr"], p["bits"]
+  rows = T * gr // 8
+  tokens = lambda i: pl.ds(start + i * T, T)
+  tile_rows = lambda i: pl.ds((start // T + i) * rows, rows)
+  swizzled = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
+
+  @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.RefType(), plgpu.RefType(swizzled),
+                                plgpu.Layout.WG_SPLAT(())))
+  def dequantize(_, codes, sz, dst, g):
+    frag.dequantize_rows(codes, sz, dst, g.registers.item(), bits=bits, groups=gr)
+
+  def load_keys(i):
+    slot = lax.rem(i, cs)
+    plgpu.copy_gmem_to_smem(hk_ref.at[b, tokens(i), grp], kc_s.at[slot], ck_bar.at[slot])
+    for a in range(2):
+      plgpu.copy_gmem_to_smem(sz_refs[a].at[b, tile_rows(i)], ksz_s.at[slot, a],
+                              ck_bar.at[slot])
+
+  def load_values(i):
+    plgpu.copy_gmem_to_smem(hv_ref.at[b, tokens(i), grp], vc_s, cv_bar)
+    for a in range(2):
+      plgpu.copy_gmem_to_smem(sz_refs[2 + a].at[b, tile_rows(i)], vsz_s.at[a], cv_bar)
+
+  def keys(i):
+    cslot, slot = lax.rem(i, cs), lax.rem(i, stages)
+    plgpu.barrier_wait(ck_bar.at[cslot])
+    pl.when(i >= stages)(lambda: plgpu.barrier_wait(k_free.at[slot]))
+    plgpu.copy_gmem_to_smem(base_ref.at[start // T + i], base_s.at[slot], base_bar.at[slot])
+    dequantize(kc_s.at[cslot], ksz_s.at[cslot], l_s.at[slot], grp)
+    plgpu.commit_smem()
+    plgpu.barrier_arrive(l_bar.at[slot])
+    pl.when(i + cs < n_tiles)(lambda: load_keys(i + cs))
+
+  def values(i):
+    vslot = lax.rem(i, v_stages)
+    plgpu.barrier_wait(cv_bar)
+    pl.when(i >= v_stages)(lambda: plgpu.barrier_wait(v_free.at[vslot]))
+    dequantize(vc_s, vsz_s, v_s.at[vslot], grp)
+    plgpu.commit_smem()
+    plgpu.barrier_arrive(v_bar.at[vslot])
+    pl.when(i + 1 < n_tiles)(lambda: load_values(i + 1))
+
+  for i in range(cs):
+    pl.when(i < n_tiles)(functools.partial(load_keys, i))
+
+  @pl.when(n_tiles > 0)
+  def _():
+    keys(0)
+    plgpu.barrier_wait(cos_free)
+    load_values(0)
+
+  @pl.loop(0, n_tiles)
+  def _(i):
+    values(i)
+    pl.when(i + 1 < n_tiles)(lambda: keys(i + 1))
+
+
+def _call(p, qt, hk, hv, bk, cs, sin, base, lengths, sz=()):
   import jax.experimental.pallas as pl  # pylint: disable=import-outside-toplevel
   import jax.experimental.pallas.mosaic_gpu as plgpu  # pylint: disable=import-outside-toplevel
   hpp, hh, rk, rv, stages = p["hpp"], p["hh"], p["rk"], p["rv"], p["stages"]
-  v_stages, np_ = p["v_stages"], p["np"]
+  v_stages, np_, bits, c_stages = p["v_stages"], p["np"], p["bits"], p["c_stages"]
+  ldt = latent_dtype(bits)
   kvh = p["b"] * p["gr"] * p["g"]
   shared = p["values"] == "shared"
   ns = p["num_splits"]
@@ -297,26 +410,26 @@ def _call(p, qt, hk, hv, bk, cs, sin, base, lengths):
   k_tf = sw(2, hh)   # key latent tiles: (8, H/2), 128-byte swizzle
   pv_tf = sw(2, 64)  # B_k, cos/sin pairs, value tile, p^T, rotated queries: (8, 64), 128 B
 
-  def entry(q_ref, hk_ref, hv_ref, bk_ref, cos_ref, sin_ref, base_ref, len_ref, o_ref,
-            lse_ref):
+  def entry(q_ref, hk_ref, hv_ref, bk_ref, cos_ref, sin_ref, base_ref, len_ref, *rest):
+    sz_refs, (o_ref, lse_ref) = rest[:-2], rest[-2:]
     del sin_ref  # an unused 1-element placeholder (kept: see `palu_attention_mosaic`)
     scratch = [
-        plgpu.SMEM((hpp, rk, 2 * hh), jnp.bfloat16, transforms=pv_tf),   # B_k [rk, H]
+        plgpu.SMEM((hpp, rk, 2 * hh), ldt, transforms=pv_tf),            # B_k [rk, H]
         plgpu.SMEM((hpp, 2, hh, np_), jnp.float32),                      # queries^T
         plgpu.SMEM((hpp, np_, 2 * hh), jnp.float16, transforms=pv_tf),   # rotated queries
         plgpu.SMEM((T, 2 * hh), jnp.float16, transforms=pv_tf),          # cos/sin pairs
         # the values="shared" column exchange, else an unused 1-element placeholder
         (plgpu.SMEM((2, hpp * np_), jnp.float32) if shared
          else plgpu.SMEM((1,), jnp.float16)),
-        plgpu.SMEM((stages, T, rk), jnp.bfloat16, transforms=k_tf),
+        plgpu.SMEM((stages, T, rk), ldt, transforms=k_tf),
         plgpu.SMEM((stages, 2, hh), jnp.float32),
-        plgpu.SMEM((v_stages, T, rv), jnp.bfloat16, transforms=pv_tf),
-        plgpu.SMEM((hpp * np_, T) if shared else (hpp, np_, T), jnp.bfloat16,
+        plgpu.SMEM((v_stages, T, rv), ldt, transforms=pv_tf),
+        plgpu.SMEM((hpp * np_, T) if shared else (hpp, np_, T), ldt,
                    transforms=pv_tf),
         # FragmentedArray.reduce stores 128 threads x vec_len (2) f32 per 8 columns.
         plgpu.SMEM((hpp, RED_PER_COL * np_), jnp.float32),
     ]
-    bars = (
+    bars = [
         plgpu.Barrier(num_barriers=2 * hpp),  # B_k slices (barrier 2 w for warpgroup w)
         plgpu.Barrier(num_barriers=hpp),
         plgpu.Barrier(num_barriers=2),        # cos/sin table (the first is used)
@@ -327,11 +440,29 @@ def _call(p, qt, hk, hv, bk, cs, sin, base, lengths):
         plgpu.Barrier(num_arrivals=hpp, num_barriers=v_stages),
         plgpu.Barrier(num_arrivals=hpp) if shared else None,  # column exchange
         plgpu.Barrier(num_arrivals=hpp) if shared else None,  # p^T consumed
-    )
-    pl.run_scoped(
-        lambda *refs: _kernel(p, q_ref, hk_ref, hv_ref, bk_ref, cos_ref, base_ref, len_ref,
-                              o_ref, lse_ref, refs[:10], refs[10:]),
-        *scratch, *bars, collective_axes="wg")
+    ]
+    packed = []
+    if bits is not None:
+      # The value code slot aliases the cos/sin table (`_convert`); the key code ring, its
+      # barriers (3 copies each), and the barrier of the table's last read.
+      rows = T * p["gr"] // 8
+      sdt = sz[0].dtype
+      scratch[3] = plgpu.RefUnion(scratch[3], (plgpu.SMEM((T, rv * bits // 8), jnp.uint8),
+                                               plgpu.SMEM((2, rows, 8), sdt)))
+      packed = [plgpu.SMEM((c_stages, T, rk * bits // 8), jnp.uint8),
+                plgpu.SMEM((c_stages, 2, rows, 8), sdt),
+                plgpu.Barrier(num_arrivals=3, num_barriers=c_stages),
+                plgpu.Barrier(num_arrivals=3),
+                plgpu.Barrier(num_arrivals=hpp)]
+
+    def body(*refs):
+      smem, bar_refs, extra = list(refs[:10]), refs[10:20], refs[20:]
+      if extra:  # the union: (cos/sin table, (value codes, value scale rows))
+        smem[3], (vc_s, vsz_s) = smem[3]
+        extra = (extra[0], extra[1], vc_s, vsz_s, *extra[2:])
+      _kernel(p, q_ref, hk_ref, hv_ref, bk_ref, cos_ref, base_ref, len_ref, o_ref, lse_ref,
+              smem, bar_refs, sz_refs=sz_refs, packed=extra)
+    pl.run_scoped(body, *scratch, *bars, *packed, collective_axes="wg")
 
   if shared:  # per CTA: [splits, rv, heads x NP]
     out_types = (jax.ShapeDtypeStruct((kvh // hpp, ns, rv, hpp * np_), jnp.float32),
@@ -343,38 +474,55 @@ def _call(p, qt, hk, hv, bk, cs, sin, base, lengths):
       entry, out_type=out_types, grid=p["grid"], grid_names=("p", "s"),
       num_threads=hpp + 1, thread_name="wg",
       compiler_params=plgpu.CompilerParams(approx_math=True),
-  )(qt, hk, hv, bk, cs, sin, base, lengths)
+  )(qt, hk, hv, bk, cs, sin, base, lengths, *sz)
 
 
 def palu_attention_mosaic(q, hk, hv, b_k, lengths, inv_freq, *, k_bias=None, scale=None,
                           out_dtype=None, heads_per_program=2, stages=None, v_stages=None,
                           num_splits=None, target_programs=None, return_partials=False,
-                          rope=None):
+                          rope=None, c_stages=None):
   """Fused Palu decode attention (Mosaic GPU); same contract as the reference.
 
   Args (beyond the reference's): inv_freq [H/2] float32; heads_per_program (KV heads per
     CTA, one compute warpgroup each), stages (key-latent ring depth), v_stages (value
     ring depth; both None: the deepest that fit), num_splits, target_programs: launch
     knobs (see `plan`); return_partials: also return the split-K partials; rope: optional
-    precomputed `rope_tables(inv_freq, S)` (a model builds them once).
+    precomputed `rope_tables(inv_freq, S)` (a model builds them once); c_stages: the code
+    ring's depth with packed latents (see `plan`).
+    hk, hv: bf16 latents, or both `PackedLatent` of 2 or 4 bits with 16-bit scales
+    (`check_inputs`), dequantized in the kernel (module docstring).
   """
   check_inputs(hk, hv, k_bias)
   h = q.shape[-1]
   scale = h ** -0.5 if scale is None else float(scale)
+  bits = packed_bits(hk)
   p = plan(q.shape, hk.shape, hv.shape, b_k.shape, heads_per_program=heads_per_program,
            stages=stages, v_stages=v_stages, num_splits=num_splits,
-           target_programs=target_programs)
+           target_programs=target_programs, bits=bits, c_stages=c_stages)
   cos, sin, base = rope_tables(inv_freq, p["s"]) if rope is None else rope
   # Column d of each RoPE half -> 2d (first half), 2d + 1 (second): B_k's columns and the
   # cos/sin table interleaved, so that a rotation pair is one register.
   gr, rk, gh = b_k.shape
-  b_k = b_k.astype(jnp.bfloat16)
+  b_k = b_k.astype(latent_dtype(bits))
   b_k = b_k.reshape(gr, rk, gh // h, 2, h // 2).swapaxes(-1, -2).reshape(gr, rk, gh)
+  if bits is not None:  # the converted key tile's columns are code_order(rk, bits)
+    b_k = b_k[:, code_order(rk, bits)]
   # (The 1-element `sin` operand, the unused second cos/sin barrier and the per-head
   # placeholder scratch slot are leftovers of the removed two-halves layout, kept so that
   # the lowered module did not change when it went; they cost a few bytes.)
   cs, sin = jnp.stack([cos, sin], -1).reshape(T, h), jnp.zeros((1,), jnp.float16)
-  o_t, lse_t = _call(p, query_operand(q, p, scale), hk.astype(jnp.bfloat16),
-                     hv.astype(jnp.bfloat16), b_k, cs, sin, base, lengths.astype(jnp.int32))
+  if bits is None:
+    lat, sz = (hk.astype(jnp.bfloat16), hv.astype(jnp.bfloat16)), ()
+  else:
+    # The cache's own arrays: codes as stored, each scale/zero [B, S, Gr] read as rows of
+    # 8 (a free reshape), so that a tile's rows of every group are one TMA box.
+    b, s = hk.shape[:2]
+    rows = lambda a: a.reshape(b, s * gr // 8, 8)
+    lat = (hk.codes, hv.codes)
+    sz = tuple(rows(a).astype(hk.scale.dtype) for a in (hk.scale, hk.zero, hv.scale, hv.zero))
+  o_t, lse_t = _call(p, query_operand(q, p, scale), *lat, b_k, cs, sin, base,
+                     lengths.astype(jnp.int32), sz)
   o, lse = unpad_partials(o_t, lse_t, p)
+  if bits is not None:  # output row c of the converted value tile is latent channel order[c]
+    o = o[..., np.argsort(code_order(p["rv"], bits))]
   return splitk.combine_result(o, lse, out_dtype or q.dtype, return_partials)

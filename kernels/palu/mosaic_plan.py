@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from ..common import splitk
 from .packed import PackedLatent
@@ -22,11 +23,19 @@ def query_columns(qpk: int) -> int:
   return 8 if qpk <= 8 else 16
 
 
-def _smem_bytes(hpp, rk, rv, hh, np_, stages, v_stages):
+def _smem_bytes(hpp, rk, rv, hh, np_, stages, v_stages, bits=None, gr=1, c_stages=0):
   """Shared memory of the kernel's scratch buffers, each rounded up to 1 KiB as Pallas
-  Mosaic GPU allocates them, plus the barriers."""
+  Mosaic GPU allocates them, plus the barriers. Packed latents (bits set) add the key code
+  ring (c_stages slots of code tiles and scale/zero rows) and the value code slot beyond
+  the cos/sin table it aliases."""
   kib = lambda n: -(-n // 1024) * 1024
-  return (kib(hpp * 2 * rk * hh * 2)      # B_k column slices
+  codes = 0
+  if bits is not None:  # key code ring; the value code slot shares the cos/sin table's memory
+    union = kib(kib(T * rv * bits // 8) + 2 * T * gr * 2)
+    codes = (kib(c_stages * T * rk * bits // 8) + kib(c_stages * 2 * T * gr * 2)
+             + max(0, union - kib(T * 2 * hh * 2)))
+  return (codes
+          + kib(hpp * 2 * rk * hh * 2)      # B_k column slices
           + kib(hpp * 2 * hh * np_ * 4)   # queries^T (f32, as loaded)
           + kib(hpp * 2 * np_ * hh * 2)   # rotated queries (fp16, rewritten per tile)
           + kib(T * 2 * hh * 2) + 1024    # in-tile cos/sin pairs; the exchange slot (1 KiB)
@@ -38,20 +47,75 @@ def _smem_bytes(hpp, rk, rv, hh, np_, stages, v_stages):
           + 256)                          # barriers (8 B each)
 
 
+# Packed latents the kernel reads: bits per code, 16-bit scale/zero types.
+PACKED_BITS = (2, 4)
+PACKED_SCALE_DTYPES = ("float16",)
+
+
+def latent_dtype(bits):
+  """The type of the latent tiles the compute warpgroups multiply (and of B_k and p): bf16
+  for bf16 latents; fp16 for packed ones, which the producer dequantizes in fp16 arithmetic
+  from fp16 scales (`mosaic_fragments.dequantize_rows`)."""
+  return jnp.bfloat16 if bits is None else jnp.float16
+
+
+def code_order(dim: int, bits: int) -> np.ndarray:
+  """Latent channel of each column of a dequantized tile: a 32-bit code word of 32 / bits
+  channels turns into 16 / bits fp16 pairs (channel i, channel i + 16 / bits), laid out pair
+  after pair (`mosaic_fragments.dequantize_rows`), i.e. columns (0, 16/b, 1, 16/b + 1, ...)
+  of each word."""
+  per_word = 32 // bits
+  p = np.arange(per_word)
+  within = p // 2 + (p % 2) * (per_word // 2)
+  return (np.arange(dim) // per_word * per_word + within[np.arange(dim) % per_word]).astype(
+      np.int32)
+
+
+def packed_bits(hk):
+  """None for bf16 latents, else the packed latents' code width (`check_inputs` has checked
+  that both latents share it)."""
+  return hk.bits if isinstance(hk, PackedLatent) else None
+
+
 def check_inputs(hk, hv, k_bias) -> None:
-  """ValueError naming the argument where the kernel cannot take it: a key bias, or a
-  packed latent (both run on the triton implementation)."""
+  """ValueError naming the argument where the kernel cannot take it: a key bias, one
+  latent packed and the other not, packed latents of other widths than 2 or 4 bits (or
+  of two widths), with row padding, code rows over 256 bytes (one TMA box) or scales
+  that are not 16-bit (these run on the triton implementation)."""
   if k_bias is not None:
     raise ValueError("mosaic latent attention: k_bias is not supported; use the triton "
                      "implementation")
+  packed = [isinstance(x, PackedLatent) for x in (hk, hv)]
+  if packed[0] != packed[1]:
+    raise ValueError("mosaic latent attention: hk and hv must both be PackedLatent or both "
+                     "bf16 arrays (mixed latents run on the triton implementation)")
+  if not packed[0]:
+    return
+  if hk.bits != hv.bits:
+    raise ValueError(f"mosaic latent attention: hk.bits ({hk.bits}) != hv.bits ({hv.bits})")
   for name, x in (("hk", hk), ("hv", hv)):
-    if isinstance(x, PackedLatent):
-      raise ValueError(f"mosaic latent attention: {name} must be a bf16 array, not a "
-                       "PackedLatent (packed latents run on the triton implementation)")
+    if x.bits not in PACKED_BITS:
+      raise ValueError(f"mosaic latent attention: {name}.bits must be one of {PACKED_BITS}, "
+                       f"got {x.bits} (the triton implementation reads 3-bit latents)")
+    if x.codes.shape[-1] * 8 != x.dim * x.bits:
+      raise ValueError(f"mosaic latent attention: {name} rows hold padding ({x.dim} codes in "
+                       f"{x.codes.shape[-1]} bytes)")
+    if x.codes.shape[-1] > 256:
+      raise ValueError(f"mosaic latent attention: {name} code rows of {x.codes.shape[-1]} "
+                       "bytes exceed one 256-element TMA box")
+    for part in ("scale", "zero"):
+      dt = jnp.dtype(getattr(x, part).dtype).name
+      if dt not in PACKED_SCALE_DTYPES:
+        raise ValueError(f"mosaic latent attention: {name}.{part} is {dt}, not one of "
+                         f"{PACKED_SCALE_DTYPES}")
 
 
 # Ring depths tried, deepest first, when `stages` / `v_stages` are not given.
 AUTO_STAGES = ((2, 2), (1, 2), (2, 1), (1, 1))
+# With packed latents, (stages, v_stages, c_stages): a second value slot first (the
+# converter then runs a tile ahead of the value products), then the key rings.
+AUTO_STAGES_PACKED = ((2, 2, 2), (1, 2, 2), (2, 2, 1), (1, 2, 1), (2, 1, 2), (1, 1, 2),
+                      (2, 1, 1), (1, 1, 1))
 
 
 def shares_values(hpp: int, rv: int) -> bool:
@@ -60,7 +124,7 @@ def shares_values(hpp: int, rv: int) -> bool:
 
 
 def plan(q_shape, hk_shape, hv_shape, bk_shape, *, heads_per_program=2, stages=None,
-         v_stages=None, num_splits=None, target_programs=None):
+         v_stages=None, num_splits=None, target_programs=None, bits=None, c_stages=None):
   """Validates the shapes and knobs; returns the launch geometry (dict).
 
   The value product is picked here, not a knob: "shared" where `shares_values` holds (the
@@ -70,6 +134,9 @@ def plan(q_shape, hk_shape, hv_shape, bk_shape, *, heads_per_program=2, stages=N
   "per-head" (each compute warpgroup multiplies its KV head's probabilities [T, NP] by the
   whole value-latent tile).
   stages / v_stages: key / value ring depths; None: the deepest that fit (AUTO_STAGES).
+  bits: None for bf16 latents, else the packed latents' code width (`packed_bits`);
+  c_stages: then the key code ring's depth (None: with stages and v_stages, the first of
+  AUTO_STAGES_PACKED that fits).
   """
   b, n, h = q_shape
   _, s, gr, rk = hk_shape
@@ -99,15 +166,33 @@ def plan(q_shape, hk_shape, hv_shape, bk_shape, *, heads_per_program=2, stages=N
     raise ValueError(f"mosaic latent attention: stages must be >= 1, got {stages}")
   if v_stages is not None and v_stages < 1:
     raise ValueError(f"mosaic latent attention: v_stages must be >= 1, got {v_stages}")
-  if stages is None or v_stages is None:  # the deepest rings that fit (given ones kept)
+  if c_stages is not None and c_stages < 1:
+    raise ValueError(f"mosaic latent attention: c_stages must be >= 1, got {c_stages}")
+  if bits is not None and T * gr // 8 > 256:
+    raise ValueError(f"mosaic latent attention: {gr} head groups: a tile's scale rows exceed "
+                     "one 256-row TMA box (at most 32 groups with packed latents)")
+  if bits is None:
+    if c_stages is not None:
+      raise ValueError("mosaic latent attention: c_stages is the packed latents' code ring; "
+                       "these latents are not packed")
+    c_stages = 0
+  smem = lambda k, v, c: _smem_bytes(hpp, rk, rv, hh, np_, k, v, bits, gr, c)
+  if bits is None and (stages is None or v_stages is None):
+    # the deepest rings that fit (given ones kept)
     fitting = [(k, v) for k, v in AUTO_STAGES
-               if (stages in (None, k) and v_stages in (None, v)
-                   and _smem_bytes(hpp, rk, rv, hh, np_, k, v) <= SMEM_LIMIT)]
+               if (stages in (None, k) and v_stages in (None, v) and smem(k, v, 0) <= SMEM_LIMIT)]
     stages, v_stages = fitting[0] if fitting else (stages or 1, v_stages or 1)
-  need = _smem_bytes(hpp, rk, rv, hh, np_, stages, v_stages)
+  elif bits is not None and None in (stages, v_stages, c_stages):
+    fitting = [(k, v, c) for k, v, c in AUTO_STAGES_PACKED
+               if (stages in (None, k) and v_stages in (None, v) and c_stages in (None, c)
+                   and smem(k, v, c) <= SMEM_LIMIT)]
+    stages, v_stages, c_stages = fitting[0] if fitting else (stages or 1, v_stages or 1,
+                                                             c_stages or 1)
+  need = smem(stages, v_stages, c_stages)
   if need > SMEM_LIMIT:
+    packed = f", c_stages={c_stages} ({bits}-bit latents)" if bits is not None else ""
     raise ValueError(f"mosaic latent attention: heads_per_program={hpp}, stages={stages}, "
-                     f"v_stages={v_stages} need "
+                     f"v_stages={v_stages}{packed} need "
                      f"{need} B of shared memory (rk={rk}, rv={rv}, H={h}); a block may use "
                      f"{SMEM_LIMIT}. Lower stages or heads_per_program.")
   parallel = b * gr * (g // hpp)
@@ -119,7 +204,7 @@ def plan(q_shape, hk_shape, hv_shape, bk_shape, *, heads_per_program=2, stages=N
                                   target=target_programs or 2 * 132)
   return dict(b=b, n=n, h=h, hh=hh, s=s, gr=gr, g=g, qpk=qpk, np=np_, rk=rk, rv=rv, hpp=hpp,
               stages=stages, v_stages=v_stages, values=values, num_splits=ns,
-              grid=(parallel, ns))
+              bits=bits, c_stages=c_stages, grid=(parallel, ns))
 
 
 def num_sms() -> int:

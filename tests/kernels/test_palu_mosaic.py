@@ -1,4 +1,5 @@
-"""Palu Mosaic GPU kernel (`mosaic_palu`): lowering on CPU, numerics on the GPU.
+"""Palu Mosaic GPU kernel (`mosaic_palu`): lowering on CPU, numerics on the GPU; bf16 and
+packed (2/4-bit) latents.
 
 CPU (CI): the kernel is traced and lowered for CUDA (Pallas -> Mosaic GPU, which
 checks layouts, wgmma operand shapes and swizzles) for GQA 4/8/16 and MHA shapes with
@@ -239,6 +240,98 @@ def test_query_columns():
   assert [ml.query_columns(q) for q in (1, 4, 8, 9, 16)] == [8, 8, 8, 16, 16]
 
 
+def _packed(shape, bits, scale_dtype=jnp.float16):
+  q, hk, hv, bk, lens = _zeros(shape)
+  return (q, quantize_latent(hk, bits, scale_dtype=scale_dtype),
+          quantize_latent(hv, bits, scale_dtype=scale_dtype), bk, lens)
+
+
+PACKED_OPTS = [dict(), dict(c_stages=1), dict(stages=1, v_stages=1, c_stages=1),
+               dict(stages=2, v_stages=1, c_stages=2), dict(heads_per_program=1),
+               dict(num_splits=3)]
+
+
+@pytest.mark.parametrize("idx", range(len(SHAPES)))
+@pytest.mark.parametrize("bits", [2, 4])
+@pytest.mark.parametrize("opts", PACKED_OPTS)
+def test_mosaic_packed_lowers_for_cuda(idx, bits, opts):
+  """Packed latents (the producer warpgroup dequantizes them): every shape, both widths."""
+  shape = SHAPES[idx]
+  q, hk, hv, bk, lens = _packed(shape, bits)
+  try:
+    ml.plan(q.shape, hk.shape, hv.shape, bk.shape, bits=bits,
+            **{k: v for k, v in opts.items() if k in _PLAN_KNOBS + ("c_stages",)})
+  except ValueError as e:
+    assert "shared memory" in str(e)
+    return
+  inv = rope_inv_freq(shape.head_dim)
+  f = jax.jit(lambda *a: ml.palu_attention_mosaic(*a, inv, **opts))
+  text = f.trace(q, hk, hv, bk, lens).lower(lowering_platforms=("cuda",)).as_text()
+  assert "mosaic_gpu" in text
+
+
+def test_code_order():
+  """The column order of a dequantized tile (fp16 pairs of codes i, i + 16 / bits of a word):
+  a permutation within each 32-bit word's channels; the negative control is the identity."""
+  assert ml.code_order(8, 4).tolist() == [0, 4, 1, 5, 2, 6, 3, 7]
+  assert ml.code_order(16, 2).tolist() == [0, 8, 1, 9, 2, 10, 3, 11, 4, 12, 5, 13, 6, 14, 7, 15]
+  for bits in (2, 4):
+    o = ml.code_order(384, bits)
+    assert sorted(o.tolist()) == list(range(384))
+    assert np.all(o // (32 // bits) == np.arange(384) // (32 // bits))
+    assert not np.array_equal(o, np.arange(384))
+  assert ml.latent_dtype(None) == jnp.bfloat16 and ml.latent_dtype(4) == jnp.float16
+
+
+def test_mosaic_packed_plan():
+  """The key code ring joins the shared-memory budget and the value code slot shares the
+  cos/sin table's 16 KiB: at Palu's 50% setting with 4-bit latents the plan keeps two value
+  slots, (stages, v_stages, c_stages) = (1, 2, 2); bf16 latents have no code ring."""
+  q, hk, hv, bk, _ = _packed(SHAPES[1], 4)
+  p = ml.plan(q.shape, hk.shape, hv.shape, bk.shape, bits=4)
+  assert (p["stages"], p["v_stages"], p["c_stages"], p["bits"]) == (1, 2, 2, 4)
+  smem = ml._smem_bytes  # pylint: disable=protected-access
+  # 2 key code tiles (64 x 64 B) + 2 x [2, 16, 8] fp16 rows; value codes 12 KiB + 0.5 KiB <
+  # the table's 16 KiB
+  assert smem(2, 128, 384, 64, 8, 1, 2, 4, 2, 2) - smem(2, 128, 384, 64, 8, 1, 2) == 9216
+  # 512-wide value codes (16 KiB + 0.5 KiB) overflow the table by a KiB
+  assert smem(2, 128, 512, 64, 8, 1, 2, 4, 2, 1) - smem(2, 128, 512, 64, 8, 1, 2) == (
+      4096 + 1024 + 1024)
+  p = ml.plan(q.shape, hk.shape, hv.shape, bk.shape, bits=4, c_stages=1)
+  assert (p["stages"], p["v_stages"], p["c_stages"]) == (1, 2, 1)
+  with pytest.raises(ValueError, match="shared memory"):
+    ml.plan(q.shape, hk.shape, hv.shape, bk.shape, bits=4, stages=2, v_stages=2, c_stages=2)
+  with pytest.raises(ValueError, match="c_stages must be"):
+    ml.plan(q.shape, hk.shape, hv.shape, bk.shape, bits=4, c_stages=0)
+  q, hk, hv, bk, _ = _zeros(SHAPES[1])
+  assert ml.plan(q.shape, hk.shape, hv.shape, bk.shape)["c_stages"] == 0
+  with pytest.raises(ValueError, match="not packed"):
+    ml.plan(q.shape, hk.shape, hv.shape, bk.shape, c_stages=1)
+
+
+def test_mosaic_packed_check_inputs():
+  """What the kernel refuses, each with its reason (the Triton kernel takes them)."""
+  _, hk, hv, _, _ = _zeros(SHAPES[1])
+  ok4 = lambda x, **kw: quantize_latent(x, 4, scale_dtype=kw.get("sd", jnp.float16))
+  ml.check_inputs(ok4(hk), ok4(hv), None)
+  ml.check_inputs(quantize_latent(hk, 2, scale_dtype=jnp.float16),
+                  quantize_latent(hv, 2, scale_dtype=jnp.float16), None)
+  bad = {
+      "both be PackedLatent": (hk, ok4(hv)),
+      "hk.bits (4) != hv.bits (2)": (ok4(hk), quantize_latent(hv, 2, scale_dtype=jnp.float16)),
+      "hk.bits must be one of (2, 4)": (quantize_latent(hk, 3, scale_dtype=jnp.float16),
+                                        quantize_latent(hv, 3, scale_dtype=jnp.float16)),
+      "hv.scale is float32": (ok4(hk), ok4(hv, sd=jnp.float32)),
+      "hk.scale is bfloat16": (ok4(hk, sd=jnp.bfloat16), ok4(hv, sd=jnp.bfloat16)),
+      "hk rows hold padding": (quantize_latent(hk[..., :127], 4, scale_dtype=jnp.float16),
+                               ok4(hv)),
+      "exceed one 256-element TMA box": (ok4(hk), ok4(jnp.concatenate([hv, hv], -1))),
+  }
+  for why, (a, v) in bad.items():
+    with pytest.raises(ValueError, match=why.replace("(", r"\(").replace(")", r"\)")):
+      ml.check_inputs(a, v, None)
+
+
 # ----------------------------------------------------------------------------- GPU
 
 def test_hopper_detection_is_false_off_a_gpu():
@@ -271,6 +364,8 @@ def test_default_implementation_picks_mosaic_only_where_it_fits(monkeypatch, hop
   misfits = {
       "k_bias": (q, hk, hv, bk, lens, jnp.zeros((bk.shape[0], bk.shape[2]), F32)),
       "PackedLatent": (q, hk, quantize_latent(hv, 4), bk, lens, None),
+      "bits must be one of (2, 4)": (q, quantize_latent(hk, 3), quantize_latent(hv, 3), bk,
+                                     lens, None),
       "float16": (q, hk.astype(jnp.float16), hv, bk, lens, None),
       "head dim must be 128": _fit_case(head_dim=64),
       "rv must be a multiple of 64": _fit_case(rv=96),
@@ -350,3 +445,61 @@ def test_default_implementation_on_hopper():
   assert resolve_implementation(None, args=(q, hk, hv4, b_k, lens, None)) != "mosaic"
   if triton_backend.available():
     assert np.array_equal(np.asarray(run(None, hv4)), np.asarray(run("triton", hv4)))
+  hk4 = quantize_latent(hk, 4, scale_dtype=jnp.float16)
+  hv4 = quantize_latent(hv, 4, scale_dtype=jnp.float16)
+  assert resolve_implementation(None, args=(q, hk4, hv4, b_k, lens, None)) == "mosaic"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("idx", range(len(SHAPES)))
+@pytest.mark.parametrize("bits", [2, 4])
+@pytest.mark.parametrize("opts", PACKED_OPTS)
+def test_mosaic_packed_matches_reference(idx, bits, opts):
+  """Packed latents against the reference on the same codes (which dequantizes in float32).
+  The kernel rounds each dequantized latent to bf16 before its bf16 products, as the bf16
+  path reads bf16 latents: the same bound as `test_mosaic_matches_reference`."""
+  if not triton_backend.gpu_available():
+    pytest.skip("needs a GPU")
+  shape, (q, hk, hv, b_k, _, lens) = _case(idx, 740 + idx)
+  hk, hv = (quantize_latent(x, bits, scale_dtype=jnp.float16) for x in (hk, hv))
+  try:
+    ml.plan(q.shape, hk.shape, hv.shape, b_k.shape, bits=bits,
+            **{k: v for k, v in opts.items() if k in _PLAN_KNOBS + ("c_stages",)})
+  except ValueError as e:
+    assert "shared memory" in str(e)
+    return
+  inv = rope_inv_freq(shape.head_dim)
+  ref, ref_lse = palu_attention_reference(q, hk, hv, b_k, lens, out_dtype=F32)
+  run = jax.jit(lambda *a: ml.palu_attention_mosaic(*a, inv, out_dtype=F32,
+                                                    return_partials=True, **opts))
+  out, lse, (o_p, lse_p) = run(q, hk, hv, b_k, lens)
+  assert np.isfinite(np.asarray(o_p)).all(), "non-finite partial outputs"
+  assert not np.isnan(np.asarray(lse_p)).any(), "NaN partial lse"
+  assert_close(out, ref, 2e-2, 2e-2, f"out {bits}-bit {opts}")
+  assert_close(lse, ref_lse, 2e-2, 2e-3, f"lse {bits}-bit {opts}")
+  again = run(q, hk, hv, b_k, lens)
+  assert np.array_equal(np.asarray(out), np.asarray(again[0])), "not bitwise deterministic"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("part", ["hk.codes", "hv.scale", "hk.zero"])
+def test_mosaic_packed_negative_control(part):
+  """One token's codes or scale/zero changed in the kernel's input only: the output must
+  move past the bound (each operand of the code ring is read)."""
+  if not triton_backend.gpu_available():
+    pytest.skip("needs a GPU")
+  shape, (q, hk, hv, b_k, _, lens) = _case(1, 781)
+  hk, hv = (quantize_latent(x, 4, scale_dtype=jnp.float16) for x in (hk, hv))
+  inv = rope_inv_freq(shape.head_dim)
+  ref, _ = palu_attention_reference(q, hk, hv, b_k, lens, out_dtype=F32)
+  row = int(np.argmax(np.asarray(lens)))
+  lat, field = part.split(".")
+  x = {"hk": hk, "hv": hv}[lat]
+  arr = getattr(x, field)
+  bad = arr.at[row, : int(lens[row])].set(arr[row, : int(lens[row])] ^ 0x77 if field == "codes"
+                                          else arr[row, : int(lens[row])] * 8 + 1)
+  x = dataclasses.replace(x, **{field: bad})
+  hk_b, hv_b = (x, hv) if lat == "hk" else (hk, x)
+  out, _ = ml.palu_attention_mosaic(q, hk_b, hv_b, b_k, lens, inv, out_dtype=F32)
+  with pytest.raises(AssertionError):
+    assert_close(out, ref, 2e-2, 2e-2, f"corrupted {part}")
