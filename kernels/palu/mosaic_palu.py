@@ -50,11 +50,12 @@ Choices (written down, as they differ from the Triton kernel where noted):
     of 64, H = 128, QPK <= 16, no key bias, cache capacity a multiple of 8.
 
 Packed latents (Palu's low-bit latents, read as the cache stores them): the producer
-warpgroup becomes a converter. TMA streams each tile's key and value codes and the tile's
-scale/zero rows into a `c_stages`-slot code ring; the warpgroup dequantizes them into the
-key and value rings (`mosaic_fragments.dequantize_rows`: fp16 pair arithmetic, no int ->
-float conversion) and arrives on the ring slot's barrier where TMA arrived before, so the
-compute warpgroups run unchanged, on fp16 tiles (B_k and p in fp16 too: `latent_dtype`).
+warpgroup becomes a converter (`_convert`). TMA streams each tile's codes and scale/zero
+rows, the keys' into a `c_stages`-slot code ring, the values' into one slot that aliases the
+cos/sin table; the warpgroup dequantizes them into the key and value rings
+(`mosaic_fragments.dequantize_rows`: fp16 pair arithmetic, no int -> float conversion) and
+arrives on the ring slot's barrier where TMA arrived before, so the compute warpgroups run
+unchanged, on fp16 tiles (B_k and p in fp16 too: `latent_dtype`).
 A converted tile's columns come in `code_order`: B_k's rows are permuted to match and the
 output's latent channels put back. Choices: the dequantized latents are rounded once to
 fp16 (the reference dequantizes in float32; the bf16 path reads bf16 latents, 8 times
@@ -79,15 +80,14 @@ from .mosaic_plan import (  # noqa: F401  (re-exported: the kernel's public plan
     code_order, latent_dtype, packed_bits, plan, query_columns, query_operand, rope_tables,
     shares_values, unpad_partials)
 
-# Registers per thread of the compute and producer warpgroups (setmaxnreg): with HPP = 2
-# compute warpgroups, 2 * 232 + 40 fits the 512 per thread that 3 warpgroups x 128 threads
-# may hold at one CTA per SM. With packed latents the producer dequantizes and takes more.
+# Registers per thread of the compute and producer warpgroups (setmaxnreg). With HPP = 2
+# compute warpgroups the launch gives each of the 3 warpgroups 168 (65536 / 384, rounded
+# down to 8) and setmaxnreg.inc waits until the decreases free what it asks for, so a split
+# over 3 x 168 = 504 would never start. With packed latents the producer dequantizes and
+# takes more (results/decode_ablations.md, "Palu 4-bit on the Mosaic kernel").
 COMPUTE_REGISTERS = 232
 PRODUCER_REGISTERS = 40
 PACKED_REGISTERS = (216, 72)   # (compute, producer) with packed latents
-# The launch gives each of the 3 warpgroups 168 registers per thread (65536 / 384, rounded
-# down to 8); setmaxnreg.inc waits until the decreases free what it asks for, so a split
-# over 3 x 168 would never start.
 assert 2 * COMPUTE_REGISTERS + PRODUCER_REGISTERS <= 504
 assert 2 * PACKED_REGISTERS[0] + PACKED_REGISTERS[1] <= 504
 
@@ -152,7 +152,7 @@ def _kernel(p, q_ref, hk_ref, hv_ref, bk_ref, cos_ref, base_ref, len_ref, o_ref,
     acc0 = plgpu.layout_cast(jnp.zeros((rvw, ncol), jnp.float32), wgmma_layout)
     rows = plgpu.broadcasted_iota(jnp.int32, (T, np_), 0, layout=wgmma_layout)
     rope_regs = plgpu.load(cos_s, (), layout=wgmma_layout)  # in-tile cos/sin pairs
-    if packed:  # the table's memory takes the value codes from now on (`_convert`)
+    if packed:  # cos_free: the table's memory takes the value codes from now on (`_convert`)
       plgpu.barrier_arrive(packed[-1])
 
     def rotate_queries(slot):
