@@ -11,7 +11,7 @@ Implementations:
                latents without row padding, `triton_fit`; fp16 latents are computed in
                fp16, other float arrays are rounded to bf16);
   "mosaic"     the warp-specialised Pallas Mosaic GPU kernel in `mosaic_palu`
-               (Hopper; bf16 latents or both latents packed at 2 or 4 bits with 16-bit
+               (Hopper; bf16 latents or both latents packed at 2 or 4 bits with fp16
                scales, H = 128, ranks multiple of 64, no key bias, `mosaic_fit`).
 None picks "mosaic" on a Hopper GPU when the inputs fit it with its default knobs and no
 kernel options are passed (`mosaic_fit`), else "triton" on a GPU with jax-triton, else

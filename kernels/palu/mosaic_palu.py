@@ -487,9 +487,9 @@ def palu_attention_mosaic(q, hk, hv, b_k, lengths, inv_freq, *, k_bias=None, sca
     CTA, one compute warpgroup each), stages (key-latent ring depth), v_stages (value
     ring depth; both None: the deepest that fit), num_splits, target_programs: launch
     knobs (see `plan`); return_partials: also return the split-K partials; rope: optional
-    precomputed `rope_tables(inv_freq, S)` (a model builds them once); c_stages: the code
-    ring's depth with packed latents (see `plan`).
-    hk, hv: bf16 latents, or both `PackedLatent` of 2 or 4 bits with 16-bit scales
+    precomputed `rope_tables(inv_freq, S)` (a model builds them once); c_stages: the key
+    code ring's depth with packed latents (see `plan`).
+    hk, hv: bf16 latents, or both `PackedLatent` of 2 or 4 bits with fp16 scales
     (`check_inputs`), dequantized in the kernel (module docstring).
   """
   check_inputs(hk, hv, k_bias)
@@ -519,7 +519,7 @@ def palu_attention_mosaic(q, hk, hv, b_k, lengths, inv_freq, *, k_bias=None, sca
     b, s = hk.shape[:2]
     rows = lambda a: a.reshape(b, s * gr // 8, 8)
     lat = (hk.codes, hv.codes)
-    sz = tuple(rows(a).astype(hk.scale.dtype) for a in (hk.scale, hk.zero, hv.scale, hv.zero))
+    sz = tuple(rows(a) for a in (hk.scale, hk.zero, hv.scale, hv.zero))
   o_t, lse_t = _call(p, query_operand(q, p, scale), *lat, b_k, cs, sin, base,
                      lengths.astype(jnp.int32), sz)
   o, lse = unpad_partials(o_t, lse_t, p)

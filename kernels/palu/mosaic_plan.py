@@ -47,7 +47,8 @@ def _smem_bytes(hpp, rk, rv, hh, np_, stages, v_stages, bits=None, gr=1, c_stage
           + 256)                          # barriers (8 B each)
 
 
-# Packed latents the kernel reads: bits per code, 16-bit scale/zero types.
+# Packed latents the kernel reads: bits per code, and fp16 scale/zero (the producer's fp16
+# pair arithmetic takes them exactly).
 PACKED_BITS = (2, 4)
 PACKED_SCALE_DTYPES = ("float16",)
 
@@ -81,7 +82,7 @@ def check_inputs(hk, hv, k_bias) -> None:
   """ValueError naming the argument where the kernel cannot take it: a key bias, one
   latent packed and the other not, packed latents of other widths than 2 or 4 bits (or
   of two widths), with row padding, code rows over 256 bytes (one TMA box) or scales
-  that are not 16-bit (these run on the triton implementation)."""
+  that are not fp16 (these run on the triton implementation)."""
   if k_bias is not None:
     raise ValueError("mosaic latent attention: k_bias is not supported; use the triton "
                      "implementation")

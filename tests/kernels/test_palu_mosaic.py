@@ -56,14 +56,16 @@ def _zeros(shape: lshapes.LatentShape):
           jnp.full((b,), s, jnp.int32))
 
 
-_PLAN_KNOBS = ("heads_per_program", "stages", "v_stages", "num_splits", "target_programs")
+_PLAN_KNOBS = ("heads_per_program", "stages", "v_stages", "num_splits", "target_programs",
+               "c_stages")
 
 
-def _fits(shape, opts):
-  """False (after checking the error) where the options overflow shared memory."""
+def _fits(shape, opts, bits=None):
+  """False (after checking the error) where the options overflow shared memory (bits: the
+  packed latents' width, None for bf16)."""
   q, hk, hv, bk, _ = _zeros(shape)
   try:
-    ml.plan(q.shape, hk.shape, hv.shape, bk.shape,
+    ml.plan(q.shape, hk.shape, hv.shape, bk.shape, bits=bits,
             **{k: v for k, v in opts.items() if k in _PLAN_KNOBS})
   except ValueError as e:
     assert "shared memory" in str(e)
@@ -258,11 +260,7 @@ def test_mosaic_packed_lowers_for_cuda(idx, bits, opts):
   """Packed latents (the producer warpgroup dequantizes them): every shape, both widths."""
   shape = SHAPES[idx]
   q, hk, hv, bk, lens = _packed(shape, bits)
-  try:
-    ml.plan(q.shape, hk.shape, hv.shape, bk.shape, bits=bits,
-            **{k: v for k, v in opts.items() if k in _PLAN_KNOBS + ("c_stages",)})
-  except ValueError as e:
-    assert "shared memory" in str(e)
+  if not _fits(shape, opts, bits):
     return
   inv = rope_inv_freq(shape.head_dim)
   f = jax.jit(lambda *a: ml.palu_attention_mosaic(*a, inv, **opts))
@@ -399,17 +397,22 @@ def test_mosaic_matches_reference(idx, opts):
   shape, (q, hk, hv, b_k, _, lens) = _case(idx, 700 + idx)
   if not _fits(shape, opts):
     return
-  opts = _with_rope(opts, shape)
+  _check_against_reference(shape, (q, hk, hv, b_k, lens), _with_rope(opts, shape), f"{opts}")
+
+
+def _check_against_reference(shape, args, opts, what):
+  """The kernel (with its split partials) against the float32 reference on the same inputs:
+  finite partials, out and lse within the bf16-derived bounds, bitwise deterministic."""
   inv = rope_inv_freq(shape.head_dim)
-  ref, ref_lse = palu_attention_reference(q, hk, hv, b_k, lens, out_dtype=F32)
+  ref, ref_lse = palu_attention_reference(*args, out_dtype=F32)
   run = jax.jit(lambda *a: ml.palu_attention_mosaic(*a, inv, out_dtype=F32,
                                                     return_partials=True, **opts))
-  out, lse, (o_p, lse_p) = run(q, hk, hv, b_k, lens)
+  out, lse, (o_p, lse_p) = run(*args)
   assert np.isfinite(np.asarray(o_p)).all(), "non-finite partial outputs"
   assert not np.isnan(np.asarray(lse_p)).any(), "NaN partial lse"
-  assert_close(out, ref, 2e-2, 2e-2, f"out {opts}")
-  assert_close(lse, ref_lse, 2e-2, 2e-3, f"lse {opts}")
-  again = run(q, hk, hv, b_k, lens)
+  assert_close(out, ref, 2e-2, 2e-2, f"out {what}")
+  assert_close(lse, ref_lse, 2e-2, 2e-3, f"lse {what}")
+  again = run(*args)
   assert np.array_equal(np.asarray(out), np.asarray(again[0])), "not bitwise deterministic"
 
 
@@ -430,7 +433,8 @@ def test_mosaic_negative_control():
 @pytest.mark.gpu
 def test_default_implementation_on_hopper():
   """implementation=None runs the Mosaic kernel on a Hopper GPU (bitwise equal to asking
-  for it, close to the reference) and the Triton kernel for packed latents."""
+  for it, close to the reference), also for two packed latents, and the Triton kernel for
+  one packed latent beside a bf16 one."""
   if not platform.hopper_available():
     pytest.skip("needs a Hopper GPU")
   shape, (q, hk, hv, b_k, _, lens) = _case(1, 731)
@@ -456,29 +460,16 @@ def test_default_implementation_on_hopper():
 @pytest.mark.parametrize("opts", PACKED_OPTS)
 def test_mosaic_packed_matches_reference(idx, bits, opts):
   """Packed latents against the reference on the same codes (which dequantizes in float32).
-  The kernel rounds each dequantized latent to bf16 before its bf16 products, as the bf16
-  path reads bf16 latents: the same bound as `test_mosaic_matches_reference`."""
+  The kernel rounds each dequantized latent to fp16 (8 times finer than the bf16 latents the
+  bf16 path reads) before its fp16 products: the same bound as
+  `test_mosaic_matches_reference`."""
   if not triton_backend.gpu_available():
     pytest.skip("needs a GPU")
   shape, (q, hk, hv, b_k, _, lens) = _case(idx, 740 + idx)
-  hk, hv = (quantize_latent(x, bits, scale_dtype=jnp.float16) for x in (hk, hv))
-  try:
-    ml.plan(q.shape, hk.shape, hv.shape, b_k.shape, bits=bits,
-            **{k: v for k, v in opts.items() if k in _PLAN_KNOBS + ("c_stages",)})
-  except ValueError as e:
-    assert "shared memory" in str(e)
+  if not _fits(shape, opts, bits):
     return
-  inv = rope_inv_freq(shape.head_dim)
-  ref, ref_lse = palu_attention_reference(q, hk, hv, b_k, lens, out_dtype=F32)
-  run = jax.jit(lambda *a: ml.palu_attention_mosaic(*a, inv, out_dtype=F32,
-                                                    return_partials=True, **opts))
-  out, lse, (o_p, lse_p) = run(q, hk, hv, b_k, lens)
-  assert np.isfinite(np.asarray(o_p)).all(), "non-finite partial outputs"
-  assert not np.isnan(np.asarray(lse_p)).any(), "NaN partial lse"
-  assert_close(out, ref, 2e-2, 2e-2, f"out {bits}-bit {opts}")
-  assert_close(lse, ref_lse, 2e-2, 2e-3, f"lse {bits}-bit {opts}")
-  again = run(q, hk, hv, b_k, lens)
-  assert np.array_equal(np.asarray(out), np.asarray(again[0])), "not bitwise deterministic"
+  hk, hv = (quantize_latent(x, bits, scale_dtype=jnp.float16) for x in (hk, hv))
+  _check_against_reference(shape, (q, hk, hv, b_k, lens), opts, f"{bits}-bit {opts}")
 
 
 @pytest.mark.gpu
