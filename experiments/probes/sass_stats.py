@@ -64,7 +64,8 @@ def compile_kivi(qpk, block_s, num_warps, num_stages, fp16, bits=2, head_dim=128
   sdt = "*fp16" if fp16 else "*bf16"
   sig = dict(q_ptr="*bf16", kc_ptr="*u8", ks_ptr=sdt, kz_ptr=sdt, vc_ptr="*u8", vs_ptr="*i32",
              vz_ptr="*i32", kw_ptr="*bf16", vw_ptr="*bf16", qlen_ptr="*i32", wlen_ptr="*i32",
-             S="i32", W="i32", NSPLIT="i32", sm_scale="fp32", o_ptr="*fp32", lse_ptr="*fp32")
+             S="i32", W="i32", NSPLIT="i32", sm_scale="fp32", o_init="*fp32", lse_init="*fp32",
+             o_ptr="*fp32", lse_ptr="*fp32")
   return _compile_sm90(fn, sig, const, num_warps, num_stages)
 
 
@@ -85,8 +86,8 @@ def compile_palu(qpk, block_s, num_warps, num_stages, hpp=None, v_bits=16):
              hv_ptr="*u8" if packed else "*bf16", hvs_ptr="*bf16" if packed else "*i32",
              hvz_ptr="*bf16" if packed else "*i32", bk_ptr="*bf16", bias_ptr="*i32",
              pq_ptr="*bf16" if const["ABSORB"] else "*i32", pqb_ptr="*i32", rope_ptr="*fp32",
-             len_ptr="*i32", S="i32", NSPLIT="i32", sm_scale="fp32", o_ptr="*fp32",
-             lse_ptr="*fp32")
+             len_ptr="*i32", S="i32", NSPLIT="i32", sm_scale="fp32", o_init="*fp32",
+             lse_init="*fp32", o_ptr="*fp32", lse_ptr="*fp32")
   return _compile_sm90(fn, sig, const, num_warps, num_stages)
 
 

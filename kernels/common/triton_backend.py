@@ -7,9 +7,11 @@ no divisibility hint, so kernels derive row strides from constexpr head dims
 instead and take only the cache capacity and batch as run-time ints (one
 compiled kernel then serves every context length and batch size).
 
-`poison=True` (tests) pre-fills every output with NaN and aliases it to the
-kernel's output, so an element the kernel fails to write stays NaN. This needs a
-`*_poisoned` entry point that takes the NaN buffers as extra inputs.
+Each kernel has one entry point, which declares one init pointer per output (never read)
+after its other arguments, right before the output pointers. `poison=True` (tests) passes
+NaN-filled buffers there, aliased to the outputs, so an element the kernel fails to write
+stays NaN; otherwise they are 1-element dummies. Kernels that are never poisoned may omit
+them (`inits=False`).
 
 `max_registers=n` caps the registers per thread (Triton's `maxnreg`, the PTX `.maxnreg`
 directive), which jax-triton 0.3.1 does not pass: `_install_register_cap` wraps its
@@ -112,24 +114,26 @@ def _install_register_cap() -> None:
   triton_lib.get_or_create_triton_kernel = get_or_create
 
 
-def launch(kernel, poisoned_kernel, *args, out_shapes, grid, num_warps: int, num_stages: int,
+def launch(kernel, *args, out_shapes, grid, num_warps: int, num_stages: int,
            poison: bool = False, aliases=None, max_registers: int | None = None,
-           **constexprs):
+           inits: bool = True, **constexprs):
   """Runs a Triton kernel on JAX arrays.
 
   Args:
-    kernel: the `@triton.jit` entry (inputs..., outputs..., constexprs).
-    poisoned_kernel: entry taking the same inputs, then one NaN-filled buffer
-      per output, then the outputs (aliased to those buffers).
-    *args: arrays and Python scalars, in kernel order.
+    kernel: the `@triton.jit` entry (inputs..., one init pointer per output, outputs...,
+      constexprs).
+    *args: arrays and Python scalars, in kernel order (without the init pointers).
     out_shapes: sequence of `jax.ShapeDtypeStruct`.
     grid: launch grid (tuple of ints).
     num_warps, num_stages: Triton compile options.
-    poison: use `poisoned_kernel` with NaN-filled outputs.
+    poison: the init pointers get NaN-filled buffers aliased to the outputs.
     aliases: {array argument index: output index}: outputs written in place of those
       inputs (the kernel starts from the input's contents; not with poison).
     max_registers: cap on registers per thread; 0: no cap, the compiler's choice (up to
       255); None: the kernel does not declare the constexpr `MAXNREG` (no cap either).
+    inits: False: the kernel declares no init pointers, so it cannot be poisoned. The KIVI
+      cache update (aliased outputs, which poison excludes) and window epilogue (never
+      poisoned) launch so, rather than declare pointers that no launch would fill.
     **constexprs: compile-time kernel parameters.
   Returns:
     list of output arrays.
@@ -144,22 +148,23 @@ def launch(kernel, poisoned_kernel, *args, out_shapes, grid, num_warps: int, num
     constexprs[MAX_REGISTERS] = int(max_registers)
   if aliases and poison:
     raise ValueError("launch: poison and aliases exclude each other")
-  if not poison:
-    outs = jt.triton_call(*args, kernel=kernel, out_shape=out_shapes, grid=grid,
-                          num_warps=num_warps, num_stages=num_stages,
-                          input_output_aliases=dict(aliases or {}), **constexprs)
-    return list(outs)
-  inits = [jnp.full(s.shape, poison_value(s.dtype), s.dtype) for s in out_shapes]
-  n_arrays = sum(1 for a in args if isinstance(a, jax.Array))
-  aliases = {n_arrays + i: i for i in range(len(inits))}
-  outs = jt.triton_call(*args, *inits, kernel=poisoned_kernel, out_shape=out_shapes, grid=grid,
+  if poison and not inits:
+    raise ValueError("launch: poison needs a kernel with init pointers")
+  aliases = dict(aliases or {})
+  if poison:
+    n_arrays = sum(1 for a in args if isinstance(a, jax.Array))
+    aliases = {n_arrays + i: i for i in range(len(out_shapes))}
+    init_args = [jnp.full(s.shape, poison_value(s.dtype), s.dtype) for s in out_shapes]
+  else:
+    init_args = [jnp.zeros((1,), s.dtype) for s in out_shapes] if inits else []
+  outs = jt.triton_call(*args, *init_args, kernel=kernel, out_shape=out_shapes, grid=grid,
                         num_warps=num_warps, num_stages=num_stages,
                         input_output_aliases=aliases, **constexprs)
   return list(outs)
 
 
-def launch_split_k(kernel, poisoned_kernel, *args, out_dtype, return_partials=False, **launch_kw):
+def launch_split_k(kernel, *args, out_dtype, return_partials=False, **launch_kw):
   """`launch` of a split-K decode kernel whose outputs are the (o, lse) partials, then
   `splitk.combine_partials`. Returns (out, lse), plus the raw (o, lse) if return_partials."""
-  o, lse = launch(kernel, poisoned_kernel, *args, **launch_kw)
+  o, lse = launch(kernel, *args, **launch_kw)
   return splitk.combine_result(o, lse, out_dtype, return_partials)

@@ -63,9 +63,9 @@ def split_range(len_ptr, b, sid, NSPLIT, BLOCK_S: tl.constexpr):
 
 
 @triton.jit
-def _flash_decode_body(q_ptr, k_ptr, v_ptr, len_ptr, S, NSPLIT, sm_scale, o_ptr, lse_ptr,
-                       KH: tl.constexpr, QPK: tl.constexpr, QP: tl.constexpr, H: tl.constexpr,
-                       HV: tl.constexpr, BLOCK_S: tl.constexpr):
+def flash_decode_kernel(q_ptr, k_ptr, v_ptr, len_ptr, S, NSPLIT, sm_scale, o_init, lse_init,
+                        o_ptr, lse_ptr, KH: tl.constexpr, QPK: tl.constexpr, QP: tl.constexpr,
+                        H: tl.constexpr, HV: tl.constexpr, BLOCK_S: tl.constexpr):
   pid = tl.program_id(0)
   sid = tl.program_id(1)
   b = pid // KH
@@ -100,23 +100,6 @@ def _flash_decode_body(q_ptr, k_ptr, v_ptr, len_ptr, S, NSPLIT, sm_scale, o_ptr,
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
     m_i = m_new
   store_partial(o_ptr, lse_ptr, acc, m_i, l_i, (b64 * N + heads) * NSPLIT + sid, row_ok, HV)
-
-
-@triton.jit
-def flash_decode_kernel(q_ptr, k_ptr, v_ptr, len_ptr, S, NSPLIT, sm_scale, o_ptr, lse_ptr,
-                        KH: tl.constexpr, QPK: tl.constexpr, QP: tl.constexpr, H: tl.constexpr,
-                        HV: tl.constexpr, BLOCK_S: tl.constexpr):
-  _flash_decode_body(q_ptr, k_ptr, v_ptr, len_ptr, S, NSPLIT, sm_scale, o_ptr, lse_ptr,
-                     KH, QPK, QP, H, HV, BLOCK_S)
-
-
-@triton.jit
-def flash_decode_kernel_poisoned(q_ptr, k_ptr, v_ptr, len_ptr, S, NSPLIT, sm_scale, o_init,
-                                 lse_init, o_ptr, lse_ptr, KH: tl.constexpr, QPK: tl.constexpr,
-                                 QP: tl.constexpr, H: tl.constexpr, HV: tl.constexpr,
-                                 BLOCK_S: tl.constexpr):
-  _flash_decode_body(q_ptr, k_ptr, v_ptr, len_ptr, S, NSPLIT, sm_scale, o_ptr, lse_ptr,
-                     KH, QPK, QP, H, HV, BLOCK_S)
 
 
 def plan(q_shape, k_shape, v_shape, *, block_s=64, num_splits=None, target_programs=None):
@@ -157,7 +140,7 @@ def decode_attention_triton(q, k, v, lengths, *, scale=None, out_dtype=None, blo
   p = plan(q.shape, k.shape, v.shape, block_s=block_s, num_splits=num_splits,
            target_programs=target_programs)
   return triton_backend.launch_split_k(
-      flash_decode_kernel, flash_decode_kernel_poisoned,
+      flash_decode_kernel,
       q.astype(k.dtype), k, v, lengths.astype(jnp.int32), int(k.shape[1]), p["num_splits"], scale,
       out_shapes=p["out_shapes"], grid=p["grid"], num_warps=num_warps, num_stages=num_stages,
       poison=poison, out_dtype=out_dtype or q.dtype, return_partials=return_partials,

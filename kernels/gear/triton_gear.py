@@ -33,38 +33,15 @@ LOWRANK_REGISTERS = 160
 @triton.jit
 def gear_kernel(q_ptr, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, kw_ptr, vw_ptr, qlen_ptr,
                 wlen_ptr, ak_ptr, av_ptr, bk_ptr, bv_ptr, bpk_ptr, bpv_ptr, npc_ptr, ski_ptr,
-                skv_ptr, svi_ptr, svv_ptr, qk_ptr, S, W, NSPLIT, sm_scale, o_ptr, lse_ptr,
-                KH: tl.constexpr, QPK: tl.constexpr, QP: tl.constexpr, H: tl.constexpr,
-                KBITS: tl.constexpr, VBITS: tl.constexpr, KCW: tl.constexpr,
+                skv_ptr, svi_ptr, svv_ptr, qk_ptr, S, W, NSPLIT, sm_scale, o_init, lse_init,
+                o_ptr, lse_ptr, KH: tl.constexpr, QPK: tl.constexpr, QP: tl.constexpr,
+                H: tl.constexpr, KBITS: tl.constexpr, VBITS: tl.constexpr, KCW: tl.constexpr,
                 VCW: tl.constexpr, G: tl.constexpr, GV: tl.constexpr, VB: tl.constexpr,
                 BLOCK_S: tl.constexpr, BLOCK_W: tl.constexpr, KF16: tl.constexpr,
                 VF16: tl.constexpr, FAST: tl.constexpr, HAS_LR: tl.constexpr,
                 HAS_SK: tl.constexpr, HAS_SV: tl.constexpr, NB: tl.constexpr, RP: tl.constexpr,
                 RG: tl.constexpr, RA: tl.constexpr, NK: tl.constexpr, NV: tl.constexpr,
                 MAXNREG: tl.constexpr):  # pylint: disable=unused-argument
-  triton_kivi._kivi_body(  # pylint: disable=protected-access
-      q_ptr, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, kw_ptr, vw_ptr, qlen_ptr, wlen_ptr,
-      S, W, NSPLIT, sm_scale, o_ptr, lse_ptr, KH, QPK, QP, H, KBITS, VBITS, KCW, VCW, G, GV, VB,
-      BLOCK_S, BLOCK_W, KF16, VF16, FAST,
-      (ak_ptr, av_ptr, bk_ptr, bv_ptr, bpk_ptr, bpv_ptr, npc_ptr, ski_ptr, skv_ptr, svi_ptr,
-       svv_ptr, qk_ptr),
-      (HAS_LR, HAS_SK, HAS_SV, NB, RP, RG, RA, NK, NV))
-
-
-@triton.jit
-def gear_kernel_poisoned(q_ptr, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, kw_ptr, vw_ptr,
-                         qlen_ptr, wlen_ptr, ak_ptr, av_ptr, bk_ptr, bv_ptr, bpk_ptr, bpv_ptr,
-                         npc_ptr, ski_ptr, skv_ptr, svi_ptr, svv_ptr, qk_ptr, S, W, NSPLIT,
-                         sm_scale,
-                         o_init, lse_init, o_ptr, lse_ptr, KH: tl.constexpr, QPK: tl.constexpr,
-                         QP: tl.constexpr, H: tl.constexpr, KBITS: tl.constexpr,
-                         VBITS: tl.constexpr, KCW: tl.constexpr, VCW: tl.constexpr,
-                         G: tl.constexpr, GV: tl.constexpr, VB: tl.constexpr,
-                         BLOCK_S: tl.constexpr, BLOCK_W: tl.constexpr, KF16: tl.constexpr,
-                         VF16: tl.constexpr, FAST: tl.constexpr, HAS_LR: tl.constexpr,
-                         HAS_SK: tl.constexpr, HAS_SV: tl.constexpr, NB: tl.constexpr,
-                         RP: tl.constexpr, RG: tl.constexpr, RA: tl.constexpr, NK: tl.constexpr,
-                         NV: tl.constexpr, MAXNREG: tl.constexpr):  # pylint: disable=unused-argument
   triton_kivi._kivi_body(  # pylint: disable=protected-access
       q_ptr, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, kw_ptr, vw_ptr, qlen_ptr, wlen_ptr,
       S, W, NSPLIT, sm_scale, o_ptr, lse_ptr, KH, QPK, QP, H, KBITS, VBITS, KCW, VCW, G, GV, VB,
@@ -121,7 +98,7 @@ def gear_attention_triton(q, keys: KiviKeys, values: KiviValues, k_win, v_win, q
   sv = ([sparse_v.idx.astype(u8), sparse_v.val.astype(f16)] if sparse_v is not None
         else [_dummy(u8), _dummy(f16)])
   return triton_backend.launch_split_k(
-      gear_kernel, gear_kernel_poisoned,
+      gear_kernel,
       q, keys.codes, keys.scale, keys.zero, values.codes,
       triton_kivi._value_words(values.scale),  # pylint: disable=protected-access
       triton_kivi._value_words(values.zero),  # pylint: disable=protected-access

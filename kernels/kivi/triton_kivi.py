@@ -442,25 +442,12 @@ def _kivi_body(q_ptr, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, kw_ptr, vw
 
 @triton.jit
 def kivi_kernel(q_ptr, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, kw_ptr, vw_ptr, qlen_ptr,
-                wlen_ptr, S, W, NSPLIT, sm_scale, o_ptr, lse_ptr, KH: tl.constexpr,
-                QPK: tl.constexpr, QP: tl.constexpr, H: tl.constexpr, KBITS: tl.constexpr,
-                VBITS: tl.constexpr, KCW: tl.constexpr, VCW: tl.constexpr, G: tl.constexpr,
-                GV: tl.constexpr, VB: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_W: tl.constexpr,
-                KF16: tl.constexpr, VF16: tl.constexpr, FAST: tl.constexpr):
-  _kivi_body(q_ptr, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, kw_ptr, vw_ptr, qlen_ptr,
-             wlen_ptr, S, W, NSPLIT, sm_scale, o_ptr, lse_ptr, KH, QPK, QP, H, KBITS, VBITS, KCW,
-             VCW, G, GV, VB, BLOCK_S, BLOCK_W, KF16, VF16, FAST, (), NO_GEAR)
-
-
-@triton.jit
-def kivi_kernel_poisoned(q_ptr, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, kw_ptr, vw_ptr,
-                         qlen_ptr, wlen_ptr, S, W, NSPLIT, sm_scale, o_init, lse_init, o_ptr,
-                         lse_ptr, KH: tl.constexpr, QPK: tl.constexpr, QP: tl.constexpr,
-                         H: tl.constexpr, KBITS: tl.constexpr, VBITS: tl.constexpr,
-                         KCW: tl.constexpr, VCW: tl.constexpr, G: tl.constexpr,
-                         GV: tl.constexpr, VB: tl.constexpr, BLOCK_S: tl.constexpr,
-                         BLOCK_W: tl.constexpr, KF16: tl.constexpr, VF16: tl.constexpr,
-                         FAST: tl.constexpr):
+                wlen_ptr, S, W, NSPLIT, sm_scale, o_init, lse_init, o_ptr, lse_ptr,
+                KH: tl.constexpr, QPK: tl.constexpr, QP: tl.constexpr, H: tl.constexpr,
+                KBITS: tl.constexpr, VBITS: tl.constexpr, KCW: tl.constexpr, VCW: tl.constexpr,
+                G: tl.constexpr, GV: tl.constexpr, VB: tl.constexpr, BLOCK_S: tl.constexpr,
+                BLOCK_W: tl.constexpr, KF16: tl.constexpr, VF16: tl.constexpr,
+                FAST: tl.constexpr):
   _kivi_body(q_ptr, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, kw_ptr, vw_ptr, qlen_ptr,
              wlen_ptr, S, W, NSPLIT, sm_scale, o_ptr, lse_ptr, KH, QPK, QP, H, KBITS, VBITS, KCW,
              VCW, G, GV, VB, BLOCK_S, BLOCK_W, KF16, VF16, FAST, (), NO_GEAR)
@@ -512,7 +499,7 @@ def kivi_attention_triton(q, keys: KiviKeys, values: KiviValues, k_win, v_win, q
            num_splits=num_splits, target_programs=target_programs or 3 * splitk.TARGET_PROGRAMS,
            fast=fast, min_rows=min_rows)
   return triton_backend.launch_split_k(
-      kivi_kernel, kivi_kernel_poisoned,
+      kivi_kernel,
       q, keys.codes, keys.scale, keys.zero, values.codes, _value_words(values.scale),
       _value_words(values.zero),
       k_win.astype(jnp.bfloat16), v_win.astype(jnp.bfloat16), q_len.astype(jnp.int32),

@@ -207,10 +207,10 @@ def decode_update_triton(store: KiviMosaic, k_res, v_res, k_stage, lens, pos, k_
       jax.ShapeDtypeStruct((b * kh * (GROUP * h + h),), jnp.int32),
       jax.ShapeDtypeStruct((b * kh * 2 * h,), jnp.float32)]
   res = triton_backend.launch(
-      _update_kernel, None, pos.astype(jnp.int32), lens.astype(jnp.int32),
+      _update_kernel, pos.astype(jnp.int32), lens.astype(jnp.int32),
       k_new.astype(dt), v_new.astype(dt), *outs, *tables, int(nb),
       out_shapes=out_shapes, grid=(b, kh), num_warps=4, num_stages=1,
-      aliases={4 + i: i for i in range(len(outs))}, KH=kh, F=f, R=residual,
+      aliases={4 + i: i for i in range(len(outs))}, inits=False, KH=kh, F=f, R=residual,
       RECIP=bool(recip))
   kc, ks, vc, vs, k_res, v_res, k_stage, l1 = res[:8]
   return KiviMosaic(kc=kc, ks=ks, vc=vc, vs=vs), k_res, v_res, k_stage, l1

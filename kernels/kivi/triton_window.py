@@ -97,10 +97,10 @@ def window_merge_triton(q, o_t, lse_t, parts, p, k_win, v_win, w_len, *, scale, 
     raise ValueError(f"KIVI fused window: {why}")
   sm_scale = h ** -0.5 if scale is None else float(scale)
   out, lse = triton_backend.launch(
-      _window_merge_kernel, None, q, k_win, v_win.astype(k_win.dtype),
+      _window_merge_kernel, q, k_win, v_win.astype(k_win.dtype),
       w_len.astype(jnp.int32), o_t, lse_t, sm_scale,
       out_shapes=[jax.ShapeDtypeStruct((b, n, h), out_dtype),
                   jax.ShapeDtypeStruct((b, n), jnp.float32)],
-      grid=(b * kh,), num_warps=4, num_stages=1, KH=kh, QPK=qpk, QP=16, H=h,
+      grid=(b * kh,), num_warps=4, num_stages=1, inits=False, KH=kh, QPK=qpk, QP=16, H=h,
       W=k_win.shape[1], NS=parts, NP=np_)
   return out, lse

@@ -108,14 +108,14 @@ def _value_piece(hv_ptr, tok, t_ok, C0: tl.constexpr, CP: tl.constexpr, CN: tl.c
 
 
 @triton.jit
-def _latent_body(q_ptr, hk_ptr, hks_ptr, hkz_ptr, hv_ptr, hvs_ptr, hvz_ptr, bk_ptr, bias_ptr, pq_ptr, pqb_ptr,
-                 rope_ptr, len_ptr, S, NSPLIT, sm_scale, o_ptr, lse_ptr,
-                 GR: tl.constexpr, G: tl.constexpr, QPK: tl.constexpr, NQP: tl.constexpr,
-                 H: tl.constexpr, RK: tl.constexpr, RKA: tl.constexpr, RKB: tl.constexpr,
-                 RKBP: tl.constexpr, RV: tl.constexpr, RVA: tl.constexpr, RVB: tl.constexpr,
-                 RVBP: tl.constexpr, KBITS: tl.constexpr, VBITS: tl.constexpr,
-                 HAS_BIAS: tl.constexpr, BLOCK_S: tl.constexpr,
-                 ABSORB: tl.constexpr, TRANS: tl.constexpr, HPP: tl.constexpr):
+def latent_kernel(q_ptr, hk_ptr, hks_ptr, hkz_ptr, hv_ptr, hvs_ptr, hvz_ptr, bk_ptr, bias_ptr,
+                  pq_ptr, pqb_ptr, rope_ptr, len_ptr, S, NSPLIT, sm_scale, o_init, lse_init,
+                  o_ptr, lse_ptr, GR: tl.constexpr, G: tl.constexpr, QPK: tl.constexpr,
+                  NQP: tl.constexpr, H: tl.constexpr, RK: tl.constexpr, RKA: tl.constexpr,
+                  RKB: tl.constexpr, RKBP: tl.constexpr, RV: tl.constexpr, RVA: tl.constexpr,
+                  RVB: tl.constexpr, RVBP: tl.constexpr, KBITS: tl.constexpr,
+                  VBITS: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_S: tl.constexpr,
+                  ABSORB: tl.constexpr, TRANS: tl.constexpr, HPP: tl.constexpr):
   HH: tl.constexpr = H // 2
   NPART: tl.constexpr = G // HPP
   NQH: tl.constexpr = HPP * QPK
@@ -303,34 +303,3 @@ def _latent_body(q_ptr, hk_ptr, hks_ptr, hkz_ptr, hv_ptr, hvs_ptr, hvz_ptr, bk_p
     tl.store(o_ptr + prow[None, :] * RV + RVA + cb, acc_b / l_safe[None, :],
              mask=row_ok[None, :] & (cb < RVB))
   tl.store(lse_ptr + prow, lse, mask=row_ok)
-
-
-@triton.jit
-def latent_kernel(q_ptr, hk_ptr, hks_ptr, hkz_ptr, hv_ptr, hvs_ptr, hvz_ptr, bk_ptr, bias_ptr,
-                  pq_ptr, pqb_ptr, rope_ptr, len_ptr, S, NSPLIT, sm_scale, o_ptr, lse_ptr,
-                  GR: tl.constexpr, G: tl.constexpr, QPK: tl.constexpr, NQP: tl.constexpr,
-                  H: tl.constexpr, RK: tl.constexpr, RKA: tl.constexpr, RKB: tl.constexpr,
-                  RKBP: tl.constexpr, RV: tl.constexpr, RVA: tl.constexpr, RVB: tl.constexpr,
-                  RVBP: tl.constexpr, KBITS: tl.constexpr, VBITS: tl.constexpr,
-                  HAS_BIAS: tl.constexpr, BLOCK_S: tl.constexpr,
-                  ABSORB: tl.constexpr, TRANS: tl.constexpr, HPP: tl.constexpr):
-  _latent_body(q_ptr, hk_ptr, hks_ptr, hkz_ptr, hv_ptr, hvs_ptr, hvz_ptr, bk_ptr, bias_ptr,
-               pq_ptr, pqb_ptr, rope_ptr, len_ptr, S, NSPLIT, sm_scale, o_ptr, lse_ptr, GR, G, QPK, NQP,
-               H, RK, RKA, RKB, RKBP, RV, RVA, RVB, RVBP, KBITS, VBITS, HAS_BIAS, BLOCK_S, ABSORB,
-               TRANS, HPP)
-
-
-@triton.jit
-def latent_kernel_poisoned(q_ptr, hk_ptr, hks_ptr, hkz_ptr, hv_ptr, hvs_ptr, hvz_ptr, bk_ptr,
-                           bias_ptr, pq_ptr, pqb_ptr, rope_ptr, len_ptr, S, NSPLIT, sm_scale, o_init,
-                           lse_init, o_ptr, lse_ptr, GR: tl.constexpr, G: tl.constexpr,
-                           QPK: tl.constexpr, NQP: tl.constexpr, H: tl.constexpr, RK: tl.constexpr,
-                           RKA: tl.constexpr, RKB: tl.constexpr, RKBP: tl.constexpr,
-                           RV: tl.constexpr, RVA: tl.constexpr, RVB: tl.constexpr,
-                           RVBP: tl.constexpr, KBITS: tl.constexpr, VBITS: tl.constexpr,
-                           HAS_BIAS: tl.constexpr, BLOCK_S: tl.constexpr,
-                           ABSORB: tl.constexpr, TRANS: tl.constexpr, HPP: tl.constexpr):
-  _latent_body(q_ptr, hk_ptr, hks_ptr, hkz_ptr, hv_ptr, hvs_ptr, hvz_ptr, bk_ptr, bias_ptr,
-               pq_ptr, pqb_ptr, rope_ptr, len_ptr, S, NSPLIT, sm_scale, o_ptr, lse_ptr, GR, G, QPK, NQP,
-               H, RK, RKA, RKB, RKBP, RV, RVA, RVB, RVBP, KBITS, VBITS, HAS_BIAS, BLOCK_S, ABSORB,
-               TRANS, HPP)

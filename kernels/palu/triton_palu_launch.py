@@ -13,7 +13,7 @@ import numpy as np
 from ..common import triton_backend
 from .packed import PackedLatent
 from .reference import rope_angles
-from .triton_palu import latent_kernel, latent_kernel_poisoned
+from .triton_palu import latent_kernel
 from .triton_plan import DEFAULT_BLOCK_S, latent_bits, plan  # noqa: F401  (re-exported)
 
 
@@ -110,7 +110,7 @@ def palu_attention_triton(q, hk, hv, b_k, lengths, inv_freq, *, k_bias=None, sca
     pq, pqb = absorbed_queries(q, b_k, k_bias, scale, kdt)
     pqb = lengths if pqb is None else pqb
   return triton_backend.launch_split_k(
-      latent_kernel, latent_kernel_poisoned,
+      latent_kernel,
       q.astype(jnp.bfloat16), hk_d, hks, hkz, hv_d, hvs, hvz, b_k.astype(bk_dt), bias,
       pq, pqb, rope, lengths, int(hk.shape[1]), p["num_splits"], scale,
       out_shapes=p["out_shapes"], grid=p["grid"], num_warps=num_warps, num_stages=num_stages,

@@ -51,9 +51,9 @@ def load_record(rec_ptr):
 
 
 @triton.jit
-def _ragged_body(q_ptr, k_ptr, v_ptr, rec_ptr, row_ptr, S, sm_scale, o_ptr, lse_ptr,
-                 G: tl.constexpr, GP: tl.constexpr, GC: tl.constexpr, SK: tl.constexpr,
-                 SV: tl.constexpr, KW: tl.constexpr, VW: tl.constexpr, BLOCK_S: tl.constexpr):
+def ragged_kernel(q_ptr, k_ptr, v_ptr, rec_ptr, row_ptr, S, sm_scale, o_init, lse_init, o_ptr,
+                  lse_ptr, G: tl.constexpr, GP: tl.constexpr, GC: tl.constexpr, SK: tl.constexpr,
+                  SV: tl.constexpr, KW: tl.constexpr, VW: tl.constexpr, BLOCK_S: tl.constexpr):
   t, b, start, end, koff, voff, kw16, vw16, grp = load_record(rec_ptr)
   b64 = b.to(tl.int64)
   rows = tl.arange(0, GP)
@@ -104,23 +104,6 @@ def _ragged_body(q_ptr, k_ptr, v_ptr, rec_ptr, row_ptr, S, sm_scale, o_ptr, lse_
   t64 = t.to(tl.int64)
   tl.store(o_ptr + (t64 * G + qsel)[:, None] * VW + vcols[None, :], oc, mask=(qsel < G)[:, None])
   tl.store(lse_ptr + t64 * GP + rows, lse)
-
-
-@triton.jit
-def ragged_kernel(q_ptr, k_ptr, v_ptr, rec_ptr, row_ptr, S, sm_scale, o_ptr, lse_ptr,
-                  G: tl.constexpr, GP: tl.constexpr, GC: tl.constexpr, SK: tl.constexpr,
-                  SV: tl.constexpr, KW: tl.constexpr, VW: tl.constexpr, BLOCK_S: tl.constexpr):
-  _ragged_body(q_ptr, k_ptr, v_ptr, rec_ptr, row_ptr, S, sm_scale, o_ptr, lse_ptr, G, GP, GC,
-               SK, SV, KW, VW, BLOCK_S)
-
-
-@triton.jit
-def ragged_kernel_poisoned(q_ptr, k_ptr, v_ptr, rec_ptr, row_ptr, S, sm_scale, o_init,
-                           lse_init, o_ptr, lse_ptr, G: tl.constexpr, GP: tl.constexpr,
-                           GC: tl.constexpr, SK: tl.constexpr, SV: tl.constexpr,
-                           KW: tl.constexpr, VW: tl.constexpr, BLOCK_S: tl.constexpr):
-  _ragged_body(q_ptr, k_ptr, v_ptr, rec_ptr, row_ptr, S, sm_scale, o_ptr, lse_ptr, G, GP, GC,
-               SK, SV, KW, VW, BLOCK_S)
 
 
 def records(p, lengths, schedule):
@@ -200,7 +183,7 @@ def launch_kernel(q_rot, k_rot, v_rot, rec, p, scale, *, num_warps, num_stages, 
                 jax.ShapeDtypeStruct((t, c["GP"]), jnp.float32)]
   # np.float32: jax-triton passes a Python float as an fp64 scalar.
   return triton_backend.launch(
-      ragged_kernel, ragged_kernel_poisoned, q_rot, k_rot, v_rot, rec,
+      ragged_kernel, q_rot, k_rot, v_rot, rec,
       jnp.asarray(p.row_table()), int(k_rot.shape[1]),
       np.float32(scale), out_shapes=out_shapes, grid=(t,), num_warps=num_warps,
       num_stages=num_stages, poison=poison, **c)

@@ -83,12 +83,13 @@ def _value_scales(vs_base, vz_base, toks, end, jv, gmask, NJV: tl.constexpr):
 
 
 @triton.jit
-def _quant_body(q_ptr, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, rec_ptr, row_ptr, S,
-                sm_scale, o_ptr, lse_ptr, G: tl.constexpr, GP: tl.constexpr, GC: tl.constexpr,
-                SK: tl.constexpr, SV: tl.constexpr, KW: tl.constexpr, VW: tl.constexpr,
-                BLOCK_S: tl.constexpr, BITS: tl.constexpr, KCW: tl.constexpr,
-                VCW: tl.constexpr, VB: tl.constexpr, KF16: tl.constexpr, VF16: tl.constexpr,
-                FAST: tl.constexpr):
+def ragged_quant_kernel(q_ptr, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, rec_ptr, row_ptr,
+                        S, sm_scale, o_init, lse_init, o_ptr, lse_ptr, G: tl.constexpr,
+                        GP: tl.constexpr, GC: tl.constexpr, SK: tl.constexpr, SV: tl.constexpr,
+                        KW: tl.constexpr, VW: tl.constexpr, BLOCK_S: tl.constexpr,
+                        BITS: tl.constexpr, KCW: tl.constexpr, VCW: tl.constexpr,
+                        VB: tl.constexpr, KF16: tl.constexpr, VF16: tl.constexpr,
+                        FAST: tl.constexpr):
   KDT: tl.constexpr = tl.float16 if KF16 else tl.bfloat16   # key MMA operands
   VDT: tl.constexpr = tl.float16 if VF16 else tl.bfloat16   # value MMA operands
   T: tl.constexpr = 16
@@ -195,31 +196,6 @@ def _quant_body(q_ptr, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, rec_ptr, 
   tl.store(lse_ptr + t64 * GP + rows, lse)
 
 
-@triton.jit
-def ragged_quant_kernel(q_ptr, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, rec_ptr, row_ptr,
-                        S, sm_scale, o_ptr, lse_ptr, G: tl.constexpr, GP: tl.constexpr,
-                        GC: tl.constexpr, SK: tl.constexpr, SV: tl.constexpr, KW: tl.constexpr,
-                        VW: tl.constexpr, BLOCK_S: tl.constexpr, BITS: tl.constexpr,
-                        KCW: tl.constexpr, VCW: tl.constexpr, VB: tl.constexpr,
-                        KF16: tl.constexpr, VF16: tl.constexpr, FAST: tl.constexpr):
-  _quant_body(q_ptr, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, rec_ptr, row_ptr, S,
-              sm_scale, o_ptr, lse_ptr, G, GP, GC, SK, SV, KW, VW, BLOCK_S, BITS, KCW, VCW, VB,
-              KF16, VF16, FAST)
-
-
-@triton.jit
-def ragged_quant_kernel_poisoned(q_ptr, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, rec_ptr,
-                                 row_ptr, S, sm_scale, o_init, lse_init, o_ptr, lse_ptr,
-                                 G: tl.constexpr, GP: tl.constexpr, GC: tl.constexpr,
-                                 SK: tl.constexpr, SV: tl.constexpr, KW: tl.constexpr,
-                                 VW: tl.constexpr, BLOCK_S: tl.constexpr, BITS: tl.constexpr,
-                                 KCW: tl.constexpr, VCW: tl.constexpr, VB: tl.constexpr,
-                                 KF16: tl.constexpr, VF16: tl.constexpr, FAST: tl.constexpr):
-  _quant_body(q_ptr, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, rec_ptr, row_ptr, S,
-              sm_scale, o_ptr, lse_ptr, G, GP, GC, SK, SV, KW, VW, BLOCK_S, BITS, KCW, VCW, VB,
-              KF16, VF16, FAST)
-
-
 def ragged_attention_quantized_triton(q_rot, keys, values, lengths, *, k_widths, v_widths,
                                       scale, out_dtype=None, block_s=QUANT_BLOCK_S,
                                       target_chunks=None, chunk_tokens=None,
@@ -249,7 +225,7 @@ def ragged_attention_quantized_triton(q_rot, keys, values, lengths, *, k_widths,
   f16 = lambda x: jnp.dtype(x.dtype) == jnp.float16
   # np.float32: jax-triton passes a Python float as an fp64 scalar.
   o, lse = triton_backend.launch(
-      ragged_quant_kernel, ragged_quant_kernel_poisoned, q_rot, flat(keys.codes),
+      ragged_quant_kernel, q_rot, flat(keys.codes),
       flat(keys.scale), flat(keys.zero).astype(keys.scale.dtype), flat(values.codes),
       flat(values.scale), flat(values.zero).astype(values.scale.dtype), rec,
       jnp.asarray(p.row_table()), int(s), np.float32(scale), out_shapes=out_shapes, grid=(t,),

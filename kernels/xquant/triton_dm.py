@@ -20,10 +20,10 @@ from .triton_dequant import as_int32, bits_meta, dequant_tile, mma, pick_block_k
 
 
 @triton.jit
-def _dm_body(codes_ptr, scale_ptr, zero_ptr, w_ptr, out_ptr, M: tl.constexpr, C: tl.constexpr,
-             N: tl.constexpr, NW: tl.constexpr, BITS: tl.constexpr, TOKEN_AXIS: tl.constexpr,
-             GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-             BLOCK_K: tl.constexpr, EXACT: tl.constexpr):
+def dm_kernel(codes_ptr, scale_ptr, zero_ptr, w_ptr, out_init, out_ptr, M: tl.constexpr,
+              C: tl.constexpr, N: tl.constexpr, NW: tl.constexpr, BITS: tl.constexpr,
+              TOKEN_AXIS: tl.constexpr, GROUP: tl.constexpr, BLOCK_M: tl.constexpr,
+              BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EXACT: tl.constexpr):
   row0 = tl.program_id(0) * BLOCK_M
   rm = row0 + tl.arange(0, BLOCK_M)
   rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -38,25 +38,6 @@ def _dm_body(codes_ptr, scale_ptr, zero_ptr, w_ptr, out_ptr, M: tl.constexpr, C:
     acc = mma(x.to(w.dtype), w, acc, EXACT)
   optr = out_ptr + rm.to(tl.int64)[:, None] * N + rn[None, :]
   tl.store(optr, acc.to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
-
-
-@triton.jit
-def dm_kernel(codes_ptr, scale_ptr, zero_ptr, w_ptr, out_ptr, M: tl.constexpr, C: tl.constexpr,
-              N: tl.constexpr, NW: tl.constexpr, BITS: tl.constexpr, TOKEN_AXIS: tl.constexpr,
-              GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-              BLOCK_K: tl.constexpr, EXACT: tl.constexpr):
-  _dm_body(codes_ptr, scale_ptr, zero_ptr, w_ptr, out_ptr, M, C, N, NW, BITS, TOKEN_AXIS, GROUP,
-           BLOCK_M, BLOCK_N, BLOCK_K, EXACT)
-
-
-@triton.jit
-def dm_kernel_poisoned(codes_ptr, scale_ptr, zero_ptr, w_ptr, out_init, out_ptr,
-                       M: tl.constexpr, C: tl.constexpr, N: tl.constexpr, NW: tl.constexpr,
-                       BITS: tl.constexpr, TOKEN_AXIS: tl.constexpr, GROUP: tl.constexpr,
-                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                       EXACT: tl.constexpr):
-  _dm_body(codes_ptr, scale_ptr, zero_ptr, w_ptr, out_ptr, M, C, N, NW, BITS, TOKEN_AXIS, GROUP,
-           BLOCK_M, BLOCK_N, BLOCK_K, EXACT)
 
 
 def dequant_matmul(codes, scale, zero, w, *, bits: int, axis: str, group: int,
@@ -76,7 +57,7 @@ def dequant_matmul(codes, scale, zero, w, *, bits: int, axis: str, group: int,
   m, c, n = codes.shape[0], w.shape[0], w.shape[1]
   bk = pick_block_k(c, block_k)
   (out,) = triton_backend.launch(
-      dm_kernel, dm_kernel_poisoned, as_int32(codes), scale, zero, w,
+      dm_kernel, as_int32(codes), scale, zero, w,
       out_shapes=[jax.ShapeDtypeStruct((m, n), out_dtype)],
       grid=(triton.cdiv(m, block_m), triton.cdiv(n, block_n)), num_warps=num_warps,
       num_stages=num_stages, poison=poison, M=m, C=c, N=n, TOKEN_AXIS=axis == "token",

@@ -111,14 +111,14 @@ def _mainloop(codes_ptr, scale_ptr, zero_ptr, rows, ok, row0, wa_cols, wb_cols, 
 
 
 @triton.jit
-def _remat_body(q_ptr, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, wk_ptr, wv_ptr, bk_ptr,
-                cos_ptr, sin_ptr, len_ptr, S, SV, NSPLIT, o_ptr, lse_ptr,
-                KH: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, H: tl.constexpr,
-                QSCALE: tl.constexpr, SHARED: tl.constexpr, CK: tl.constexpr, NWK: tl.constexpr,
-                BITSK: tl.constexpr, TOKK: tl.constexpr, GRPK: tl.constexpr, CV: tl.constexpr,
-                NWV: tl.constexpr, BITSV: tl.constexpr, TOKV: tl.constexpr, GRPV: tl.constexpr,
-                BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, EXACT: tl.constexpr,
-                FASTK: tl.constexpr, FASTV: tl.constexpr):
+def remat_kernel(q_ptr, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, wk_ptr, wv_ptr, bk_ptr,
+                 cos_ptr, sin_ptr, len_ptr, S, SV, NSPLIT, o_init, lse_init, o_ptr, lse_ptr,
+                 KH: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, H: tl.constexpr,
+                 QSCALE: tl.constexpr, SHARED: tl.constexpr, CK: tl.constexpr, NWK: tl.constexpr,
+                 BITSK: tl.constexpr, TOKK: tl.constexpr, GRPK: tl.constexpr, CV: tl.constexpr,
+                 NWV: tl.constexpr, BITSV: tl.constexpr, TOKV: tl.constexpr, GRPV: tl.constexpr,
+                 BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, EXACT: tl.constexpr,
+                 FASTK: tl.constexpr, FASTV: tl.constexpr):
   kh = tl.program_id(0)
   sid = tl.program_id(1)
   b = tl.program_id(2)
@@ -175,38 +175,6 @@ def _remat_body(q_ptr, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, wk_ptr, w
     acc = mma(p.to(DT), v, acc * alpha[:, None], EXACT)
     m_i = m_new
   store_partial(o_ptr, lse_ptr, acc, m_i, l_i, (b64 * N + heads) * NSPLIT + sid, g_ok, H)
-
-
-@triton.jit
-def remat_kernel(q_ptr, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, wk_ptr, wv_ptr, bk_ptr,
-                 cos_ptr, sin_ptr, len_ptr, S, SV, NSPLIT, o_ptr, lse_ptr,
-                 KH: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, H: tl.constexpr,
-                 QSCALE: tl.constexpr, SHARED: tl.constexpr, CK: tl.constexpr, NWK: tl.constexpr,
-                 BITSK: tl.constexpr, TOKK: tl.constexpr, GRPK: tl.constexpr, CV: tl.constexpr,
-                 NWV: tl.constexpr, BITSV: tl.constexpr, TOKV: tl.constexpr, GRPV: tl.constexpr,
-                 BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, EXACT: tl.constexpr,
-                 FASTK: tl.constexpr, FASTV: tl.constexpr):
-  _remat_body(q_ptr, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, wk_ptr, wv_ptr, bk_ptr,
-              cos_ptr, sin_ptr, len_ptr, S, SV, NSPLIT, o_ptr, lse_ptr, KH, G, GP, H, QSCALE,
-              SHARED, CK, NWK, BITSK, TOKK, GRPK, CV, NWV, BITSV, TOKV, GRPV, BLOCK_M, BLOCK_K,
-              EXACT, FASTK, FASTV)
-
-
-@triton.jit
-def remat_kernel_poisoned(q_ptr, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, wk_ptr, wv_ptr,
-                          bk_ptr, cos_ptr, sin_ptr, len_ptr, S, SV, NSPLIT, o_init,
-                          lse_init, o_ptr, lse_ptr,
-                          KH: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, H: tl.constexpr,
-                          QSCALE: tl.constexpr, SHARED: tl.constexpr, CK: tl.constexpr,
-                          NWK: tl.constexpr, BITSK: tl.constexpr, TOKK: tl.constexpr,
-                          GRPK: tl.constexpr, CV: tl.constexpr, NWV: tl.constexpr,
-                          BITSV: tl.constexpr, TOKV: tl.constexpr, GRPV: tl.constexpr,
-                          BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, EXACT: tl.constexpr,
-                          FASTK: tl.constexpr, FASTV: tl.constexpr):
-  _remat_body(q_ptr, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, wk_ptr, wv_ptr, bk_ptr,
-              cos_ptr, sin_ptr, len_ptr, S, SV, NSPLIT, o_ptr, lse_ptr, KH, G, GP, H, QSCALE,
-              SHARED, CK, NWK, BITSK, TOKK, GRPK, CV, NWV, BITSV, TOKV, GRPV, BLOCK_M, BLOCK_K,
-              EXACT, FASTK, FASTV)
 
 
 def plan(q_shape, k_rows, v_rows, wk_shape, wv_shape, *, n_kv_heads: int, block_m: int = 64,
@@ -285,7 +253,7 @@ def remat_decode_attention(q, k_rows, v_rows, wk, wv, bk, bv, cos, sin, lens, *,
   # registers); fp32 for fp32 weights.
   tab_dt = jnp.float32 if wk.dtype == jnp.float32 else wk.dtype
   o, lse = triton_backend.launch(
-      remat_kernel, remat_kernel_poisoned, q, as_int32(flat(k_rows.codes)), flat(k_rows.scale),
+      remat_kernel, q, as_int32(flat(k_rows.codes)), flat(k_rows.scale),
       flat(k_rows.zero), as_int32(flat(vr.codes)), flat(vr.scale), flat(vr.zero), wk,
       wv.astype(wk.dtype), bk.astype(jnp.float32), cos.astype(tab_dt), sin.astype(tab_dt),
       lens.astype(jnp.int32), int(k_rows.codes.shape[1]), int(vr.codes.shape[1]), p["num_splits"],

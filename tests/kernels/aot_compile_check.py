@@ -17,8 +17,8 @@ from kvlowrank_kernels.rotated import triton_ragged_quant as trq
 
 TARGET = GPUTarget("cuda", 90, 64)
 COMMON = dict(G=4, GP=16, GC=16, SK=512, SV=512, KW=256, VW=256, BLOCK_S=64)
-PTRS = {"rec_ptr": "*i32", "row_ptr": "*i32", "S": "i32", "sm_scale": "fp32", "o_ptr": "*fp32",
-        "lse_ptr": "*fp32"}
+PTRS = {"rec_ptr": "*i32", "row_ptr": "*i32", "S": "i32", "sm_scale": "fp32", "o_init": "*fp32",
+        "lse_init": "*fp32", "o_ptr": "*fp32", "lse_ptr": "*fp32"}
 
 
 def compile_kernel(fn, pointers, constexprs, num_warps=4):

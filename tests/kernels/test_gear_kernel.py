@@ -206,8 +206,8 @@ def test_flags_off_compile_to_the_kivi_kernel():
                                   "npc_ptr", "ski_ptr", "skv_ptr", "svi_ptr", "svv_ptr",
                                   "qk_ptr"),
                                 ["*fp16"] * 6 + ["*i32", "*u8", "*fp16", "*u8", "*fp16", "*fp16"])}
-  tail = {"S": "i32", "W": "i32", "NSPLIT": "i32", "sm_scale": "fp32", "o_ptr": "*fp32",
-          "lse_ptr": "*fp32"}
+  tail = {"S": "i32", "W": "i32", "NSPLIT": "i32", "sm_scale": "fp32", "o_init": "*fp32",
+          "lse_init": "*fp32", "o_ptr": "*fp32", "lse_ptr": "*fp32"}
   ce = dict(KH=8, QPK=4, QP=4, H=128, KBITS=2, VBITS=2, KCW=32, VCW=32, G=64, GV=64, VB=32,
             BLOCK_S=64, BLOCK_W=32, KF16=1, VF16=1, FAST=True)
   off = dict(HAS_LR=0, HAS_SK=0, HAS_SV=0, NB=64, RP=4, RG=2, RA=4, NK=2, NV=3, MAXNREG=0)

@@ -54,5 +54,5 @@ def test_no_cap_leaves_the_options(fake_triton_lib, meta):
 
 def test_bad_cap_is_one_line():
   with pytest.raises(ValueError, match="max_registers must be 0 or in"):
-    triton_backend.launch(None, None, out_shapes=[], grid=(1,), num_warps=2, num_stages=1,
+    triton_backend.launch(None, out_shapes=[], grid=(1,), num_warps=2, num_stages=1,
                           max_registers=300)

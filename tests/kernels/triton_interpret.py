@@ -97,9 +97,9 @@ def _patch_interpreter():
   interpreter._kvlowrank_patched = True  # pylint: disable=protected-access
 
 
-def launch_interpreted(kernel, poisoned_kernel, *args, out_shapes, grid, num_warps: int,
-                       num_stages: int, poison: bool = False, aliases=None,
-                       max_registers=None, **constexprs):
+def launch_interpreted(kernel, *args, out_shapes, grid, num_warps: int, num_stages: int,
+                       poison: bool = False, aliases=None, max_registers=None, inits=True,
+                       **constexprs):
   """Drop-in for `triton_backend.launch` that runs the kernel in the interpreter (an
   aliased output starts as a copy of its input, as XLA gives it; uint32 arrays travel as
   int32, bit for bit; a register cap only reaches the kernel as its constexpr)."""
@@ -124,10 +124,10 @@ def launch_interpreted(kernel, poisoned_kernel, *args, out_shapes, grid, num_war
   for i, o in (aliases or {}).items():
     outs[o].copy_(arrays[i])
   if poison:
-    inits = [o.clone() for o in outs]
-    poisoned_kernel[grid](*targs, *inits, *outs, **constexprs)
+    init_args = [o.clone() for o in outs]
   else:
-    kernel[grid](*targs, *outs, **constexprs)
+    init_args = [torch.zeros(1, dtype=o.dtype) for o in outs] if inits else []
+  kernel[grid](*targs, *init_args, *outs, **constexprs)
   return [_to_jax(o, s.dtype) for o, s in zip(outs, out_shapes)]
 
 
