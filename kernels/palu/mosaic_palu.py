@@ -347,17 +347,20 @@ def _convert(p, b, grp, start, n_tiles, hk_ref, hv_ref, sz_refs, base_ref, packe
   def dequantize(_, codes, sz, dst, g):
     frag.dequantize_rows(codes, sz, dst, g.registers.item(), bits=bits, groups=gr)
 
+  def load_codes(i, codes_ref, scale_refs, codes_dst, sz_dst, bar):
+    """Tile i's codes and its scale and zero rows (into sz_dst(0), sz_dst(1)), three TMA
+    copies on one barrier."""
+    plgpu.copy_gmem_to_smem(codes_ref.at[b, tokens(i), grp], codes_dst, bar)
+    for a in range(2):
+      plgpu.copy_gmem_to_smem(scale_refs[a].at[b, tile_rows(i)], sz_dst(a), bar)
+
   def load_keys(i):
     slot = lax.rem(i, cs)
-    plgpu.copy_gmem_to_smem(hk_ref.at[b, tokens(i), grp], kc_s.at[slot], ck_bar.at[slot])
-    for a in range(2):
-      plgpu.copy_gmem_to_smem(sz_refs[a].at[b, tile_rows(i)], ksz_s.at[slot, a],
-                              ck_bar.at[slot])
+    load_codes(i, hk_ref, sz_refs[:2], kc_s.at[slot], lambda a: ksz_s.at[slot, a],
+               ck_bar.at[slot])
 
   def load_values(i):
-    plgpu.copy_gmem_to_smem(hv_ref.at[b, tokens(i), grp], vc_s, cv_bar)
-    for a in range(2):
-      plgpu.copy_gmem_to_smem(sz_refs[2 + a].at[b, tile_rows(i)], vsz_s.at[a], cv_bar)
+    load_codes(i, hv_ref, sz_refs[2:], vc_s, lambda a: vsz_s.at[a], cv_bar)
 
   def keys(i):
     cslot, slot = lax.rem(i, cs), lax.rem(i, stages)

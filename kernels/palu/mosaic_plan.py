@@ -178,17 +178,14 @@ def plan(q_shape, hk_shape, hv_shape, bk_shape, *, heads_per_program=2, stages=N
                        "these latents are not packed")
     c_stages = 0
   smem = lambda k, v, c: _smem_bytes(hpp, rk, rv, hh, np_, k, v, bits, gr, c)
-  if bits is None and (stages is None or v_stages is None):
-    # the deepest rings that fit (given ones kept)
-    fitting = [(k, v) for k, v in AUTO_STAGES
-               if (stages in (None, k) and v_stages in (None, v) and smem(k, v, 0) <= SMEM_LIMIT)]
-    stages, v_stages = fitting[0] if fitting else (stages or 1, v_stages or 1)
-  elif bits is not None and None in (stages, v_stages, c_stages):
-    fitting = [(k, v, c) for k, v, c in AUTO_STAGES_PACKED
+  if None in (stages, v_stages, c_stages):  # the deepest rings that fit (given ones kept)
+    order = (AUTO_STAGES_PACKED if bits is not None
+             else tuple((k, v, 0) for k, v in AUTO_STAGES))
+    fitting = [(k, v, c) for k, v, c in order
                if (stages in (None, k) and v_stages in (None, v) and c_stages in (None, c)
                    and smem(k, v, c) <= SMEM_LIMIT)]
-    stages, v_stages, c_stages = fitting[0] if fitting else (stages or 1, v_stages or 1,
-                                                             c_stages or 1)
+    stages, v_stages, c_stages = fitting[0] if fitting else (
+        stages or 1, v_stages or 1, 1 if c_stages is None else c_stages)
   need = smem(stages, v_stages, c_stages)
   if need > SMEM_LIMIT:
     packed = f", c_stages={c_stages} ({bits}-bit latents)" if bits is not None else ""
