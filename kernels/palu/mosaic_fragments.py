@@ -114,6 +114,49 @@ def store_transposed(x, dst, row_stride=1, row_offset=0):
   f(x, dst)
 
 
+def _rewrite_tile(codes_ref, dst_ref, bits, make_pairs):
+  """The loop `dequantize_rows` and `code_rows` share: each of the warpgroup's 128 threads
+  takes half a row (token t = thread / 2) of a 64-token tile of packed codes, a 32-bit code
+  word at a time; make_pairs(t) returns the function from a code word (i32) to its 16 / bits
+  fp16 pairs (as i32), which go out in 16-byte stores into the swizzled tile (hence
+  `mosaic_plan.code_order`). Ends with a warpgroup barrier: the codes may be overwritten
+  (TMA) after it."""
+  import jax.experimental.mosaic.gpu as mgpu  # pylint: disable=import-outside-toplevel
+  from jax._src.lib.mlir import ir  # pylint: disable=import-outside-toplevel
+  from jax._src.lib.mlir.dialects import arith, llvm, vector  # pylint: disable=import-outside-toplevel
+  utils = mgpu.utils
+  i32 = ir.IntegerType.get_signless(32)
+  c = lambda v: arith.constant(i32, v)
+  dshape = ir.MemRefType(dst_ref.type).shape
+  cshape = ir.MemRefType(codes_ref.type).shape
+  assert dshape[0] == 8 and dshape[2:] == [8, 64], dst_ref.type
+  r = dshape[1] * 64
+  assert cshape == [64, r * bits // 8], (codes_ref.type, dst_ref.type)
+  words = r * bits // 32                 # 32-bit code words per row
+  assert words % 2 == 0, words
+  half = words // 2                      # per thread
+  chunks = 16 // bits // 4               # 16-byte stores per word
+  tid = arith.remui(utils.thread_idx(), c(128))
+  t = arith.shrui(tid, c(1))
+  h = arith.andi(tid, c(1))
+  t8, tr = arith.shrui(t, c(3)), arith.andi(t, c(7))
+  pairs_of = make_pairs(t)
+  cptr, dptr = utils.memref_ptr(codes_ref), utils.memref_ptr(dst_ref)
+  chunk_ty = ir.VectorType.get([4], i32)
+  row_words = arith.addi(arith.muli(t, c(words)), arith.muli(h, c(half)))
+  tile_base = arith.addi(arith.muli(t8, c(r // 64 * 64)), arith.muli(tr, c(8)))
+  for m in range(half):
+    word = llvm.load(i32, utils.getelementptr(cptr, [arith.addi(row_words, c(m))], i32))
+    out = pairs_of(word)
+    for q in range(chunks):
+      j = arith.addi(arith.muli(h, c(half * chunks)), c(m * chunks + q))   # chunk in row
+      off = arith.addi(tile_base, arith.addi(arith.muli(arith.shrui(j, c(3)), c(64)),
+                                             arith.xori(arith.andi(j, c(7)), tr)))
+      llvm.store(vector.from_elements(chunk_ty, out[4 * q:4 * q + 4]),
+                 utils.getelementptr(dptr, [off], chunk_ty))
+  utils.warpgroup_barrier()
+
+
 def dequantize_rows(codes_ref, sz_ref, dst_ref, grp, *, bits: int, groups: int):
   """dst[t, j] = fp16(code[t, order[j]] * scale[t] + zero[t]) for a 64-token tile of packed
   codes, order = `mosaic_plan.code_order(R, bits)`.
@@ -127,59 +170,96 @@ def dequantize_rows(codes_ref, sz_ref, dst_ref, grp, *, bits: int, groups: int):
     and the 128-byte swizzle (16-byte chunk j of row t at chunk (j % 8) ^ (t % 8) of its
     128-byte tile row): a wgmma operand;
   grp: the head group (i32, uniform).
-  Each of the warpgroup's 128 threads takes half a row, a 32-bit code word at a time. No
-  int -> float conversion (a quarter-rate instruction): codes i and i + 16 / bits of a word
-  are masked into the mantissas of an fp16 pair 1024 + code (one shift, one and-or), then
+  Half a row per thread, a code word at a time (`_rewrite_tile`). No int -> float
+  conversion (a quarter-rate instruction): codes i and i + 16 / bits of a word are masked
+  into the mantissas of an fp16 pair 1024 + code (one shift, one and-or), then
   (x - 1024) * scale + zero in fp16 pair arithmetic: the subtraction is exact and the fma
-  rounds once, from fp16 scales and zeros that are exact; the pairs of a word go out in
-  16-byte stores, hence the column order. Ends with a warpgroup barrier: the codes may be
-  overwritten (TMA) after it.
+  rounds once, from fp16 scales and zeros that are exact.
   """
-  import jax.experimental.mosaic.gpu as mgpu  # pylint: disable=import-outside-toplevel
   from jax._src.lib.mlir import ir  # pylint: disable=import-outside-toplevel
   from jax._src.lib.mlir.dialects import arith, llvm, math as mlir_math, memref, vector  # pylint: disable=import-outside-toplevel
-  utils = mgpu.utils
   i32, f16 = ir.IntegerType.get_signless(32), ir.F16Type.get()
   index = ir.IndexType.get()
   c = lambda v: arith.constant(i32, v)
-  dshape = ir.MemRefType(dst_ref.type).shape
-  cshape = ir.MemRefType(codes_ref.type).shape
-  assert dshape[0] == 8 and dshape[2:] == [8, 64], dst_ref.type
-  r = dshape[1] * 64
-  assert cshape == [64, r * bits // 8], (codes_ref.type, dst_ref.type)
-  words = r * bits // 32                 # 32-bit code words per row
-  assert words % 2 == 0, words
-  half = words // 2                      # per thread
-  pairs = 16 // bits                     # fp16 pairs per word
-  chunks = pairs // 4                    # 16-byte stores per word
   mask = ((1 << bits) - 1) * 0x10001
-  tid = arith.remui(utils.thread_idx(), c(128))
-  t = arith.shrui(tid, c(1))
-  h = arith.andi(tid, c(1))
-  t8, tr = arith.shrui(t, c(3)), arith.andi(t, c(7))
-  idx = arith.addi(arith.muli(t, c(groups)), grp)
-  ids = lambda row: [arith.index_cast(index, v)
-                     for v in (c(row), arith.shrui(idx, c(3)), arith.andi(idx, c(7)))]
   pair_ty = ir.VectorType.get([2], f16)
   splat = lambda x: vector.broadcast(pair_ty, x)
-  scale, zero = splat(memref.load(sz_ref, ids(0))), splat(memref.load(sz_ref, ids(1)))
-  magic = splat(arith.constant(f16, 1024.0))
-  cptr, dptr = utils.memref_ptr(codes_ref), utils.memref_ptr(dst_ref)
-  chunk_ty = ir.VectorType.get([4], i32)
-  row_words = arith.addi(arith.muli(t, c(words)), arith.muli(h, c(half)))
-  tile_base = arith.addi(arith.muli(t8, c(r // 64 * 64)), arith.muli(tr, c(8)))
-  for m in range(half):
-    word = llvm.load(i32, utils.getelementptr(cptr, [arith.addi(row_words, c(m))], i32))
-    out = []
-    for k in range(pairs):
-      x = arith.andi(arith.shrui(word, c(bits * k)) if k else word, c(mask))
-      x = llvm.bitcast(pair_ty, arith.ori(x, c(0x64006400)))
-      y = mlir_math.fma(arith.subf(x, magic), scale, zero)
-      out.append(llvm.bitcast(i32, y))
-    for q in range(chunks):
-      j = arith.addi(arith.muli(h, c(half * chunks)), c(m * chunks + q))   # chunk in row
-      off = arith.addi(tile_base, arith.addi(arith.muli(arith.shrui(j, c(3)), c(64)),
-                                             arith.xori(arith.andi(j, c(7)), tr)))
-      llvm.store(vector.from_elements(chunk_ty, out[4 * q:4 * q + 4]),
-                 utils.getelementptr(dptr, [off], chunk_ty))
-  utils.warpgroup_barrier()
+
+  def make_pairs(t):
+    idx = arith.addi(arith.muli(t, c(groups)), grp)
+    ids = lambda row: [arith.index_cast(index, v)
+                       for v in (c(row), arith.shrui(idx, c(3)), arith.andi(idx, c(7)))]
+    scale, zero = splat(memref.load(sz_ref, ids(0))), splat(memref.load(sz_ref, ids(1)))
+    magic = splat(arith.constant(f16, 1024.0))
+
+    def pairs_of(word):
+      out = []
+      for k in range(16 // bits):
+        x = arith.andi(arith.shrui(word, c(bits * k)) if k else word, c(mask))
+        x = llvm.bitcast(pair_ty, arith.ori(x, c(0x64006400)))
+        out.append(llvm.bitcast(i32, mlir_math.fma(arith.subf(x, magic), scale, zero)))
+      return out
+    return pairs_of
+  _rewrite_tile(codes_ref, dst_ref, bits, make_pairs)
+
+
+def code_rows(codes_ref, dst_ref, *, bits: int):
+  """dst[t, j] = m_j * (code[t, order[j]] - 2^(bits - 1)) (fp16, exact) for a 64-token tile
+  of packed codes: the value tile, centred, with its scale and zero left to the compute
+  warpgroups (`mosaic_palu`: the folded value product). order = `mosaic_plan.code_order(R,
+  bits)`, m_j = `mosaic_plan.code_multipliers(R, bits)`[j].
+
+  codes_ref and dst_ref as in `dequantize_rows`. Per 32-bit code word q and each of its two
+  bytes' halves (q, q >> 8), an and-or and a subtraction per fp16 pair: (x & (mask << bits
+  k)) | 0x64006400 puts codes (k, k + 16 / bits) of that half, shifted left by bits * k,
+  into the mantissas of 1024 (no shifts back), and subtracting 1024 + m_j 2^(bits - 1)
+  leaves m_j times the centred code, exactly: 2.25 instructions per pair at 4 bits, where
+  `dequantize_rows` takes about 4. Why the offsets come off here and not after the
+  product: the tensor cores' float32 accumulation errs in proportion to the accumulator, so
+  one that carries an offset (1024 Σ p, or the codes' mean) loses the codes' bits as the
+  context grows, and the offset cancels only afterwards (`copy_scale_rows` moves the centre
+  into the zero). The pairs come in `dequantize_rows`' column order."""
+  from jax._src.lib.mlir import ir  # pylint: disable=import-outside-toplevel
+  from jax._src.lib.mlir.dialects import arith, llvm, vector  # pylint: disable=import-outside-toplevel
+  i32, f16 = ir.IntegerType.get_signless(32), ir.F16Type.get()
+  c = lambda v: arith.constant(i32, v)
+  mask = (1 << bits) - 1
+  pair_ty = ir.VectorType.get([2], f16)
+
+  centre = 1 << (bits - 1)
+  offsets = [vector.broadcast(pair_ty, arith.constant(f16, 1024.0 + (centre << (bits * k))))
+             for k in range(8 // bits)]     # 1024 + m_k * centre, m_k = 2^(bits k)
+
+  def exact(x, k):
+    x = llvm.bitcast(pair_ty, arith.ori(x, c(0x64006400)))
+    return llvm.bitcast(i32, arith.subf(x, offsets[k]))
+
+  def pairs_of(word):
+    return [exact(arith.andi(qq, c((mask << (bits * k)) * 0x10001)), k)
+            for qq in (word, arith.shrui(word, c(8))) for k in range(8 // bits)]
+  _rewrite_tile(codes_ref, dst_ref, bits, lambda t: pairs_of)
+
+
+def copy_scale_rows(sz_ref, dst_ref, grp, *, groups: int, center: int):
+  """dst[0, t] = s_t and dst[1, t] = z_t + center * s_t in float32 for a tile's 64 tokens
+  (their scale s and zero z: `dequantize_rows`' sz_ref layout, token t of group g at t *
+  groups + g), into a [2, 64] float32 buffer that the compute warpgroups load as a WGMMA
+  row vector: s c + z = s (c - center) + (z + center s) for the centred codes of
+  `code_rows`. Thread i of the warpgroup writes entry (i / 64, i % 64)."""
+  import jax.experimental.mosaic.gpu as mgpu  # pylint: disable=import-outside-toplevel
+  from jax._src.lib.mlir import ir  # pylint: disable=import-outside-toplevel
+  from jax._src.lib.mlir.dialects import arith, math as mlir_math, memref  # pylint: disable=import-outside-toplevel
+  utils = mgpu.utils
+  i32, f32 = ir.IntegerType.get_signless(32), ir.F32Type.get()
+  index = ir.IndexType.get()
+  c = lambda v: arith.constant(i32, v)
+  tid = arith.remui(utils.thread_idx(), c(128))
+  a, t = arith.shrui(tid, c(6)), arith.andi(tid, c(63))
+  idx = arith.addi(arith.muli(t, c(groups)), grp)
+  at = lambda row: [arith.index_cast(index, v)
+                    for v in (row, arith.shrui(idx, c(3)), arith.andi(idx, c(7)))]
+  scale = arith.extf(f32, memref.load(sz_ref, at(c(0))))
+  x = arith.extf(f32, memref.load(sz_ref, at(a)))
+  # row 0: s + 0 * s; row 1: z + center * s
+  y = mlir_math.fma(scale, arith.mulf(arith.uitofp(f32, a), arith.constant(f32, float(center))), x)
+  memref.store(y, dst_ref, [arith.index_cast(index, v) for v in (a, t)])

@@ -52,14 +52,30 @@ Choices (written down, as they differ from the Triton kernel where noted):
 Packed latents (Palu's low-bit latents, read as the cache stores them): the producer
 warpgroup becomes a converter (`_convert`). TMA streams each tile's codes and scale/zero
 rows, the keys' into a `c_stages`-slot code ring, the values' into one slot that aliases the
-cos/sin table; the warpgroup dequantizes them into the key and value rings
+cos/sin table; the warpgroup dequantizes the key tiles into the key ring
 (`mosaic_fragments.dequantize_rows`: fp16 pair arithmetic, no int -> float conversion) and
-arrives on the ring slot's barrier where TMA arrived before, so the compute warpgroups run
+arrives on the ring slot's barrier where TMA arrived before, so the key products run
 unchanged, on fp16 tiles (B_k and p in fp16 too: `latent_dtype`).
+The value tile is not dequantized: the converter writes its codes centred and scaled by
+powers of two, m_j (code - 2^(bits-1)) in fp16, exact (`mosaic_fragments.code_rows`: an
+and-or and a subtraction per pair), and copies the tile's scales s and centred zeros z' = z
++ 2^(bits-1) s into a float32 ring beside it; the compute warpgroups multiply it by p^ =
+fp16(s ⊙ p) and keep the column sums Σ z' ⊙ p (rescaled like l), so that V^T p = C'^T (s ⊙
+p) + 1 (z'^T p) is recovered per split partial by
+`mosaic_plan.fold_value_partials`. (Leaving the codes in the magic-number form 1024 + m_j
+code saves the subtraction, but the product then carries 1024 Σ p^ through the tensor
+cores' float32 accumulation, whose error scales with the accumulator: on the H200, Llama-3 shape, its error grew
+with the context, to 50% of the output's largest entry at 32K tokens and 4 bits; uncentred
+codes m_j code, whose mean cancels against Σ z p only afterwards, left 1.6-6x the
+dequantized kernel's largest error and 5-25x its RMS error at 16-32K.) The key tile,
+whose scale and zero would have to be applied to every reconstructed key, is dequantized.
+Why: the converter warpgroup set the kernel's pace, limited by its instructions per code
+(results/decode_ablations.md, "Palu 4-bit: where the converter's time goes"); folded, a
+Llama-3-8B layer at 32K x 8 takes 405 µs against 448 dequantized (H200, 4 bits).
 A converted tile's columns come in `code_order`: B_k's rows are permuted to match and the
-output's latent channels put back. Choices: the dequantized latents are rounded once to
-fp16 (the reference dequantizes in float32; the bf16 path reads bf16 latents, 8 times
-coarser); p is rounded to fp16 for the value product (bf16 on the bf16 path).
+output's latent channels put back. Choices: the dequantized key latents are rounded once
+to fp16 (the reference dequantizes in float32; the bf16 path reads bf16 latents, 8 times
+coarser); s ⊙ p is rounded to fp16 for the value product (p to bf16 on the bf16 path).
 """
 
 from __future__ import annotations
@@ -77,8 +93,8 @@ from ..common import splitk
 from . import mosaic_fragments as frag
 from .mosaic_plan import (  # noqa: F401  (re-exported: the kernel's public planning API)
     AUTO_STAGES, AUTO_STAGES_PACKED, RED_PER_COL, SMEM_LIMIT, T, _smem_bytes, check_inputs,
-    code_order, latent_dtype, packed_bits, plan, query_columns, query_operand, rope_tables,
-    shares_values, unpad_partials)
+    code_order, fold_value_partials, latent_dtype, code_multipliers, packed_bits, plan,
+    query_columns, query_operand, rope_tables, shares_values, unpad_partials)
 
 # Registers per thread of the compute and producer warpgroups (setmaxnreg). With HPP = 2
 # compute warpgroups the launch gives each of the 3 warpgroups 168 (65536 / 384, rounded
@@ -93,7 +109,7 @@ assert 2 * PACKED_REGISTERS[0] + PACKED_REGISTERS[1] <= 504
 
 
 def _kernel(p, q_ref, hk_ref, hv_ref, bk_ref, cos_ref, base_ref, len_ref, o_ref, lse_ref, smem,
-            bars, sz_refs=(), packed=()):
+            bars, sz_refs=(), packed=(), sums_refs=()):
   import jax.experimental.pallas as pl  # pylint: disable=import-outside-toplevel
   import jax.experimental.pallas.mosaic_gpu as plgpu  # pylint: disable=import-outside-toplevel
   hpp, hh, rv, gr, g, ns = p["hpp"], p["hh"], p["rv"], p["gr"], p["g"], p["num_splits"]
@@ -186,6 +202,23 @@ def _kernel(p, q_ref, hk_ref, hv_ref, bk_ref, cos_ref, base_ref, len_ref, o_ref,
       l_t = l_t * lax.broadcast_in_dim(alpha, (T, np_), [1]) + pr
       return m_new, l_t, pr, alpha
 
+    def value_probabilities(i, pr, alpha, sums):
+      """The value product's B operand rows: p (bf16 / fp16); with packed latents, whose
+      value tile arrives as scaled codes (`_convert`), p^ = fp16(s ⊙ p) with the tile's
+      scales s, after waiting for the tile, and the running column sums Σ z ⊙ p rescaled
+      like l (`mosaic_plan.fold_value_partials`)."""
+      if not packed:
+        return pr.astype(ldt), sums
+      vslot = lax.rem(i, v_stages)
+      plgpu.barrier_wait(v_bar.at[vslot])
+      row = wgmma_layout.reduce(1)
+      sc, zc = (lax.broadcast_in_dim(plgpu.load(packed[4].at[vslot, a], (), layout=row),
+                                     (T, np_), [0]) for a in (0, 1))
+      ph = (pr * sc).astype(ldt)
+      a_b = lax.broadcast_in_dim(alpha, (T, np_), [1])
+      (s2,) = sums
+      return ph, (s2 * a_b + pr * zc,)
+
     def retire_values(vslot):
       """The value product reading ring slot vslot (and p^T) has retired: release both."""
       plgpu.barrier_arrive(v_free.at[vslot])
@@ -198,14 +231,17 @@ def _kernel(p, q_ref, hk_ref, hv_ref, bk_ref, cos_ref, base_ref, len_ref, o_ref,
       plgpu.wgmma(acc_ref, plgpu.transpose_ref(v_tile, (1, 0)),
                   plgpu.transpose_ref(p_tile, (1, 0)))
 
-    def own_values(i, acc_ref, pr, alpha):
+    def own_values(i, acc_ref, pr, alpha, sums):
       """values="per-head": o^T [rv, NP] += V^T [rv, T] @ p [T, NP] for this KV head."""
       acc_ref[...] = acc_ref[...] * lax.broadcast_in_dim(alpha, (rv, np_), [1])
-      frag.store_transposed(pr.astype(ldt), p_s.at[w])
+      ph, sums = value_probabilities(i, pr, alpha, sums)
+      frag.store_transposed(ph, p_s.at[w])
       plgpu.commit_smem()
       vslot = lax.rem(i, v_stages)
-      plgpu.barrier_wait(v_bar.at[vslot])
+      if not packed:
+        plgpu.barrier_wait(v_bar.at[vslot])
       value_mma(acc_ref, v_s.at[vslot], p_s.at[w])
+      return sums
 
     def exchange(vec, k):
       """Every warpgroup's [NP] column vector -> all heads' [hpp * NP] (shared values), the
@@ -218,19 +254,22 @@ def _kernel(p, q_ref, hk_ref, hv_ref, bk_ref, cos_ref, base_ref, len_ref, o_ref,
       plgpu.barrier_wait(x_bar)
       return plgpu.load(slot, (), layout=col_layout)
 
-    def shared_values(i, acc_ref, pr, alpha):
+    def shared_values(i, acc_ref, pr, alpha, sums):
       """values="shared": the CTA's KV heads share the value latent, so their probabilities
       form one [T, hpp * NP] operand and warpgroup w computes rows [w rv / hpp, (w + 1) rv /
       hpp) of o^T for all of them: hpp times fewer N = NP wgmmas per warpgroup."""
       @pl.when(i > 0)
       def _():
         plgpu.barrier_wait(p_free)  # every warpgroup's value product of tile i - 1 retired
-      frag.store_transposed(pr.astype(ldt), p_s.at[pl.ds(w * np_, np_)])
+      ph, sums = value_probabilities(i, pr, alpha, sums)
+      frag.store_transposed(ph, p_s.at[pl.ds(w * np_, np_)])
       alphas = exchange(alpha, i)  # also publishes the p^T rows (commit + barrier)
       acc_ref[...] = acc_ref[...] * lax.broadcast_in_dim(alphas, (rvw, ncol), [1])
       vslot = lax.rem(i, v_stages)
-      plgpu.barrier_wait(v_bar.at[vslot])
+      if not packed:
+        plgpu.barrier_wait(v_bar.at[vslot])
       value_mma(acc_ref, v_s.at[vslot, :, pl.ds(w * rvw, rvw)], p_s)
+      return sums
 
     def key_product(slot):
       """The tile's key reconstruction (wgmma); the query rotation runs while it is in the
@@ -242,7 +281,7 @@ def _kernel(p, q_ref, hk_ref, hv_ref, bk_ref, cos_ref, base_ref, len_ref, o_ref,
       return pl.run_scoped(keys_p, plgpu.ACC((T, 2 * hh), jnp.float32))
 
     def step(i, carry, acc_ref):
-      m_i, l_t = carry
+      m_i, l_t, sums = carry
       slot = lax.rem(i, stages)
       t0 = start + i * T
       plgpu.barrier_wait(l_bar.at[slot])
@@ -252,26 +291,35 @@ def _kernel(p, q_ref, hk_ref, hv_ref, bk_ref, cos_ref, base_ref, len_ref, o_ref,
       # tile i - 1's value product retired with the key product
       pl.when(i > 0)(functools.partial(retire_values, lax.rem(i + v_stages - 1, v_stages)))
       m_new, l_t, pr, alpha = softmax(sc, t0, m_i, l_t)
-      (shared_values if shared else own_values)(i, acc_ref, pr, alpha)
-      return m_new, l_t
+      sums = (shared_values if shared else own_values)(i, acc_ref, pr, alpha, sums)
+      return m_new, l_t, sums
+
+    sums0 = (l_t,) if packed else ()   # zeros [T, NP]: Σ z ⊙ p (packed latents)
 
     def run(acc_ref):
       acc_ref[...] = acc0
-      m, l = lax.fori_loop(0, n_tiles, functools.partial(step, acc_ref=acc_ref), (m_i, l_t))
-      return acc_ref[...], m, l
-    acc, m_i, l_t = pl.run_scoped(run, plgpu.ACC((rvw, ncol), jnp.float32))
+      m, l, sums = lax.fori_loop(0, n_tiles, functools.partial(step, acc_ref=acc_ref),
+                                 (m_i, l_t, sums0))
+      return acc_ref[...], m, l, sums
+    acc, m_i, l_t, sums = pl.run_scoped(run, plgpu.ACC((rvw, ncol), jnp.float32))
     l_i = frag.col_reduce("add", l_t, red_s.at[w])
     has = l_i > 0
     l_safe = jnp.where(has, l_i, 1.0)
     lse = jnp.where(has, (m_i + jnp.log2(l_safe)) * math.log(2.0), -jnp.inf)
+    # packed latents: c2 = Σ z ⊙ p / l per column, beside lse
+    cols = [frag.col_reduce("add", x, red_s.at[w]) / l_safe for x in sums]
     if shared:  # o [P, splits, rv, hpp * NP]: this warpgroup's rows, every head's columns
       l_all = exchange(l_safe, n_tiles)
       o_ref.at[pid, sid, pl.ds(w * rvw, rvw)][...] = acc / lax.broadcast_in_dim(
           l_all, (rvw, ncol), [1])
       lse_ref.at[pid, sid, pl.ds(w * np_, np_)][...] = lse
+      for ref, x in zip(sums_refs, cols):
+        ref.at[pid, sid, pl.ds(w * np_, np_)][...] = x
     else:
       o_ref.at[kv, sid][...] = acc / lax.broadcast_in_dim(l_safe, (rv, np_), [1])
       lse_ref.at[kv, sid][...] = lse
+      for ref, x in zip(sums_refs, cols):
+        ref.at[kv, sid][...] = x
 
   for w in range(hpp):
     pl.when(wg == w)(functools.partial(compute, w))
@@ -319,9 +367,11 @@ def _kernel(p, q_ref, hk_ref, hv_ref, bk_ref, cos_ref, base_ref, len_ref, o_ref,
 
 def _convert(p, b, grp, start, n_tiles, hk_ref, hv_ref, sz_refs, base_ref, packed, rings,
              bars):
-  """The producer warpgroup's body with packed latents: it streams codes and dequantizes
-  them (`mosaic_fragments.dequantize_rows`) into the key and value rings that the compute
-  warpgroups read, arriving on a ring slot's barrier once its tile is written and made
+  """The producer warpgroup's body with packed latents: it streams codes, dequantizes the
+  key tiles (`mosaic_fragments.dequantize_rows`) and writes the value tiles as scaled codes
+  (`mosaic_fragments.code_rows`, their scale/zero rows beside them) into the key and value
+  rings that the compute warpgroups read, arriving on a ring slot's barrier once its tile
+  is written and made
   visible to wgmma (where a TMA copy arrived before), so the compute warpgroups run
   unchanged.
 
@@ -333,7 +383,7 @@ def _convert(p, b, grp, start, n_tiles, hk_ref, hv_ref, sz_refs, base_ref, packe
   warpgroups whenever the rings have a second slot."""
   import jax.experimental.pallas as pl  # pylint: disable=import-outside-toplevel
   import jax.experimental.pallas.mosaic_gpu as plgpu  # pylint: disable=import-outside-toplevel
-  kc_s, ksz_s, vc_s, vsz_s, ck_bar, cv_bar, cos_free = packed
+  kc_s, ksz_s, vc_s, vsz_s, vsr_s, ck_bar, cv_bar, cos_free = packed
   l_s, base_s, v_s = rings
   base_bar, l_bar, v_bar, k_free, v_free = bars
   stages, v_stages, cs, gr, bits = p["stages"], p["v_stages"], p["c_stages"], p["gr"], p["bits"]
@@ -346,6 +396,14 @@ def _convert(p, b, grp, start, n_tiles, hk_ref, hv_ref, sz_refs, base_ref, packe
                                 plgpu.Layout.WG_SPLAT(())))
   def dequantize(_, codes, sz, dst, g):
     frag.dequantize_rows(codes, sz, dst, g.registers.item(), bits=bits, groups=gr)
+
+  @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.RefType(swizzled)))
+  def value_codes(_, codes, dst):
+    frag.code_rows(codes, dst, bits=bits)
+
+  @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.RefType(), plgpu.Layout.WG_SPLAT(())))
+  def scale_rows(_, sz, dst, g):
+    frag.copy_scale_rows(sz, dst, g.registers.item(), groups=gr, center=1 << (bits - 1))
 
   def load_codes(i, codes_ref, scale_refs, codes_dst, sz_dst, bar):
     """Tile i's codes and its scale and zero rows (into sz_dst(0), sz_dst(1)), three TMA
@@ -376,7 +434,8 @@ def _convert(p, b, grp, start, n_tiles, hk_ref, hv_ref, sz_refs, base_ref, packe
     vslot = lax.rem(i, v_stages)
     plgpu.barrier_wait(cv_bar)
     pl.when(i >= v_stages)(lambda: plgpu.barrier_wait(v_free.at[vslot]))
-    dequantize(vc_s, vsz_s, v_s.at[vslot], grp)
+    scale_rows(vsz_s, vsr_s.at[vslot], grp)   # read by the compute warpgroups (generic loads)
+    value_codes(vc_s, v_s.at[vslot])             # ends with the warpgroup's barrier
     plgpu.commit_smem()
     plgpu.barrier_arrive(v_bar.at[vslot])
     pl.when(i + 1 < n_tiles)(lambda: load_values(i + 1))
@@ -414,7 +473,8 @@ def _call(p, qt, hk, hv, bk, cs, sin, base, lengths, sz=()):
   pv_tf = sw(2, 64)  # B_k, cos/sin pairs, value tile, p^T, rotated queries: (8, 64), 128 B
 
   def entry(q_ref, hk_ref, hv_ref, bk_ref, cos_ref, sin_ref, base_ref, len_ref, *rest):
-    sz_refs, (o_ref, lse_ref) = rest[:-2], rest[-2:]
+    n_out = 3 if bits is not None else 2   # o, lse (and the folded values' c2)
+    sz_refs, (o_ref, lse_ref, *sums_refs) = rest[:-n_out], rest[-n_out:]
     del sin_ref  # an unused 1-element placeholder (kept: see `palu_attention_mosaic`)
     scratch = [
         plgpu.SMEM((hpp, rk, 2 * hh), ldt, transforms=pv_tf),            # B_k [rk, H]
@@ -454,6 +514,7 @@ def _call(p, qt, hk, hv, bk, cs, sin, base, lengths, sz=()):
                                                plgpu.SMEM((2, rows, 8), sdt)))
       packed = [plgpu.SMEM((c_stages, T, rk * bits // 8), jnp.uint8),
                 plgpu.SMEM((c_stages, 2, rows, 8), sdt),
+                plgpu.SMEM((v_stages, 2, T), jnp.float32),   # value tiles' scale/zero rows
                 plgpu.Barrier(num_arrivals=3, num_barriers=c_stages),
                 plgpu.Barrier(num_arrivals=3),
                 plgpu.Barrier(num_arrivals=hpp)]
@@ -464,7 +525,7 @@ def _call(p, qt, hk, hv, bk, cs, sin, base, lengths, sz=()):
         smem[3], (vc_s, vsz_s) = smem[3]
         extra = (extra[0], extra[1], vc_s, vsz_s, *extra[2:])
       _kernel(p, q_ref, hk_ref, hv_ref, bk_ref, cos_ref, base_ref, len_ref, o_ref, lse_ref,
-              smem, bar_refs, sz_refs=sz_refs, packed=extra)
+              smem, bar_refs, sz_refs=sz_refs, packed=extra, sums_refs=sums_refs)
     pl.run_scoped(body, *scratch, *bars, *packed, collective_axes="wg")
 
   if shared:  # per CTA: [splits, rv, heads x NP]
@@ -473,6 +534,8 @@ def _call(p, qt, hk, hv, bk, cs, sin, base, lengths, sz=()):
   else:
     out_types = (jax.ShapeDtypeStruct((kvh, ns, rv, np_), jnp.float32),
                  jax.ShapeDtypeStruct((kvh, ns, np_), jnp.float32))
+  if bits is not None:  # c2 of the folded value product, shaped like lse
+    out_types += (out_types[1],)
   return plgpu.kernel(
       entry, out_type=out_types, grid=p["grid"], grid_names=("p", "s"),
       num_threads=hpp + 1, thread_name="wg",
@@ -523,8 +586,10 @@ def palu_attention_mosaic(q, hk, hv, b_k, lengths, inv_freq, *, k_bias=None, sca
     rows = lambda a: a.reshape(b, s * gr // 8, 8)
     lat = (hk.codes, hv.codes)
     sz = tuple(rows(a) for a in (hk.scale, hk.zero, hv.scale, hv.zero))
-  o_t, lse_t = _call(p, query_operand(q, p, scale), *lat, b_k, cs, sin, base,
-                     lengths.astype(jnp.int32), sz)
+  o_t, lse_t, *sums = _call(p, query_operand(q, p, scale), *lat, b_k, cs, sin, base,
+                            lengths.astype(jnp.int32), sz)
+  if bits is not None:  # the value tile's scale and zero, left out of the kernel's product
+    o_t = fold_value_partials(o_t, *sums, p)
   o, lse = unpad_partials(o_t, lse_t, p)
   if bits is not None:  # output row c of the converted value tile is latent channel order[c]
     o = o[..., np.argsort(code_order(p["rv"], bits))]

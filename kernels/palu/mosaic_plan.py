@@ -26,14 +26,15 @@ def query_columns(qpk: int) -> int:
 def _smem_bytes(hpp, rk, rv, hh, np_, stages, v_stages, bits=None, gr=1, c_stages=0):
   """Shared memory of the kernel's scratch buffers, each rounded up to 1 KiB as Pallas
   Mosaic GPU allocates them, plus the barriers. Packed latents (bits set) add the key code
-  ring (c_stages slots of code tiles and scale/zero rows) and the value code slot beyond
-  the cos/sin table it aliases."""
+  ring (c_stages slots of code tiles and scale/zero rows), the value code slot beyond
+  the cos/sin table it aliases, and the value tiles' float32 scale/zero rows (a v_stages
+  ring)."""
   kib = lambda n: -(-n // 1024) * 1024
   codes = 0
   if bits is not None:  # key code ring; the value code slot shares the cos/sin table's memory
     union = kib(kib(T * rv * bits // 8) + 2 * T * gr * 2)
     codes = (kib(c_stages * T * rk * bits // 8) + kib(c_stages * 2 * T * gr * 2)
-             + max(0, union - kib(T * 2 * hh * 2)))
+             + max(0, union - kib(T * 2 * hh * 2)) + kib(v_stages * 2 * T * 4))
   return (codes
           + kib(hpp * 2 * rk * hh * 2)      # B_k column slices
           + kib(hpp * 2 * hh * np_ * 4)   # queries^T (f32, as loaded)
@@ -70,6 +71,25 @@ def code_order(dim: int, bits: int) -> np.ndarray:
   within = p // 2 + (p % 2) * (per_word // 2)
   return (np.arange(dim) // per_word * per_word + within[np.arange(dim) % per_word]).astype(
       np.int32)
+
+
+def code_multipliers(dim: int, bits: int) -> np.ndarray:
+  """m_j of each column of a value tile as `mosaic_fragments.code_rows` writes it (m_j *
+  (code - 2^(bits - 1))): fp16 pair k of a code word's byte half holds its codes shifted left by bits * (k
+  mod 8 / bits)."""
+  per_word = 32 // bits
+  pair = (np.arange(dim) % per_word) // 2
+  return (2 ** (bits * (pair % (8 // bits)))).astype(np.float32)
+
+
+def fold_value_partials(o_t, c2, p):
+  """The value product's split partials with the value tile's scale and zero applied: the
+  kernel multiplies the tile of centred, scaled codes V'[t, j] = m_j (c_tj - h), h =
+  2^(bits - 1), by p^ = fp16(s ⊙ p) and returns c2 = Σ_t (z_t + h s_t) p_t / l per query
+  column, so that V^T p / l = Σ_t (s_t c_tj + z_t) p_t / l = o_t[j] / m_j + c2. o_t [...,
+  rv, cols], c2 [..., cols]."""
+  inv_m = jnp.asarray(1.0 / code_multipliers(p["rv"], p["bits"]))[:, None]
+  return o_t * inv_m + c2[..., None, :]
 
 
 def packed_bits(hk):

@@ -290,11 +290,11 @@ def test_mosaic_packed_plan():
   assert (p["stages"], p["v_stages"], p["c_stages"], p["bits"]) == (1, 2, 2, 4)
   smem = ml._smem_bytes  # pylint: disable=protected-access
   # 2 key code tiles (64 x 64 B) + 2 x [2, 16, 8] fp16 rows; value codes 12 KiB + 0.5 KiB <
-  # the table's 16 KiB
-  assert smem(2, 128, 384, 64, 8, 1, 2, 4, 2, 2) - smem(2, 128, 384, 64, 8, 1, 2) == 9216
+  # the table's 16 KiB; the value tiles' float32 scale/zero rows 2 x [2, 64]
+  assert smem(2, 128, 384, 64, 8, 1, 2, 4, 2, 2) - smem(2, 128, 384, 64, 8, 1, 2) == 9216 + 1024
   # 512-wide value codes (16 KiB + 0.5 KiB) overflow the table by a KiB
   assert smem(2, 128, 512, 64, 8, 1, 2, 4, 2, 1) - smem(2, 128, 512, 64, 8, 1, 2) == (
-      4096 + 1024 + 1024)
+      4096 + 1024 + 1024 + 1024)
   p = ml.plan(q.shape, hk.shape, hv.shape, bk.shape, bits=4, c_stages=1)
   assert (p["stages"], p["v_stages"], p["c_stages"]) == (1, 2, 1)
   with pytest.raises(ValueError, match="shared memory"):
@@ -305,6 +305,60 @@ def test_mosaic_packed_plan():
   assert ml.plan(q.shape, hk.shape, hv.shape, bk.shape)["c_stages"] == 0
   with pytest.raises(ValueError, match="not packed"):
     ml.plan(q.shape, hk.shape, hv.shape, bk.shape, c_stages=1)
+
+
+def _code_tile(codes, bits):
+  """What `mosaic_fragments.code_rows` writes, rebuilt bit by bit in numpy: codes [T, R]
+  packed into little-endian 32-bit words (code c at bits `bits` * (c % (32 / bits)) of word
+  c / (32 / bits)), then per word and byte half, fp16 pairs ((x & mask << bits k) | 0x6400)
+  - (1024 + m_k 2^(bits - 1))."""
+  per_word = 32 // bits
+  t, r = codes.shape
+  shifts = bits * np.arange(per_word, dtype=np.uint64)
+  words = (codes.reshape(t, r // per_word, per_word).astype(np.uint64) << shifts).sum(-1)
+  words = words.astype(np.uint32)
+  pairs = []
+  for half in (0, 8):
+    qq = words >> np.uint32(half)
+    for k in range(8 // bits):
+      mask = np.uint32((((1 << bits) - 1) << (bits * k)) * 0x10001)
+      pairs.append((qq & mask) | np.uint32(0x64006400))
+  lanes = np.stack(pairs, -1).view(np.float16)   # [T, words, pairs, 2]: (low, high) halves
+  m_lane = ml.code_multipliers(per_word, bits)   # lane 2k + i of a word: pair k's m
+  return (lanes.astype(np.float64) - (1024 + (1 << (bits - 1)) * m_lane)).reshape(t, r)
+
+
+@pytest.mark.parametrize("bits", [4, 2])
+def test_fold_value_partials_against_float64(bits):
+  """The folded value product: the kernel multiplies the value tile of centred, scaled codes
+  (m_j (c - h), columns in code_order) by p^ = fp16(s ⊙ p) and returns c2 = Σ (z + h s) p /
+  l;
+  `fold_value_partials` must give Σ_t (s_t c_tj + z_t) p_t / l (float64) within fp16's
+  rounding of s ⊙ p. Negative controls: multipliers of the other width, and no fold."""
+  rng = np.random.default_rng(bits)
+  t, rv, cols = 640, 128, 8
+  codes = rng.integers(0, 2 ** bits, (t, rv))
+  s = rng.uniform(0.01, 0.2, t).astype(np.float16).astype(np.float64)
+  z = rng.uniform(-1.0, 1.0, t).astype(np.float16).astype(np.float64)
+  pr = np.exp2(-rng.uniform(0, 12, (t, cols)))
+  l = pr.sum(0)
+  want = ((s[:, None] * codes + z[:, None]).T @ pr) / l          # [rv, cols]
+  order = ml.code_order(rv, bits)
+  tile = _code_tile(codes, bits)                                  # columns in code order
+  h = 2 ** (bits - 1)
+  assert np.array_equal(tile, (codes[:, order] - h) * ml.code_multipliers(rv, bits))
+  ph = (pr * s[:, None]).astype(np.float16).astype(np.float64)
+  o_t = (tile.T @ ph) / l                                          # the kernel's o^T partial
+  c2 = ((z + h * s)[:, None] * pr).sum(0) / l
+  fold = lambda b: np.asarray(ml.fold_value_partials(
+      jnp.asarray(o_t, jnp.float32), jnp.asarray(c2, jnp.float32),
+      dict(rv=rv, bits=b)))[np.argsort(order)]
+  # p^ rounds s p once (2^-11 relative): |error| <= 2^-11 max |s c|, plus float32
+  tol = 2.0 ** -11 * s.max() * (2 ** bits - 1) + 1e-6
+  err = np.abs(fold(bits) - want).max()
+  assert err < tol, (err, tol)
+  assert np.abs(fold(6 - bits) - want).max() > 100 * tol
+  assert np.abs(o_t[np.argsort(order)] - want).max() > 100 * tol
 
 
 def test_mosaic_packed_check_inputs():
@@ -494,3 +548,25 @@ def test_mosaic_packed_negative_control(part):
   out, _ = ml.palu_attention_mosaic(q, hk_b, hv_b, b_k, lens, inv, out_dtype=F32)
   with pytest.raises(AssertionError):
     assert_close(out, ref, 2e-2, 2e-2, f"corrupted {part}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("bits,bound", [(4, 1.5e-3), (2, 2.5e-3)])
+def test_mosaic_packed_long_context(bits, bound):
+  """16K tokens of random latents (Llama-2-7B layer shape): the averaged output is small
+  (max |ref| ~ 0.07), so an offset carried through the value product's float32 accumulation
+  shows. Measured on the H200 (experiments/results/palu_packed_fold_ab_h200_2026-11-28.json,
+  16-32K at batch 8, max error / max |ref|): the landed kernel and the dequantizing one
+  5-11e-4; codes left uncentred 1.4-3.4e-3; the magic-number form 0.5-1.9. Run here on the
+  H200, the magic-number form failed it (0.18 at 4 bits, 0.75 at 2), the uncentred codes
+  passed (at batch 2 a row's context is cut into more splits, each a shorter sum)."""
+  if not triton_backend.gpu_available():
+    pytest.skip("needs a GPU")
+  shape = lshapes.palu_50(2, 16384)
+  q, hk, hv, b_k, _, lens = lshapes.make_inputs(shape, jax.random.key(16384 + bits))
+  hk, hv = (quantize_latent(x, bits, scale_dtype=jnp.float16) for x in (hk, hv))
+  ref, _ = palu_attention_reference(q, hk, hv, b_k, lens, out_dtype=F32)
+  out, _ = ml.palu_attention_mosaic(q, hk, hv, b_k, lens, rope_inv_freq(shape.head_dim),
+                                    out_dtype=F32)
+  err, scale = float(jnp.abs(out - ref).max()), float(jnp.abs(ref).max())
+  assert err <= bound * scale, (err, scale, err / scale)
