@@ -64,14 +64,13 @@ fp16(s ⊙ p) and keep the column sums Σ z' ⊙ p (rescaled like l), so that V^
 p) + 1 (z'^T p) is recovered per split partial by
 `mosaic_plan.fold_value_partials`. (Leaving the codes in the magic-number form 1024 + m_j
 code saves the subtraction, but the product then carries 1024 Σ p^ through the tensor
-cores' float32 accumulation, whose error scales with the accumulator: on the H200, Llama-3 shape, its error grew
-with the context, to 50% of the output's largest entry at 32K tokens and 4 bits; uncentred
-codes m_j code, whose mean cancels against Σ z p only afterwards, left 1.6-6x the
-dequantized kernel's largest error and 5-25x its RMS error at 16-32K.) The key tile,
+cores' float32 accumulation, whose error scales with what it holds: the error grew with
+the context; uncentred codes m_j code, whose mean cancels against Σ z p only after the
+product, erred less but still more than the dequantizing converter. Measured:
+results/decode_ablations.md, "the folded value product".) The key tile,
 whose scale and zero would have to be applied to every reconstructed key, is dequantized.
 Why: the converter warpgroup set the kernel's pace, limited by its instructions per code
-(results/decode_ablations.md, "Palu 4-bit: where the converter's time goes"); folded, a
-Llama-3-8B layer at 32K x 8 takes 405 µs against 448 dequantized (H200, 4 bits).
+(results/decode_ablations.md, "Palu 4-bit: where the converter's time goes").
 A converted tile's columns come in `code_order`: B_k's rows are permuted to match and the
 output's latent channels put back. Choices: the dequantized key latents are rounded once
 to fp16 (the reference dequantizes in float32; the bf16 path reads bf16 latents, 8 times
