@@ -203,6 +203,12 @@ def dequantize_rows(codes_ref, sz_ref, dst_ref, grp, *, bits: int, groups: int):
   _rewrite_tile(codes_ref, dst_ref, bits, make_pairs)
 
 
+def code_centre(bits: int) -> int:
+  """The centre 2^(bits - 1) that `code_rows` takes off each code and `copy_scale_rows`
+  moves into the zero."""
+  return 1 << (bits - 1)
+
+
 def code_rows(codes_ref, dst_ref, *, bits: int):
   """dst[t, j] = m_j * (code[t, order[j]] - 2^(bits - 1)) (fp16, exact) for a 64-token tile
   of packed codes: the value tile, centred, with its scale and zero left to the compute
@@ -226,7 +232,7 @@ def code_rows(codes_ref, dst_ref, *, bits: int):
   mask = (1 << bits) - 1
   pair_ty = ir.VectorType.get([2], f16)
 
-  centre = 1 << (bits - 1)
+  centre = code_centre(bits)
   offsets = [vector.broadcast(pair_ty, arith.constant(f16, 1024.0 + (centre << (bits * k))))
              for k in range(8 // bits)]     # 1024 + m_k * centre, m_k = 2^(bits k)
 
@@ -240,11 +246,12 @@ def code_rows(codes_ref, dst_ref, *, bits: int):
   _rewrite_tile(codes_ref, dst_ref, bits, lambda t: pairs_of)
 
 
-def copy_scale_rows(sz_ref, dst_ref, grp, *, groups: int, center: int):
-  """dst[0, t] = s_t and dst[1, t] = z_t + center * s_t in float32 for a tile's 64 tokens
+def copy_scale_rows(sz_ref, dst_ref, grp, *, groups: int, bits: int):
+  """dst[0, t] = s_t and dst[1, t] = z_t + h s_t in float32, h = `code_centre(bits)`, for a
+  tile's 64 tokens
   (their scale s and zero z: `dequantize_rows`' sz_ref layout, token t of group g at t *
   groups + g), into a [2, 64] float32 buffer that the compute warpgroups load as a WGMMA
-  row vector: s c + z = s (c - center) + (z + center s) for the centred codes of
+  row vector: s c + z = s (c - h) + (z + h s) for the centred codes of
   `code_rows`. Thread i of the warpgroup writes entry (i / 64, i % 64)."""
   import jax.experimental.mosaic.gpu as mgpu  # pylint: disable=import-outside-toplevel
   from jax._src.lib.mlir import ir  # pylint: disable=import-outside-toplevel
@@ -260,6 +267,7 @@ def copy_scale_rows(sz_ref, dst_ref, grp, *, groups: int, center: int):
                     for v in (row, arith.shrui(idx, c(3)), arith.andi(idx, c(7)))]
   scale = arith.extf(f32, memref.load(sz_ref, at(c(0))))
   x = arith.extf(f32, memref.load(sz_ref, at(a)))
-  # row 0: s + 0 * s; row 1: z + center * s
-  y = mlir_math.fma(scale, arith.mulf(arith.uitofp(f32, a), arith.constant(f32, float(center))), x)
+  # row 0: s + 0 * s; row 1: z + h * s
+  row = arith.uitofp(f32, a)
+  y = mlir_math.fma(scale, arith.mulf(row, arith.constant(f32, float(code_centre(bits)))), x)
   memref.store(y, dst_ref, [arith.index_cast(index, v) for v in (a, t)])

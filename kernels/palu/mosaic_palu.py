@@ -92,7 +92,7 @@ from ..common import splitk
 from . import mosaic_fragments as frag
 from .mosaic_plan import (  # noqa: F401  (re-exported: the kernel's public planning API)
     AUTO_STAGES, AUTO_STAGES_PACKED, RED_PER_COL, SMEM_LIMIT, T, _smem_bytes, check_inputs,
-    code_order, fold_value_partials, latent_dtype, code_multipliers, packed_bits, plan,
+    code_multipliers, code_order, fold_value_partials, latent_dtype, packed_bits, plan,
     query_columns, query_operand, rope_tables, shares_values, unpad_partials)
 
 # Registers per thread of the compute and producer warpgroups (setmaxnreg). With HPP = 2
@@ -203,9 +203,9 @@ def _kernel(p, q_ref, hk_ref, hv_ref, bk_ref, cos_ref, base_ref, len_ref, o_ref,
 
     def value_probabilities(i, pr, alpha, sums):
       """The value product's B operand rows: p (bf16 / fp16); with packed latents, whose
-      value tile arrives as scaled codes (`_convert`), p^ = fp16(s ⊙ p) with the tile's
-      scales s, after waiting for the tile, and the running column sums Σ z ⊙ p rescaled
-      like l (`mosaic_plan.fold_value_partials`)."""
+      value tile arrives as centred, scaled codes (`_convert`), p^ = fp16(s ⊙ p) with the
+      tile's scales s, after waiting for the tile, and the running column sums Σ z' ⊙ p of
+      its centred zeros z', rescaled like l (`mosaic_plan.fold_value_partials`)."""
       if not packed:
         return pr.astype(ldt), sums
       vslot = lax.rem(i, v_stages)
@@ -293,7 +293,7 @@ def _kernel(p, q_ref, hk_ref, hv_ref, bk_ref, cos_ref, base_ref, len_ref, o_ref,
       sums = (shared_values if shared else own_values)(i, acc_ref, pr, alpha, sums)
       return m_new, l_t, sums
 
-    sums0 = (l_t,) if packed else ()   # zeros [T, NP]: Σ z ⊙ p (packed latents)
+    sums0 = (l_t,) if packed else ()   # zeros [T, NP]: Σ z' ⊙ p (packed latents)
 
     def run(acc_ref):
       acc_ref[...] = acc0
@@ -305,7 +305,7 @@ def _kernel(p, q_ref, hk_ref, hv_ref, bk_ref, cos_ref, base_ref, len_ref, o_ref,
     has = l_i > 0
     l_safe = jnp.where(has, l_i, 1.0)
     lse = jnp.where(has, (m_i + jnp.log2(l_safe)) * math.log(2.0), -jnp.inf)
-    # packed latents: c2 = Σ z ⊙ p / l per column, beside lse
+    # packed latents: c2 = Σ z' ⊙ p / l per column, beside lse
     cols = [frag.col_reduce("add", x, red_s.at[w]) / l_safe for x in sums]
     if shared:  # o [P, splits, rv, hpp * NP]: this warpgroup's rows, every head's columns
       l_all = exchange(l_safe, n_tiles)
@@ -367,12 +367,11 @@ def _kernel(p, q_ref, hk_ref, hv_ref, bk_ref, cos_ref, base_ref, len_ref, o_ref,
 def _convert(p, b, grp, start, n_tiles, hk_ref, hv_ref, sz_refs, base_ref, packed, rings,
              bars):
   """The producer warpgroup's body with packed latents: it streams codes, dequantizes the
-  key tiles (`mosaic_fragments.dequantize_rows`) and writes the value tiles as scaled codes
-  (`mosaic_fragments.code_rows`, their scale/zero rows beside them) into the key and value
-  rings that the compute warpgroups read, arriving on a ring slot's barrier once its tile
-  is written and made
-  visible to wgmma (where a TMA copy arrived before), so the compute warpgroups run
-  unchanged.
+  key tiles (`mosaic_fragments.dequantize_rows`) and writes the value tiles as centred,
+  scaled codes (`mosaic_fragments.code_rows`, their scales and centred zeros beside them)
+  into the key and value rings that the compute warpgroups read, arriving on a ring slot's
+  barrier once its tile is written and made visible to wgmma (where a TMA copy arrived
+  before).
 
   Code rings: the key codes and scale/zero rows in `c_stages` slots, TMA'd `c_stages` tiles
   ahead; the value codes and rows in one slot that aliases the in-tile cos/sin table (dead
@@ -402,7 +401,7 @@ def _convert(p, b, grp, start, n_tiles, hk_ref, hv_ref, sz_refs, base_ref, packe
 
   @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.RefType(), plgpu.Layout.WG_SPLAT(())))
   def scale_rows(_, sz, dst, g):
-    frag.copy_scale_rows(sz, dst, g.registers.item(), groups=gr, center=1 << (bits - 1))
+    frag.copy_scale_rows(sz, dst, g.registers.item(), groups=gr, bits=bits)
 
   def load_codes(i, codes_ref, scale_refs, codes_dst, sz_dst, bar):
     """Tile i's codes and its scale and zero rows (into sz_dst(0), sz_dst(1)), three TMA
