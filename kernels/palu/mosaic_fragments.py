@@ -115,7 +115,7 @@ def store_transposed(x, dst, row_stride=1, row_offset=0):
 
 
 def _rewrite_tile(codes_ref, dst_ref, bits, make_pairs):
-  """The loop `dequantize_rows` and `code_rows` share: each of the warpgroup's 128 threads
+  """`code_rows`' loop: each of the warpgroup's 128 threads
   takes half a row (token t = thread / 2) of a 64-token tile of packed codes, a 32-bit code
   word at a time; make_pairs(t) returns the function from a code word (i32) to its 16 / bits
   fp16 pairs (as i32), which go out in 16-byte stores into the swizzled tile (hence
@@ -157,52 +157,6 @@ def _rewrite_tile(codes_ref, dst_ref, bits, make_pairs):
   utils.warpgroup_barrier()
 
 
-def dequantize_rows(codes_ref, sz_ref, dst_ref, grp, *, bits: int, groups: int):
-  """dst[t, j] = fp16(code[t, order[j]] * scale[t] + zero[t]) for a 64-token tile of packed
-  codes, order = `mosaic_plan.code_order(R, bits)`.
-
-  codes_ref: [64, R * bits / 8] uint8 in shared memory, a `quant.packing` row per token
-    (code c at bits `bits` * (c % (32 / bits)) of the c / (32 / bits)-th little-endian
-    32-bit word);
-  sz_ref: [2, 64 * groups / 8, 8] fp16: row 0 the tile's scales, row 1 its zeros, of every
-    head group, token-major (token t of group g at t * groups + g);
-  dst_ref: the tiled view [8, R / 64, 8, 64] of a [64, R] fp16 buffer with (8, 64) tiles
-    and the 128-byte swizzle (16-byte chunk j of row t at chunk (j % 8) ^ (t % 8) of its
-    128-byte tile row): a wgmma operand;
-  grp: the head group (i32, uniform).
-  Half a row per thread, a code word at a time (`_rewrite_tile`). No int -> float
-  conversion (a quarter-rate instruction): codes i and i + 16 / bits of a word are masked
-  into the mantissas of an fp16 pair 1024 + code (one shift, one and-or), then
-  (x - 1024) * scale + zero in fp16 pair arithmetic: the subtraction is exact and the fma
-  rounds once, from fp16 scales and zeros that are exact.
-  """
-  from jax._src.lib.mlir import ir  # pylint: disable=import-outside-toplevel
-  from jax._src.lib.mlir.dialects import arith, llvm, math as mlir_math, memref, vector  # pylint: disable=import-outside-toplevel
-  i32, f16 = ir.IntegerType.get_signless(32), ir.F16Type.get()
-  index = ir.IndexType.get()
-  c = lambda v: arith.constant(i32, v)
-  mask = ((1 << bits) - 1) * 0x10001
-  pair_ty = ir.VectorType.get([2], f16)
-  splat = lambda x: vector.broadcast(pair_ty, x)
-
-  def make_pairs(t):
-    idx = arith.addi(arith.muli(t, c(groups)), grp)
-    ids = lambda row: [arith.index_cast(index, v)
-                       for v in (c(row), arith.shrui(idx, c(3)), arith.andi(idx, c(7)))]
-    scale, zero = splat(memref.load(sz_ref, ids(0))), splat(memref.load(sz_ref, ids(1)))
-    magic = splat(arith.constant(f16, 1024.0))
-
-    def pairs_of(word):
-      out = []
-      for k in range(16 // bits):
-        x = arith.andi(arith.shrui(word, c(bits * k)) if k else word, c(mask))
-        x = llvm.bitcast(pair_ty, arith.ori(x, c(0x64006400)))
-        out.append(llvm.bitcast(i32, mlir_math.fma(arith.subf(x, magic), scale, zero)))
-      return out
-    return pairs_of
-  _rewrite_tile(codes_ref, dst_ref, bits, make_pairs)
-
-
 def code_centre(bits: int) -> int:
   """The centre 2^(bits - 1) that `code_rows` takes off each code and `copy_scale_rows`
   moves into the zero."""
@@ -211,20 +165,27 @@ def code_centre(bits: int) -> int:
 
 def code_rows(codes_ref, dst_ref, *, bits: int):
   """dst[t, j] = m_j * (code[t, order[j]] - 2^(bits - 1)) (fp16, exact) for a 64-token tile
-  of packed codes: the value tile, centred, with its scale and zero left to the compute
-  warpgroups (`mosaic_palu`: the folded value product). order = `mosaic_plan.code_order(R,
-  bits)`, m_j = `mosaic_plan.code_multipliers(R, bits)`[j].
+  of packed codes: a key or value tile, centred, with its scale and zero left to the
+  compute warpgroups (`mosaic_palu`: the folded key and value products). order =
+  `mosaic_plan.code_order(R, bits)`, m_j = `mosaic_plan.code_multipliers(R, bits)`[j].
 
-  codes_ref and dst_ref as in `dequantize_rows`. Per 32-bit code word q and each of its two
+  codes_ref: [64, R * bits / 8] uint8 in shared memory, a `quant.packing` row per token
+    (code c at bits `bits` * (c % (32 / bits)) of the c / (32 / bits)-th little-endian
+    32-bit word);
+  dst_ref: the tiled view [8, R / 64, 8, 64] of a [64, R] fp16 buffer with (8, 64) tiles
+    and the 128-byte swizzle (16-byte chunk j of row t at chunk (j % 8) ^ (t % 8) of its
+    128-byte tile row): a wgmma operand.
+  Half a row per thread, a code word at a time (`_rewrite_tile`), with no int -> float
+  conversion (a quarter-rate instruction). Per 32-bit code word q and each of its two
   bytes' halves (q, q >> 8), an and-or and a subtraction per fp16 pair: (x & (mask << bits
   k)) | 0x64006400 puts codes (k, k + 16 / bits) of that half, shifted left by bits * k,
   into the mantissas of 1024 (no shifts back), and subtracting 1024 + m_j 2^(bits - 1)
   leaves m_j times the centred code, exactly: 2.25 instructions per pair at 4 bits, where
-  `dequantize_rows` takes about 4. Why the offsets come off here and not after the
-  product: the tensor cores' float32 accumulation errs in proportion to the accumulator, so
+  dequantizing (a shift back and an fma with the scale and zero as well) took about 4.
+  Why the offsets come off here and not after the product: the tensor cores' float32 accumulation errs in proportion to the accumulator, so
   one that carries an offset (1024 Σ p, or the codes' mean) loses the codes' bits as the
   context grows, and the offset cancels only afterwards (`copy_scale_rows` moves the centre
-  into the zero). The pairs come in `dequantize_rows`' column order."""
+  into the zero). The pairs come in `mosaic_plan.code_order`."""
   from jax._src.lib.mlir import ir  # pylint: disable=import-outside-toplevel
   from jax._src.lib.mlir.dialects import arith, llvm, vector  # pylint: disable=import-outside-toplevel
   i32, f16 = ir.IntegerType.get_signless(32), ir.F16Type.get()
@@ -248,11 +209,10 @@ def code_rows(codes_ref, dst_ref, *, bits: int):
 
 def copy_scale_rows(sz_ref, dst_ref, grp, *, groups: int, bits: int):
   """dst[0, t] = s_t and dst[1, t] = z_t + h s_t in float32, h = `code_centre(bits)`, for a
-  tile's 64 tokens
-  (their scale s and zero z: `dequantize_rows`' sz_ref layout, token t of group g at t *
-  groups + g), into a [2, 64] float32 buffer that the compute warpgroups load as a WGMMA
-  row vector: s c + z = s (c - h) + (z + h s) for the centred codes of
-  `code_rows`. Thread i of the warpgroup writes entry (i / 64, i % 64)."""
+  tile's 64 tokens (their scale s and zero z: sz_ref [2, 64 * groups / 8, 8] fp16, row 0
+  the scales and row 1 the zeros of every head group, token t of group g at t * groups +
+  g), into a [2, 64] float32 buffer that the compute warpgroups load as a WGMMA row
+  vector: s c + z = s (c - h) + (z + h s) for the centred codes of `code_rows`. Thread i of the warpgroup writes entry (i / 64, i % 64)."""
   import jax.experimental.mosaic.gpu as mgpu  # pylint: disable=import-outside-toplevel
   from jax._src.lib.mlir import ir  # pylint: disable=import-outside-toplevel
   from jax._src.lib.mlir.dialects import arith, math as mlir_math, memref  # pylint: disable=import-outside-toplevel

@@ -52,29 +52,29 @@ Choices (written down, as they differ from the Triton kernel where noted):
 Packed latents (Palu's low-bit latents, read as the cache stores them): the producer
 warpgroup becomes a converter (`_convert`). TMA streams each tile's codes and scale/zero
 rows, the keys' into a `c_stages`-slot code ring, the values' into one slot that aliases the
-cos/sin table; the warpgroup dequantizes the key tiles into the key ring
-(`mosaic_fragments.dequantize_rows`: fp16 pair arithmetic, no int -> float conversion) and
-arrives on the ring slot's barrier where TMA arrived before, so the key products run
-unchanged, on fp16 tiles (B_k and p in fp16 too: `latent_dtype`).
-The value tile is not dequantized: the converter writes its codes centred and scaled by
+cos/sin table; the warpgroup rewrites them into the key and value rings and arrives on the
+ring slot's barrier where TMA arrived before (B_k and p in fp16: `latent_dtype`).
+Neither tile is dequantized: the converter writes its codes centred and scaled by
 powers of two, m_j (code - 2^(bits-1)) in fp16, exact (`mosaic_fragments.code_rows`: an
 and-or and a subtraction per pair), and copies the tile's scales s and centred zeros z' = z
-+ 2^(bits-1) s into a float32 ring beside it; the compute warpgroups multiply it by p^ =
-fp16(s ⊙ p) and keep the column sums Σ z' ⊙ p (rescaled like l), so that V^T p = C'^T (s ⊙
-p) + 1 (z'^T p) is recovered per split partial by
-`mosaic_plan.fold_value_partials`. (Leaving the codes in the magic-number form 1024 + m_j
++ 2^(bits-1) s into float32 rings beside them. Keys: the key product runs on the centred
+codes with B_k's rows divided by m_j, and the compute warpgroups form K = s ⊙ K' + z' 1^T
+B_k on the float32 product before the rotation (`mosaic_plan.fold_key_operands`). Values:
+the compute warpgroups multiply the tile by p^ = fp16(s ⊙ p) and keep the column sums
+Σ z' ⊙ p (rescaled like l), so that V^T p = C'^T (s ⊙ p) + 1 (z'^T p) is recovered per
+split partial by `mosaic_plan.fold_value_partials`. (Leaving the codes in the magic-number form 1024 + m_j
 code saves the subtraction, but the product then carries 1024 Σ p^ through the tensor
 cores' float32 accumulation, whose error scales with what it holds: the error grew with
 the context; uncentred codes m_j code, whose mean cancels against Σ z p only after the
 product, erred less but still more than the dequantizing converter. Measured:
-results/decode_ablations.md, "the folded value product".) The key tile,
-whose scale and zero would have to be applied to every reconstructed key, is dequantized.
+results/decode_ablations.md, "the folded value product".)
 Why: the converter warpgroup set the kernel's pace, limited by its instructions per code
 (results/decode_ablations.md, "Palu 4-bit: where the converter's time goes").
 A converted tile's columns come in `code_order`: B_k's rows are permuted to match and the
-output's latent channels put back. Choices: the dequantized key latents are rounded once
-to fp16 (the reference dequantizes in float32; the bf16 path reads bf16 latents, 8 times
-coarser); s ⊙ p is rounded to fp16 for the value product (p to bf16 on the bf16 path).
+output's latent channels put back. Choices: the keys are rebuilt in float32 from exact
+codes and fp16 B_k / m_j (the reference dequantizes in float32 and multiplies by B_k; the
+bf16 path reads bf16 latents); s ⊙ p is rounded to fp16 for the value product (p to bf16
+on the bf16 path).
 """
 
 from __future__ import annotations
@@ -92,13 +92,14 @@ from ..common import splitk
 from . import mosaic_fragments as frag
 from .mosaic_plan import (  # noqa: F401  (re-exported: the kernel's public planning API)
     AUTO_STAGES, AUTO_STAGES_PACKED, RED_PER_COL, SMEM_LIMIT, T, _smem_bytes, check_inputs,
-    code_multipliers, code_order, fold_value_partials, latent_dtype, packed_bits, plan,
+    code_multipliers, code_order, fold_key_operands, fold_value_partials, latent_dtype,
+    packed_bits, plan,
     query_columns, query_operand, rope_tables, shares_values, unpad_partials)
 
 # Registers per thread of the compute and producer warpgroups (setmaxnreg). With HPP = 2
 # compute warpgroups the launch gives each of the 3 warpgroups 168 (65536 / 384, rounded
 # down to 8) and setmaxnreg.inc waits until the decreases free what it asks for, so a split
-# over 3 x 168 = 504 would never start. With packed latents the producer dequantizes and
+# over 3 x 168 = 504 would never start. With packed latents the producer converts codes and
 # takes more (results/decode_ablations.md, "Palu 4-bit on the Mosaic kernel").
 COMPUTE_REGISTERS = 232
 PRODUCER_REGISTERS = 40
@@ -155,6 +156,9 @@ def _kernel(p, q_ref, hk_ref, hv_ref, bk_ref, cos_ref, base_ref, len_ref, o_ref,
     plgpu.copy_gmem_to_smem(bk_ref.at[grp, :, pl.ds(j * 2 * hh + 0 * hh, 2 * hh)],
                             bk_s.at[w], bk_bar.at[w * 2])
     plgpu.copy_gmem_to_smem(q_ref.at[kv], q0_s.at[w], q_bar.at[w])
+    if packed:  # 1^T B_k of this head's columns (the key tiles' zeros: `_convert`)
+      plgpu.copy_gmem_to_smem(sz_refs[4].at[grp, pl.ds(j * 2 * hh, 2 * hh)], packed[6].at[w],
+                              bk_bar.at[w * 2 + 1])
     plgpu.barrier_wait(bk_bar.at[w * 2])
     plgpu.barrier_wait(q_bar.at[w])
     plgpu.barrier_wait(rope_bar.at[0])
@@ -162,6 +166,8 @@ def _kernel(p, q_ref, hk_ref, hv_ref, bk_ref, cos_ref, base_ref, len_ref, o_ref,
     q1 = plgpu.load(q0_s.at[w, 0], (), layout=wgmma_layout)
     q2 = plgpu.load(q0_s.at[w, 1], (), layout=wgmma_layout)
     col_layout = wgmma_layout.reduce(0)
+    if packed:
+      plgpu.barrier_wait(bk_bar.at[w * 2 + 1])
     m_i = plgpu.layout_cast(jnp.full((np_,), -jnp.inf, jnp.float32), col_layout)
     l_t = plgpu.layout_cast(jnp.zeros((T, np_), jnp.float32), wgmma_layout)
     acc0 = plgpu.layout_cast(jnp.zeros((rvw, ncol), jnp.float32), wgmma_layout)
@@ -285,6 +291,14 @@ def _kernel(p, q_ref, hk_ref, hv_ref, bk_ref, cos_ref, base_ref, len_ref, o_ref,
       t0 = start + i * T
       plgpu.barrier_wait(l_bar.at[slot])
       kf = key_product(slot)
+      if packed:  # K = s ⊙ K' + z' 1^T B_k for the tile of centred key codes (`_convert`)
+        row = wgmma_layout.reduce(1)
+        sk, zk = (lax.broadcast_in_dim(plgpu.load(packed[5].at[slot, a], (), layout=row),
+                                       (T, 2 * hh), [0]) for a in (0, 1))
+        # 1^T B_k read from shared memory per tile, not held across the loop (64 registers)
+        b_sum = lax.broadcast_in_dim(plgpu.load(packed[6].at[w], (), layout=col_layout),
+                                     (T, 2 * hh), [1])
+        kf = kf * sk + zk * b_sum
       plgpu.barrier_arrive(k_free.at[slot])
       sc = scores(kf)
       # tile i - 1's value product retired with the key product
@@ -366,12 +380,11 @@ def _kernel(p, q_ref, hk_ref, hv_ref, bk_ref, cos_ref, base_ref, len_ref, o_ref,
 
 def _convert(p, b, grp, start, n_tiles, hk_ref, hv_ref, sz_refs, base_ref, packed, rings,
              bars):
-  """The producer warpgroup's body with packed latents: it streams codes, dequantizes the
-  key tiles (`mosaic_fragments.dequantize_rows`) and writes the value tiles as centred,
-  scaled codes (`mosaic_fragments.code_rows`, their scales and centred zeros beside them)
-  into the key and value rings that the compute warpgroups read, arriving on a ring slot's
-  barrier once its tile is written and made visible to wgmma (where a TMA copy arrived
-  before).
+  """The producer warpgroup's body with packed latents: it streams codes and writes the key
+  and value tiles as centred, scaled codes (`mosaic_fragments.code_rows`, their scale/zero
+  rows beside them) into the key and value rings that the compute warpgroups read,
+  arriving on a ring slot's barrier once its tile is written and made visible to wgmma
+  (where a TMA copy arrived before).
 
   Code rings: the key codes and scale/zero rows in `c_stages` slots, TMA'd `c_stages` tiles
   ahead; the value codes and rows in one slot that aliases the in-tile cos/sin table (dead
@@ -381,7 +394,7 @@ def _convert(p, b, grp, start, n_tiles, hk_ref, hv_ref, sz_refs, base_ref, packe
   warpgroups whenever the rings have a second slot."""
   import jax.experimental.pallas as pl  # pylint: disable=import-outside-toplevel
   import jax.experimental.pallas.mosaic_gpu as plgpu  # pylint: disable=import-outside-toplevel
-  kc_s, ksz_s, vc_s, vsz_s, vsr_s, ck_bar, cv_bar, cos_free = packed
+  kc_s, ksz_s, vc_s, vsz_s, vsr_s, ksr_s, _, ck_bar, cv_bar, cos_free = packed
   l_s, base_s, v_s = rings
   base_bar, l_bar, v_bar, k_free, v_free = bars
   stages, v_stages, cs, gr, bits = p["stages"], p["v_stages"], p["c_stages"], p["gr"], p["bits"]
@@ -390,13 +403,8 @@ def _convert(p, b, grp, start, n_tiles, hk_ref, hv_ref, sz_refs, base_ref, packe
   tile_rows = lambda i: pl.ds((start // T + i) * rows, rows)
   swizzled = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
 
-  @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.RefType(), plgpu.RefType(swizzled),
-                                plgpu.Layout.WG_SPLAT(())))
-  def dequantize(_, codes, sz, dst, g):
-    frag.dequantize_rows(codes, sz, dst, g.registers.item(), bits=bits, groups=gr)
-
   @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.RefType(swizzled)))
-  def value_codes(_, codes, dst):
+  def centred_codes(_, codes, dst):
     frag.code_rows(codes, dst, bits=bits)
 
   @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.RefType(), plgpu.Layout.WG_SPLAT(())))
@@ -423,7 +431,8 @@ def _convert(p, b, grp, start, n_tiles, hk_ref, hv_ref, sz_refs, base_ref, packe
     plgpu.barrier_wait(ck_bar.at[cslot])
     pl.when(i >= stages)(lambda: plgpu.barrier_wait(k_free.at[slot]))
     plgpu.copy_gmem_to_smem(base_ref.at[start // T + i], base_s.at[slot], base_bar.at[slot])
-    dequantize(kc_s.at[cslot], ksz_s.at[cslot], l_s.at[slot], grp)
+    scale_rows(ksz_s.at[cslot], ksr_s.at[slot], grp)
+    centred_codes(kc_s.at[cslot], l_s.at[slot])   # ends with the warpgroup's barrier
     plgpu.commit_smem()
     plgpu.barrier_arrive(l_bar.at[slot])
     pl.when(i + cs < n_tiles)(lambda: load_keys(i + cs))
@@ -433,7 +442,7 @@ def _convert(p, b, grp, start, n_tiles, hk_ref, hv_ref, sz_refs, base_ref, packe
     plgpu.barrier_wait(cv_bar)
     pl.when(i >= v_stages)(lambda: plgpu.barrier_wait(v_free.at[vslot]))
     scale_rows(vsz_s, vsr_s.at[vslot], grp)   # read by the compute warpgroups (generic loads)
-    value_codes(vc_s, v_s.at[vslot])             # ends with the warpgroup's barrier
+    centred_codes(vc_s, v_s.at[vslot])           # ends with the warpgroup's barrier
     plgpu.commit_smem()
     plgpu.barrier_arrive(v_bar.at[vslot])
     pl.when(i + 1 < n_tiles)(lambda: load_values(i + 1))
@@ -491,7 +500,7 @@ def _call(p, qt, hk, hv, bk, cs, sin, base, lengths, sz=()):
         plgpu.SMEM((hpp, RED_PER_COL * np_), jnp.float32),
     ]
     bars = [
-        plgpu.Barrier(num_barriers=2 * hpp),  # B_k slices (barrier 2 w for warpgroup w)
+        plgpu.Barrier(num_barriers=2 * hpp),  # B_k slices (2 w), packed: 1^T B_k (2 w + 1)
         plgpu.Barrier(num_barriers=hpp),
         plgpu.Barrier(num_barriers=2),        # cos/sin table (the first is used)
         plgpu.Barrier(num_barriers=stages),
@@ -513,6 +522,8 @@ def _call(p, qt, hk, hv, bk, cs, sin, base, lengths, sz=()):
       packed = [plgpu.SMEM((c_stages, T, rk * bits // 8), jnp.uint8),
                 plgpu.SMEM((c_stages, 2, rows, 8), sdt),
                 plgpu.SMEM((v_stages, 2, T), jnp.float32),   # value tiles' scale/zero rows
+                plgpu.SMEM((stages, 2, T), jnp.float32),     # key tiles' scale/zero rows
+                plgpu.SMEM((hpp, 2 * hh), jnp.float32),      # 1^T B_k per head
                 plgpu.Barrier(num_arrivals=3, num_barriers=c_stages),
                 plgpu.Barrier(num_arrivals=3),
                 plgpu.Barrier(num_arrivals=hpp)]
@@ -554,7 +565,7 @@ def palu_attention_mosaic(q, hk, hv, b_k, lengths, inv_freq, *, k_bias=None, sca
     precomputed `rope_tables(inv_freq, S)` (a model builds them once); c_stages: the key
     code ring's depth with packed latents (see `plan`).
     hk, hv: bf16 latents, or both `PackedLatent` of 2 or 4 bits with fp16 scales
-    (`check_inputs`), dequantized in the kernel (module docstring).
+    (`check_inputs`), read as codes by the kernel (module docstring).
   """
   check_inputs(hk, hv, k_bias)
   h = q.shape[-1]
@@ -569,8 +580,8 @@ def palu_attention_mosaic(q, hk, hv, b_k, lengths, inv_freq, *, k_bias=None, sca
   gr, rk, gh = b_k.shape
   b_k = b_k.astype(latent_dtype(bits))
   b_k = b_k.reshape(gr, rk, gh // h, 2, h // 2).swapaxes(-1, -2).reshape(gr, rk, gh)
-  if bits is not None:  # the converted key tile's columns are code_order(rk, bits)
-    b_k = b_k[:, code_order(rk, bits)]
+  if bits is not None:  # B_k for the key tiles of centred codes, and 1^T B_k
+    b_k, b_sum = fold_key_operands(b_k, bits)
   # (The 1-element `sin` operand, the unused second cos/sin barrier and the per-head
   # placeholder scratch slot are leftovers of the removed two-halves layout, kept so that
   # the lowered module did not change when it went; they cost a few bytes.)
@@ -583,7 +594,7 @@ def palu_attention_mosaic(q, hk, hv, b_k, lengths, inv_freq, *, k_bias=None, sca
     b, s = hk.shape[:2]
     rows = lambda a: a.reshape(b, s * gr // 8, 8)
     lat = (hk.codes, hv.codes)
-    sz = tuple(rows(a) for a in (hk.scale, hk.zero, hv.scale, hv.zero))
+    sz = tuple(rows(a) for a in (hk.scale, hk.zero, hv.scale, hv.zero)) + (b_sum,)
   o_t, lse_t, *sums = _call(p, query_operand(q, p, scale), *lat, b_k, cs, sin, base,
                             lengths.astype(jnp.int32), sz)
   if bits is not None:  # the value tile's scale and zero, left out of the kernel's product

@@ -27,14 +27,15 @@ def _smem_bytes(hpp, rk, rv, hh, np_, stages, v_stages, bits=None, gr=1, c_stage
   """Shared memory of the kernel's scratch buffers, each rounded up to 1 KiB as Pallas
   Mosaic GPU allocates them, plus the barriers. Packed latents (bits set) add the key code
   ring (c_stages slots of code tiles and scale/zero rows), the value code slot beyond
-  the cos/sin table it aliases, and the value tiles' float32 scale/zero rows (a v_stages
-  ring)."""
+  the cos/sin table it aliases, the value and key tiles' float32 scale/zero rows (a
+  v_stages and a stages ring) and each head's 1^T B_k."""
   kib = lambda n: -(-n // 1024) * 1024
   codes = 0
   if bits is not None:  # key code ring; the value code slot shares the cos/sin table's memory
     union = kib(kib(T * rv * bits // 8) + 2 * T * gr * 2)
     codes = (kib(c_stages * T * rk * bits // 8) + kib(c_stages * 2 * T * gr * 2)
-             + max(0, union - kib(T * 2 * hh * 2)) + kib(v_stages * 2 * T * 4))
+             + max(0, union - kib(T * 2 * hh * 2)) + kib(v_stages * 2 * T * 4)
+             + kib(stages * 2 * T * 4) + kib(hpp * 2 * hh * 4))
   return (codes
           + kib(hpp * 2 * rk * hh * 2)      # B_k column slices
           + kib(hpp * 2 * hh * np_ * 4)   # queries^T (f32, as loaded)
@@ -56,15 +57,15 @@ PACKED_SCALE_DTYPES = ("float16",)
 
 def latent_dtype(bits):
   """The type of the latent tiles the compute warpgroups multiply (and of B_k and p): bf16
-  for bf16 latents; fp16 for packed ones, which the producer dequantizes in fp16 arithmetic
-  from fp16 scales (`mosaic_fragments.dequantize_rows`)."""
+  for bf16 latents; fp16 for packed ones, whose codes the converter writes as exact fp16
+  (`mosaic_fragments.code_rows`)."""
   return jnp.bfloat16 if bits is None else jnp.float16
 
 
 def code_order(dim: int, bits: int) -> np.ndarray:
-  """Latent channel of each column of a dequantized tile: a 32-bit code word of 32 / bits
+  """Latent channel of each column of a converted tile: a 32-bit code word of 32 / bits
   channels turns into 16 / bits fp16 pairs (channel i, channel i + 16 / bits), laid out pair
-  after pair (`mosaic_fragments.dequantize_rows`), i.e. columns (0, 16/b, 1, 16/b + 1, ...)
+  after pair (`mosaic_fragments.code_rows`), i.e. columns (0, 16/b, 1, 16/b + 1, ...)
   of each word."""
   per_word = 32 // bits
   p = np.arange(per_word)
@@ -80,6 +81,21 @@ def code_multipliers(dim: int, bits: int) -> np.ndarray:
   per_word = 32 // bits
   pair = (np.arange(dim) % per_word) // 2
   return (2 ** (bits * (pair % (8 // bits)))).astype(np.float32)
+
+
+def fold_key_operands(b_k, bits):
+  """(B_k', 1^T B_k) for key tiles of centred codes. The converted key tile's column j holds
+  m_j (c - 2^(bits - 1)) for latent channel code_order[j] (`mosaic_fragments.code_rows`),
+  so B_k's rows are permuted to code order and divided by m_j (a power of 2: exact unless an
+  entry falls below fp16's normal range), and the kernel forms K = s ⊙ (C' B_k') + z' 1^T
+  B_k from the tile's scales s and centred zeros z' = z + 2^(bits - 1) s. b_k [Gr, rk, gh]
+  (fp16, its columns already in the kernel's order); 1^T B_k [Gr, gh] float32 of that fp16
+  B_k."""
+  rk = b_k.shape[1]
+  b_k = b_k[:, code_order(rk, bits)]
+  b_sum = b_k.astype(jnp.float32).sum(1)
+  inv_m = jnp.asarray(1.0 / code_multipliers(rk, bits))[None, :, None]
+  return (b_k.astype(jnp.float32) * inv_m).astype(b_k.dtype), b_sum
 
 
 def fold_value_partials(o_t, c2, p):

@@ -290,11 +290,13 @@ def test_mosaic_packed_plan():
   assert (p["stages"], p["v_stages"], p["c_stages"], p["bits"]) == (1, 2, 2, 4)
   smem = ml._smem_bytes  # pylint: disable=protected-access
   # 2 key code tiles (64 x 64 B) + 2 x [2, 16, 8] fp16 rows; value codes 12 KiB + 0.5 KiB <
-  # the table's 16 KiB; the value tiles' float32 scale/zero rows 2 x [2, 64]
-  assert smem(2, 128, 384, 64, 8, 1, 2, 4, 2, 2) - smem(2, 128, 384, 64, 8, 1, 2) == 9216 + 1024
+  # the table's 16 KiB; the value and key tiles' float32 scale/zero rows 2 x and 1 x [2, 64],
+  # each head's 1^T B_k [2, 128] float32
+  assert smem(2, 128, 384, 64, 8, 1, 2, 4, 2, 2) - smem(2, 128, 384, 64, 8, 1, 2) == (
+      9216 + 1024 + 1024 + 1024)
   # 512-wide value codes (16 KiB + 0.5 KiB) overflow the table by a KiB
   assert smem(2, 128, 512, 64, 8, 1, 2, 4, 2, 1) - smem(2, 128, 512, 64, 8, 1, 2) == (
-      4096 + 1024 + 1024 + 1024)
+      4096 + 1024 + 1024 + 1024 + 1024 + 1024)
   p = ml.plan(q.shape, hk.shape, hv.shape, bk.shape, bits=4, c_stages=1)
   assert (p["stages"], p["v_stages"], p["c_stages"]) == (1, 2, 1)
   with pytest.raises(ValueError, match="shared memory"):
@@ -359,6 +361,29 @@ def test_fold_value_partials_against_float64(bits):
   assert err < tol, (err, tol)
   assert np.abs(fold(6 - bits) - want).max() > 100 * tol
   assert np.abs(o_t[np.argsort(order)] - want).max() > 100 * tol
+
+
+@pytest.mark.parametrize("bits", [4, 2])
+def test_fold_key_operands_against_float64(bits):
+  """The folded key product: the kernel multiplies the key tile of centred, scaled codes
+  (code order) by B_k' and forms s ⊙ (C' B_k') + z' 1^T B_k; with `fold_key_operands` that
+  must equal the dequantized latents times B_k (float64; 1^T B_k is summed in float32).
+  Negative controls: B_k not divided by m_j, and the zero term left out."""
+  rng = np.random.default_rng(10 + bits)
+  t, rk, cols, h = 64, 128, 256, 2 ** (bits - 1)
+  codes = rng.integers(0, 2 ** bits, (t, rk))
+  s = rng.uniform(0.01, 0.2, t).astype(np.float16).astype(np.float64)
+  z = rng.uniform(-1.0, 1.0, t).astype(np.float16).astype(np.float64)
+  bk = (rng.standard_normal((1, rk, cols)) * rk ** -0.5).astype(np.float16)
+  want = (s[:, None] * codes + z[:, None]) @ bk[0].astype(np.float64)
+  bk_f, b_sum = (np.asarray(x, np.float64) for x in ml.fold_key_operands(jnp.asarray(bk), bits))
+  tile = _code_tile(codes, bits)
+  got = s[:, None] * (tile @ bk_f[0]) + (z + h * s)[:, None] * b_sum[0]
+  assert np.abs(got - want).max() < 1e-6 * np.abs(want).max()   # 1^T B_k summed in float32
+  order = ml.code_order(rk, bits)
+  undivided = s[:, None] * (tile @ bk[0].astype(np.float64)[order]) + (z + h * s)[:, None] * b_sum[0]
+  assert np.abs(undivided - want).max() > 1e-2 * np.abs(want).max()
+  assert np.abs(s[:, None] * (tile @ bk_f[0]) - want).max() > 1e-2 * np.abs(want).max()
 
 
 def test_mosaic_packed_check_inputs():
