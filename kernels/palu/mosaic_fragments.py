@@ -181,11 +181,12 @@ def code_rows(codes_ref, dst_ref, *, bits: int):
   k)) | 0x64006400 puts codes (k, k + 16 / bits) of that half, shifted left by bits * k,
   into the mantissas of 1024 (no shifts back), and subtracting 1024 + m_j 2^(bits - 1)
   leaves m_j times the centred code, exactly: 2.25 instructions per pair at 4 bits, where
-  dequantizing (a shift back and an fma with the scale and zero as well) took about 4.
-  Why the offsets come off here and not after the product: the tensor cores' float32 accumulation errs in proportion to the accumulator, so
-  one that carries an offset (1024 Σ p, or the codes' mean) loses the codes' bits as the
-  context grows, and the offset cancels only afterwards (`copy_scale_rows` moves the centre
-  into the zero). The pairs come in `mosaic_plan.code_order`."""
+  dequantizing (a shift back and an fma with the scale and zero as well) took about 4. Why
+  the offsets come off here and not after the product: the tensor cores' float32
+  accumulation errs in proportion to the accumulator, so one that carries an offset (1024 Σ
+  p, or the codes' mean) loses the codes' bits as the context grows, and the offset cancels
+  only afterwards (`copy_scale_rows` moves the centre into the zero). The pairs come in
+  `mosaic_plan.code_order`."""
   from jax._src.lib.mlir import ir  # pylint: disable=import-outside-toplevel
   from jax._src.lib.mlir.dialects import arith, llvm, vector  # pylint: disable=import-outside-toplevel
   i32, f16 = ir.IntegerType.get_signless(32), ir.F16Type.get()
@@ -212,7 +213,8 @@ def copy_scale_rows(sz_ref, dst_ref, grp, *, groups: int, bits: int):
   tile's 64 tokens (their scale s and zero z: sz_ref [2, 64 * groups / 8, 8] fp16, row 0
   the scales and row 1 the zeros of every head group, token t of group g at t * groups +
   g), into a [2, 64] float32 buffer that the compute warpgroups load as a WGMMA row
-  vector: s c + z = s (c - h) + (z + h s) for the centred codes of `code_rows`. Thread i of the warpgroup writes entry (i / 64, i % 64)."""
+  vector: s c + z = s (c - h) + (z + h s) for the centred codes of `code_rows`. Thread i
+  of the warpgroup writes entry (i / 64, i % 64)."""
   import jax.experimental.mosaic.gpu as mgpu  # pylint: disable=import-outside-toplevel
   from jax._src.lib.mlir import ir  # pylint: disable=import-outside-toplevel
   from jax._src.lib.mlir.dialects import arith, math as mlir_math, memref  # pylint: disable=import-outside-toplevel

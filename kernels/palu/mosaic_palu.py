@@ -62,11 +62,11 @@ codes with B_k's rows divided by m_j, and the compute warpgroups form K = s ⊙ 
 B_k on the float32 product before the rotation (`mosaic_plan.fold_key_operands`). Values:
 the compute warpgroups multiply the tile by p^ = fp16(s ⊙ p) and keep the column sums
 Σ z' ⊙ p (rescaled like l), so that V^T p = C'^T (s ⊙ p) + 1 (z'^T p) is recovered per
-split partial by `mosaic_plan.fold_value_partials`. (Leaving the codes in the magic-number form 1024 + m_j
-code saves the subtraction, but the product then carries 1024 Σ p^ through the tensor
-cores' float32 accumulation, whose error scales with what it holds: the error grew with
-the context; uncentred codes m_j code, whose mean cancels against Σ z p only after the
-product, erred less but still more than the dequantizing converter. Measured:
+split partial by `mosaic_plan.fold_value_partials`. (Leaving the codes in the magic-number
+form 1024 + m_j code saves the subtraction, but the product then carries 1024 Σ p^ through
+the tensor cores' float32 accumulation, whose error scales with what it holds: the error
+grew with the context; uncentred codes m_j code, whose mean cancels against Σ z p only
+after the product, erred less but still more than the dequantizing converter. Measured:
 results/decode_ablations.md, "the folded value product".)
 Why: the converter warpgroup set the kernel's pace, limited by its instructions per code
 (results/decode_ablations.md, "Palu 4-bit: where the converter's time goes").
