@@ -114,13 +114,12 @@ def store_transposed(x, dst, row_stride=1, row_offset=0):
   f(x, dst)
 
 
-def _rewrite_tile(codes_ref, dst_ref, bits, make_pairs):
-  """`code_rows`' loop: each of the warpgroup's 128 threads
-  takes half a row (token t = thread / 2) of a 64-token tile of packed codes, a 32-bit code
-  word at a time; make_pairs(t) returns the function from a code word (i32) to its 16 / bits
-  fp16 pairs (as i32), which go out in 16-byte stores into the swizzled tile (hence
-  `mosaic_plan.code_order`). Ends with a warpgroup barrier: the codes may be overwritten
-  (TMA) after it."""
+def _rewrite_tile(codes_ref, dst_ref, bits, pairs_of):
+  """`code_rows`' loop: each of the warpgroup's 128 threads takes half a row (token t =
+  thread / 2) of a 64-token tile of packed codes, a 32-bit code word at a time; pairs_of maps
+  a code word (i32) to its 16 / bits fp16 pairs (as i32), which go out in 16-byte stores
+  into the swizzled tile (hence `mosaic_plan.code_order`). Ends with a warpgroup barrier:
+  the codes may be overwritten (TMA) after it."""
   import jax.experimental.mosaic.gpu as mgpu  # pylint: disable=import-outside-toplevel
   from jax._src.lib.mlir import ir  # pylint: disable=import-outside-toplevel
   from jax._src.lib.mlir.dialects import arith, llvm, vector  # pylint: disable=import-outside-toplevel
@@ -140,7 +139,6 @@ def _rewrite_tile(codes_ref, dst_ref, bits, make_pairs):
   t = arith.shrui(tid, c(1))
   h = arith.andi(tid, c(1))
   t8, tr = arith.shrui(t, c(3)), arith.andi(t, c(7))
-  pairs_of = make_pairs(t)
   cptr, dptr = utils.memref_ptr(codes_ref), utils.memref_ptr(dst_ref)
   chunk_ty = ir.VectorType.get([4], i32)
   row_words = arith.addi(arith.muli(t, c(words)), arith.muli(h, c(half)))
@@ -205,7 +203,7 @@ def code_rows(codes_ref, dst_ref, *, bits: int):
   def pairs_of(word):
     return [exact(arith.andi(qq, c((mask << (bits * k)) * 0x10001)), k)
             for qq in (word, arith.shrui(word, c(8))) for k in range(8 // bits)]
-  _rewrite_tile(codes_ref, dst_ref, bits, lambda t: pairs_of)
+  _rewrite_tile(codes_ref, dst_ref, bits, pairs_of)
 
 
 def copy_scale_rows(sz_ref, dst_ref, grp, *, groups: int, bits: int):

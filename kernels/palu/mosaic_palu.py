@@ -93,8 +93,8 @@ from . import mosaic_fragments as frag
 from .mosaic_plan import (  # noqa: F401  (re-exported: the kernel's public planning API)
     AUTO_STAGES, AUTO_STAGES_PACKED, RED_PER_COL, SMEM_LIMIT, T, _smem_bytes, check_inputs,
     code_multipliers, code_order, fold_key_operands, fold_value_partials, latent_dtype,
-    packed_bits, plan,
-    query_columns, query_operand, rope_tables, shares_values, unpad_partials)
+    packed_bits, plan, query_columns, query_operand, rope_tables, shares_values,
+    unpad_partials)
 
 # Registers per thread of the compute and producer warpgroups (setmaxnreg). With HPP = 2
 # compute warpgroups the launch gives each of the 3 warpgroups 168 (65536 / 384, rounded

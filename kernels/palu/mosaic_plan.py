@@ -75,9 +75,9 @@ def code_order(dim: int, bits: int) -> np.ndarray:
 
 
 def code_multipliers(dim: int, bits: int) -> np.ndarray:
-  """m_j of each column of a value tile as `mosaic_fragments.code_rows` writes it (m_j *
-  (code - 2^(bits - 1))): fp16 pair k of a code word's byte half holds its codes shifted left by bits * (k
-  mod 8 / bits)."""
+  """m_j of each column of a key or value tile as `mosaic_fragments.code_rows` writes it
+  (m_j * (code - 2^(bits - 1))): fp16 pair k of a code word's byte half holds its codes
+  shifted left by bits * (k mod 8 / bits)."""
   per_word = 32 // bits
   pair = (np.arange(dim) % per_word) // 2
   return (2 ** (bits * (pair % (8 // bits)))).astype(np.float32)
