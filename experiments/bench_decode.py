@@ -37,7 +37,8 @@ _OUT = flags.DEFINE_string(
     "`complete` is true once the run finished).")
 _PNG = flags.DEFINE_string("png", None, "Plot output path (tokens/s per method).")
 _PROFILE = flags.DEFINE_bool("profile", False,
-                              "Also trace each step: device time per XLA op and category.")
+                              "Also trace each step: device time per XLA op and category "
+                              "(GPU 0's on a mesh; all-reduces as collectives).")
 _MESH = flags.DEFINE_string("mesh", None, "DATAxMODEL devices (e.g. 1x4); default: one GPU.")
 _CHECK_BATCH = flags.DEFINE_bool(
     "check_max_batch", False,

@@ -2,6 +2,7 @@
 consistent bytes and times, the table, skips; the GPU numbers are in BENCHMARKS.md."""
 
 import dataclasses
+import types
 
 import jax.numpy as jnp
 import pytest
@@ -76,9 +77,36 @@ def test_profile_records_ops_by_category():
                      ("entry_mosaic_gpu_kernel", "entry_mosaic_gpu_kernel")):
     assert decode.ops.category(op, kernel) == "custom call (attention kernels)"
   assert decode.ops.category("loop_add_fusion") == "other fusion"
+  # A mesh's all-reduces are collectives, not reduction fusions (their names hold "reduce").
+  for op, kernel in (("all-reduce-start.3", "ncclDevKernel_AllReduce_Sum_bf16_RING_LL"),
+                     ("all-reduce.12", ""), ("all-gather-start", "")):
+    assert decode.ops.category(op, kernel) == "collective (all-reduce / all-gather)"
+  assert decode.ops.category("input_reduce_fusion") == "reduction fusion"
   assert "profile" not in res["records"][0] and decode.run(
       TINY, methods=["dense"], configs=[(256, 1)], steps=2,
       log=lambda s: None)["records"][0]["step_ops"] is None
+
+
+def _plane(name, ops_ns):
+  ev = lambda op, ns: types.SimpleNamespace(name=op, stats=[("hlo_op", op)], duration_ns=ns)
+  return types.SimpleNamespace(name=name, lines=[
+      types.SimpleNamespace(name="Stream #1", events=[ev(o, ns) for o, ns in ops_ns]),
+      types.SimpleNamespace(name="XLA Ops", events=[ev("summary", 1e9)])])
+
+
+def test_profile_events_count_one_gpu_of_a_mesh():
+  """Several GPUs (a mesh): only GPU 0's kernels count, whatever the planes' order; one GPU
+  and other device planes as before; no device plane: the host's threads."""
+  # GPU 0 is listed third: taking the first plane would give 40 ns, all of them 100.
+  mesh = [_plane(f"/device:GPU:{i}", [("fusion", 10.0 * (i + 1))]) for i in (3, 1, 0, 2)]
+  assert list(decode.ops._events(types.SimpleNamespace(planes=mesh))) == [
+      ("fusion", "fusion", 10.0)]
+  one = [_plane("/device:GPU:0", [("fusion", 5.0)]), _plane("/device:CUSTOM:0", [("x", 1.0)])]
+  assert sorted(decode.ops._events(types.SimpleNamespace(planes=one))) == [
+      ("fusion", "fusion", 5.0), ("x", "x", 1.0)]
+  host = [_plane("/host:CPU", [("dot", 2.0)])]
+  got = list(decode.ops._events(types.SimpleNamespace(planes=host)))
+  assert ("dot", "dot", 2.0) in got and ("summary", "summary", 1e9) in got
 
 
 def test_cross_layer_method_and_max_batch_check():

@@ -4,10 +4,12 @@
 `jax.profiler`, reads the trace back (`jax.profiler.ProfileData`) and sums the duration of
 every event that names an HLO op (stat `hlo_op`), per op. On a GPU only the device planes
 count (kernels on the streams; the "XLA Ops" / "XLA Modules" summary lines are skipped, so
-nothing is counted twice); without a device plane (CPU) the host threads' op events do.
-Each op also gets a category from its HLO name (`category`): the attention kernels run as
-custom calls (Triton, Mosaic GPU, cuDNN), the projections as GEMMs (checked first: XLA may
-run a GEMM as a custom call too), the cache writes as scatters / dynamic-update-slices, and
+nothing is counted twice), and on several GPUs only GPU 0's plane (on a mesh every device runs
+the same program on its shard); without a device plane (CPU) the host threads' op events do.
+Each op also gets a category from its HLO name (`category`): the mesh's collectives
+(all-reduce, all-gather, NCCL kernels), the projections as GEMMs (checked before the custom
+calls: XLA may run a GEMM as a custom call too), the attention kernels as custom calls
+(Triton, Mosaic GPU, cuDNN), the cache writes as scatters / dynamic-update-slices, and
 everything else as fusions. Kernels that XLA launched inside a command buffer (a CUDA graph)
 carry the buffer's name as their op: they are keyed by kernel name instead, so the layers'
 identical kernels add up in one row.
@@ -25,6 +27,8 @@ from typing import Callable
 import jax
 
 _CATEGORIES = (            # first match wins, on "<hlo op> <kernel>" lower-cased
+    ("collective (all-reduce / all-gather)", ("all-reduce", "all-gather", "reduce-scatter",
+                                              "all-to-all", "collective-permute", "nccl")),
     ("matmul", ("gemm", "xmma", "cutlass", "nvjet", "cublas", "dot")),
     ("custom call (attention kernels)", ("custom-call", "custom_call", "cudnn", "fmha",
                                         "flash", "triton_kernel_call", "mosaic_gpu")),
@@ -45,9 +49,14 @@ def category(op: str, kernel: str = "") -> str:
 
 
 def _events(profile):
-  """(hlo_op, kernel name, duration_ns) of every op event: the device planes' streams,
-  else the host's threads."""
+  """(hlo_op, kernel name, duration_ns) of every op event: the device planes' streams
+  (of GPU 0 alone where there are several GPUs: on a mesh every device runs the same
+  program on its shard, so one device's time is the step's, and summing them would count
+  it once per device), else the host's threads."""
   device = [p for p in profile.planes if p.name.startswith("/device:")]
+  gpus = [p for p in device if re.fullmatch(r"/device:GPU:\d+", p.name)]
+  if len(gpus) > 1:
+    device = [min(gpus, key=lambda p: int(p.name.rsplit(":", 1)[1]))]
   planes = device or [p for p in profile.planes if p.name.startswith("/host:")]
   for plane in planes:
     for line in plane.lines:
