@@ -93,9 +93,9 @@ def fold_key_operands(b_k, bits):
   B_k."""
   rk = b_k.shape[1]
   b_k = b_k[:, code_order(rk, bits)]
-  b_sum = b_k.astype(jnp.float32).sum(1)
+  b32 = b_k.astype(jnp.float32)
   inv_m = jnp.asarray(1.0 / code_multipliers(rk, bits))[None, :, None]
-  return (b_k.astype(jnp.float32) * inv_m).astype(b_k.dtype), b_sum
+  return (b32 * inv_m).astype(b_k.dtype), b32.sum(1)
 
 
 def fold_value_partials(o_t, c2, p):
