@@ -123,3 +123,45 @@ def test_ragged_quantized_triton_matches_reference(bits):
   bad = dataclasses.replace(kq, codes=kq.codes.at[0].set(255 - kq.codes[0]))
   with pytest.raises(AssertionError):
     close(run(bad)[0], ref, 2e-2, 2e-2, "flipped codes")
+
+
+@pytest.mark.parametrize("name,kv_heads,groups,capacity,batch", [
+    ("l3-32k-b8", 8, 4, 32768, 8), ("l2-16k-b4", 32, 1, 16384, 4), ("l3-8k-b40", 8, 4, 8192, 40)])
+def test_epilogue_kernels_match_their_references(name, kv_heads, groups, capacity, batch):
+  """The records (`triton_records`) bit for bit and the combine (`triton_combine`) against
+  their jnp references (`triton_ragged.records`, `combine_heads`) at decode shapes, on the
+  kernel's real partials; the whole call with either epilogue; negative control: the
+  combine of the partials with one chunk's LSE dropped differs."""
+  from kvlowrank_kernels.rotated import triton_combine, triton_records
+  from kvlowrank_kernels.rotated.triton_plan import plan
+  from kvlowrank_kernels.rotated.triton_ragged import (combine_heads, ragged_attention_triton,
+                                                        records)
+  rng = np.random.default_rng(len(name))
+  shape, args = problem(kv_heads, groups, capacity, seed=len(name), batch=min(batch, 8))
+  if batch > 8:    # a batch of ragged rows (the counting-sort scale: hundreds of row tasks)
+    shape = rs.RaggedShape(batch=batch, capacity=capacity, groups=groups,
+                           k_widths=shape.k_widths, v_widths=shape.v_widths, head_dim=128)
+    lens = rng.integers(0, capacity + 1, batch).astype(np.int32)
+    lens[0] = capacity   # row 0's chunk 1 is attended (the negative control drops it)
+    args = rs.make_inputs(shape, jax.random.key(3), lengths=lens)
+  w = dict(k_widths=shape.k_widths, v_widths=shape.v_widths, scale=shape.scale)
+  p = plan(args[0].shape, capacity, shape.k_widths, shape.v_widths, jnp.bfloat16)
+  assert triton_records.fits(p, "rows")
+  lens = args[3]
+  got = jax.jit(lambda l: triton_records.rows_records(p, l))(lens)
+  assert np.array_equal(np.asarray(got), np.asarray(records(p, lens, "rows"))), name
+  vmax = max(shape.v_widths)
+  outs = {e: ragged_attention_triton(*args, out_dtype=jnp.bfloat16, heads_width=vmax,
+                                     return_partials=True, epilogue=e, **w)
+          for e in ("triton", "xla")}
+  o, lse = outs["triton"][2]
+  for width in (None, vmax):
+    out, tot = triton_combine.combine_heads_triton(o, lse, p, F32, width)
+    ref, ref_tot = combine_heads(o, lse, p, F32, width)
+    close(out, ref, 1e-5, 1e-5, f"{name} combine {width}")
+    close(tot, ref_tot, 1e-5, 1e-6, f"{name} combine lse {width}")
+  close(outs["triton"][0].astype(F32), outs["xla"][0].astype(F32), 1e-2, 1e-2, f"{name} call")
+  close(outs["triton"][1], outs["xla"][1], 1e-5, 1e-6, f"{name} call lse")
+  ref, _ = combine_heads(o, lse.at[p.n_groups].set(-jnp.inf), p, F32)
+  with pytest.raises(AssertionError):
+    close(triton_combine.combine_heads_triton(o, lse, p, F32)[0], ref, 1e-5, 1e-5, "dropped")

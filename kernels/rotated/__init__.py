@@ -8,7 +8,8 @@ Implementations:
   "reference"  plain jnp float32 (runs anywhere; prefill uses it too);
   "triton"     the split-K kernel in `triton_ragged`: (request, KV head) tasks cut into chunks
                along the sequence, launched longest first (LPT, `lpt`); bf16/fp16 caches,
-               widths <= 256 (`triton_fit`).
+               widths <= 256 (`triton_fit`); its launch records and split-K combine run as
+               one small Triton launch each (`triton_records`, `triton_combine`).
 None picks "triton" on a GPU with jax-triton when the operands fit it (`triton_fit`) or kernel
 knobs are passed, else "reference".
 `ragged_attention_quantized(q_rot, keys, values, lengths, ...)`: the same over K'/V' held as

@@ -44,6 +44,10 @@ MIN_TILES = 4            # tiles per chunk at least (per-chunk fixed costs stay 
 RECORD = 9               # int32 fields of a program's record (`triton_ragged.records`)
 QUANT_BITS = (2, 4)      # codes the quantized kernel reads (`triton_ragged_quant`)
 QUANT_GROUP = 16         # its key token group = value channel group (a sub-tile / block)
+# Where the records and the combine around the kernel run (`epilogue` of the kernels'
+# wrappers): "triton", one launch each (`triton_records`, `triton_combine`); "xla", the jnp
+# `triton_ragged.records` and `combine_heads` (their references), several XLA fusions each.
+EPILOGUES = ("triton", "xla")
 
 
 def _pow2_at_least(x: int, lo: int = 16) -> int:
@@ -148,6 +152,24 @@ class RaggedPlan:
         lse[h] = i * gp + j * g + qs
     return weight_row, packed, lse
 
+  def head_table(self) -> np.ndarray:
+    """int32 [K, 5] of the one-launch combine (`triton_combine`): per KV head its group,
+    first LSE row (j * G, head j of the group), first column in the group's compact partials,
+    value width, and its column offset in the packed [B, G, sum v] output (vo[h])."""
+    vo = offsets(self.v_widths)
+    tab = np.zeros((len(self.v_widths), 5), np.int32)
+    for i, grp in enumerate(self.head_groups):
+      for j, h in enumerate(grp):
+        tab[h] = (i, j * self.groups, vo[h] - vo[grp[0]], self.v_widths[h], vo[h])
+    return tab
+
+  def records_fit(self, schedule: str, max_rows: int) -> bool:
+    """Whether the one-launch records (`triton_records`) build this plan's records under
+    `schedule`: the "rows" order, one chunk size for every group, at most max_rows row
+    tasks."""
+    return (schedule == "rows" and len(set(self.chunk_tokens)) == 1
+            and self.batch * self.n_chunks <= max_rows)
+
   def heads_index(self, width: int) -> np.ndarray:
     """int32 [K, G, width]: head h's query g's output column t (< v_h) as a flat index into
     [n_groups * G * VW] (the `output_index` packed table regrouped by head); columns
@@ -159,6 +181,13 @@ class RaggedPlan:
     for h, w in enumerate(self.v_widths):
       out[h, :, :w] = packed[:, vo[h]:vo[h] + w]
     return out
+
+
+def check_epilogue(epilogue) -> None:
+  """ValueError naming `epilogue` unless it is one of EPILOGUES."""
+  if epilogue not in EPILOGUES:
+    raise ValueError(f"triton ragged attention: epilogue must be one of {EPILOGUES}, got "
+                     f"{epilogue!r}")
 
 
 def check_fit(q_shape, k_widths, v_widths, dtype, capacity=None, block_s=DEFAULT_BLOCK_S):

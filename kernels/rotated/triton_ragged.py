@@ -8,7 +8,9 @@ greedy step (see `lpt`). A chunk of (b, group) loads the group's block-diagonal 
 per head, `triton_plan`), streams its slots' key and value slices of the packed cache rows
 (the group's heads side by side) with an online softmax in float32 per row, and writes its
 normalised partial output and LSE per row; `combine_heads` merges the chunks of each task
-(`splitk.combine_partials`' arithmetic).
+(`splitk.combine_partials`' arithmetic). Inside a decode step the records and the combine
+run as one Triton launch each (`triton_records`, `triton_combine`; `records` and
+`combine_heads` are their jnp references, `epilogue="xla"`).
 
 Compact partials: the block-diagonal product gives G rows per head, each over every column of
 the group, but row j * G + g is meaningful only in head j's value columns. So a chunk writes
@@ -35,8 +37,8 @@ import triton.language as tl
 from ..common import splitk
 from ..common import triton_backend
 from ..dense.triton_decode import split_lse
-from . import lpt
-from .triton_plan import DEFAULT_BLOCK_S, DEFAULT_GROUP_WIDTH, plan
+from . import lpt, triton_combine, triton_records
+from .triton_plan import DEFAULT_BLOCK_S, DEFAULT_GROUP_WIDTH, check_epilogue, plan
 
 
 @triton.jit
@@ -124,6 +126,23 @@ def records(p, lengths, schedule):
   return jnp.concatenate([jnp.stack([ids, b, start, end], axis=1), grp], axis=1)
 
 
+def launch_records(p, lengths, schedule, epilogue="triton"):
+  """`records`, in one Triton program where it builds them (`triton_records.fits`: the "rows"
+  order) and `epilogue` is "triton"."""
+  check_epilogue(epilogue)
+  if epilogue == "triton" and triton_records.fits(p, schedule):
+    return triton_records.rows_records(p, lengths)
+  return records(p, lengths, schedule)
+
+
+def launch_combine(o, lse, p, out_dtype, heads_width=None, epilogue="triton"):
+  """`combine_heads`, in one Triton launch (`triton_combine`) when `epilogue` is "triton"."""
+  check_epilogue(epilogue)
+  if epilogue == "triton":
+    return triton_combine.combine_heads_triton(o, lse, p, out_dtype, heads_width)
+  return combine_heads(o, lse, p, out_dtype, heads_width)
+
+
 def combine_heads(o, lse, p, out_dtype, heads_width=None):
   """Merges the chunk partials (o [T, G, VW] compact, lse [T, GP] float32, chunk ids
   (b, c, group)) into (out [B, G, sum v] out_dtype, lse [B, K, G] float32), or with
@@ -151,7 +170,8 @@ def ragged_attention_triton(q_rot, k_rot, v_rot, lengths, *, k_widths, v_widths,
                             out_dtype=None, block_s=DEFAULT_BLOCK_S, target_chunks=None,
                             chunk_tokens=None, group_width=DEFAULT_GROUP_WIDTH,
                             schedule="rows", num_warps=4, num_stages=2,
-                            poison=False, return_partials=False, heads_width=None):
+                            poison=False, return_partials=False, heads_width=None,
+                            epilogue="triton"):
   """Same contract as `reference.ragged_attention_reference` (bf16/fp16 caches; the query is
   cast to the cache dtype); `heads_width`: as `ragged_attention`'s.
 
@@ -163,13 +183,14 @@ def ragged_attention_triton(q_rot, k_rot, v_rot, lengths, *, k_widths, v_widths,
     num_warps, num_stages: Triton compile options.
     poison: NaN-fill the partial buffers first (tests: every element must be written).
     return_partials: also return the raw (o, lse) partials.
+    epilogue: where the records and the combine run, one of `triton_plan.EPILOGUES`.
   """
   p = plan(q_rot.shape, k_rot.shape[1], k_widths, v_widths, k_rot.dtype, block_s=block_s,
            target_chunks=target_chunks, chunk_tokens=chunk_tokens, group_width=group_width)
-  rec = records(p, lengths, schedule)
+  rec = launch_records(p, lengths, schedule, epilogue)
   o, lse = launch_kernel(q_rot.astype(k_rot.dtype), k_rot, v_rot.astype(k_rot.dtype), rec, p,
                          scale, num_warps=num_warps, num_stages=num_stages, poison=poison)
-  out, total = combine_heads(o, lse, p, out_dtype or q_rot.dtype, heads_width)
+  out, total = launch_combine(o, lse, p, out_dtype or q_rot.dtype, heads_width, epilogue)
   if return_partials:
     return out, total, (o, lse)
   return out, total

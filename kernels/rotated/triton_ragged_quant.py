@@ -52,7 +52,7 @@ from ..kivi.planar import VALUE_BLOCK
 from ..kivi.triton_dequant import dequant as _dequant
 from ..kivi.triton_dequant import to_dtype as _to_dt
 from .triton_plan import DEFAULT_GROUP_WIDTH, check_store, plan
-from .triton_ragged import combine_heads, load_record, records
+from .triton_ragged import launch_combine, launch_records, load_record
 
 # Tokens per loop step: two 16-token sub-tiles (one whole-width key and value tile each).
 QUANT_BLOCK_S = 32
@@ -201,20 +201,21 @@ def ragged_attention_quantized_triton(q_rot, keys, values, lengths, *, k_widths,
                                       target_chunks=None, chunk_tokens=None,
                                       group_width=DEFAULT_GROUP_WIDTH, schedule="rows",
                                       num_warps=2, num_stages=2, poison=False,
-                                      return_partials=False, heads_width=None, fast=None):
+                                      return_partials=False, heads_width=None, fast=None,
+                                      epilogue="triton"):
   """`triton_ragged.ragged_attention_triton` over K'/V' held as planar KIVI codes
   (`kivi.planar.KiviKeys` / `KiviValues` of one pseudo-head; module docstring), attending
   slots [0, lengths[b]) of row b. Same outputs as the reference on the store dequantized to
   the scales' dtype (the values `kivi.planar.dequantize_*` give) with q_rot in that dtype.
 
-  Extra Args: as `ragged_attention_triton`'s; fast: inline-PTX dequantization (None: on unless
+  Extra Args: as `ragged_attention_triton`'s (epilogue included); fast: inline-PTX dequantization (None: on unless
   TRITON_INTERPRET=1).
   """
   check_store(keys, values, k_widths, v_widths)
   b, _, s, _ = keys.codes.shape
   p = plan(q_rot.shape, s, tuple(k_widths), tuple(v_widths), q_rot.dtype, block_s=block_s,
            target_chunks=target_chunks, chunk_tokens=chunk_tokens, group_width=group_width)
-  rec = records(p, lengths, schedule)
+  rec = launch_records(p, lengths, schedule, epilogue)
   c = p.constexprs
   t = p.total_chunks
   if fast is None:
@@ -232,7 +233,7 @@ def ragged_attention_quantized_triton(q_rot, keys, values, lengths, *, k_widths,
       num_warps=num_warps, num_stages=num_stages, poison=poison, BITS=keys.bits,
       KCW=keys.plane_width, VCW=values.plane_width, VB=VALUE_BLOCK, KF16=f16(keys.scale),
       VF16=f16(values.scale), FAST=bool(fast), **c)
-  out, total = combine_heads(o, lse, p, out_dtype or q_rot.dtype, heads_width)
+  out, total = launch_combine(o, lse, p, out_dtype or q_rot.dtype, heads_width, epilogue)
   if return_partials:
     return out, total, (o, lse)
   return out, total

@@ -1,4 +1,5 @@
-"""Compiles the ragged rotated kernels (bf16 and planar-code operands) for sm_90 with the
+"""Compiles the ragged rotated kernels (bf16 and planar-code operands, and the one-launch
+records and combine around them) for sm_90 with the
 Triton wheel's ptxas: no GPU needed (`python tests/kernels/aot_compile_check.py`), and prints
 each kernel's registers per thread and spills (`ptxas -v`, sm_90a). A compile error here is one
 the device would raise; the semantics are the interpreter checks'."""
@@ -12,7 +13,9 @@ from triton.backends.compiler import GPUTarget
 from triton.backends.nvidia import compiler as nvidia_compiler
 from triton.compiler import ASTSource
 
+from kvlowrank_kernels.rotated import triton_combine as tc
 from kvlowrank_kernels.rotated import triton_ragged as tr
+from kvlowrank_kernels.rotated import triton_records as trr
 from kvlowrank_kernels.rotated import triton_ragged_quant as trq
 
 TARGET = GPUTarget("cuda", 90, 64)
@@ -21,8 +24,8 @@ PTRS = {"rec_ptr": "*i32", "row_ptr": "*i32", "S": "i32", "sm_scale": "fp32", "o
         "lse_init": "*fp32", "o_ptr": "*fp32", "lse_ptr": "*fp32"}
 
 
-def compile_kernel(fn, pointers, constexprs, num_warps=4):
-  sig = {**pointers, **PTRS, **{k: "constexpr" for k in constexprs}}
+def compile_kernel(fn, pointers, constexprs, num_warps=4, common=PTRS):
+  sig = {**pointers, **common, **{k: "constexpr" for k in constexprs}}
   # Pointers 16-byte aligned and S a multiple of 16, as jax-triton's launches specialise them.
   attrs = {(i,): [["tt.divisibility", 16]] for i, (name, ty) in enumerate(sig.items())
            if ty.startswith("*") or name == "S"}
@@ -57,3 +60,13 @@ if __name__ == "__main__":
                     "vc_ptr": "*u8", "vs_ptr": "*fp16", "vz_ptr": "*fp16"},
                    dict(COMMON, BLOCK_S=32, BITS=bits, KCW=kcw, VCW=16, VB=32, KF16=False,
                         VF16=True, FAST=True), num_warps=2)
+  # Llama-3-8B 32K x 8 (cache default plan): 264 row tasks of 3 groups; 8 KV heads, G = 4.
+  compile_kernel(trr.rows_records_kernel, {"len_ptr": "*i32", "slot_ptr": "*i32",
+                                           "gtab_ptr": "*i32", "capacity": "i32",
+                                           "rec_ptr": "*i32"},
+                 dict(N_ROWS=264, NC=33, NG=3, NGP=4, CT=1024, RB=trr.RB, RC=512, FIELDS=9),
+                 common={})
+  compile_kernel(tc.combine_kernel, {"o_ptr": "*fp32", "lse_ptr": "*fp32", "tab_ptr": "*i32",
+                                     "out_ptr": "*bf16", "tot_ptr": "*fp32"},
+                 dict(NC=33, NG=3, K=8, G=4, GP=16, GC=4, VW=256, WB=32, CB=64, SB=8 * 4 * 96,
+                      SH=4 * 96, SG=96, HEADS=True, W=96), common={})

@@ -281,6 +281,95 @@ def check_rotated():
     raise AssertionError("rotated: a corrupted key slot went unnoticed")
 
 
+def check_rotated_epilogue():
+  """The ragged kernels' records and combine as Triton launches (`triton_records`,
+  `triton_combine`) vs their jnp references (`triton_ragged.records`, `combine_heads`): records
+  bit for bit over every `TEST_SHAPES` shape and chunking, with ragged lengths, ties, empty rows
+  and lengths past the capacity; the combine on seeded partials with empty chunks and an
+  empty row, packed and per-head layouts, float32 and bf16 outputs. Negative controls: one
+  length off by one changes the records; one chunk's LSE dropped moves the combine."""
+  from kvlowrank_kernels.dense import shapes as ds  # pylint: disable=import-outside-toplevel
+  from kvlowrank_kernels.rotated import shapes as rs  # pylint: disable=import-outside-toplevel
+  from kvlowrank_kernels.rotated import triton_combine, triton_records  # pylint: disable=C0415
+  from kvlowrank_kernels.rotated.triton_plan import plan  # pylint: disable=C0415
+  from kvlowrank_kernels.rotated.triton_ragged import combine_heads, records  # pylint: disable=C0415
+  options = (dict(block_s=16), dict(block_s=16, target_chunks=20, group_width=16),
+             dict(block_s=32, target_chunks=5, group_width=64), dict(block_s=16, chunk_tokens=32))
+  rng = np.random.default_rng(1100)
+  # The last shape sorts hundreds of row tasks (NP = 512, the counting ranks' scale).
+  many = rs.RaggedShape(batch=6, capacity=4000, groups=4, k_widths=(32, 16, 48),
+                        v_widths=(16, 48, 32), head_dim=64)
+  for i, shape in enumerate(rs.TEST_SHAPES + (many,)):
+    if shape is many:
+      options = (dict(block_s=16, target_chunks=1500, group_width=16),)
+    q_shape = (shape.batch, shape.groups, sum(shape.k_widths))
+    cases = [ds.ragged_lengths(shape.batch, shape.capacity, np.random.default_rng(1100 + i)),
+             np.full((shape.batch,), shape.capacity, np.int32)]        # ties everywhere
+    cases.append(cases[0].copy())
+    cases[2][0], cases[2][-1] = 0, shape.capacity + 7                  # empty, past the end
+    for opts in options:
+      p = plan(q_shape, shape.capacity, shape.k_widths, shape.v_widths, jnp.bfloat16, **opts)
+      for lens in cases:
+        lens = jnp.asarray(lens, jnp.int32)
+        with interpreted_launch():
+          got = triton_records.rows_records(p, lens)
+        want = records(p, lens, "rows")
+        if not np.array_equal(np.asarray(got), np.asarray(want)):
+          raise AssertionError(f"records[{i}] {opts} lens={np.asarray(lens)}: "
+                               f"{np.argwhere(np.asarray(got) != np.asarray(want))[:4]}")
+        if shape is many:   # ranks counted over several blocks of row tasks
+          rc, triton_records.RC = triton_records.RC, 64
+          with interpreted_launch():
+            got = triton_records.rows_records(p, lens)
+          triton_records.RC = rc
+          assert np.array_equal(np.asarray(got), np.asarray(want)), f"records[{i}] RC=64"
+      print(f"records[{i}] {opts}: equal ({p.total_chunks} records)")
+      c = p.constexprs
+      o = jnp.asarray(rng.standard_normal((p.total_chunks, c["G"], c["VW"])), jnp.float32)
+      lse = rng.standard_normal((p.total_chunks, c["GP"])) * 3
+      lse[rng.random(lse.shape) < 0.2] = -np.inf                       # empty chunks
+      lse = lse.reshape(p.batch, p.n_chunks, p.n_groups, c["GP"])
+      lse[0] = -np.inf                                                 # a row with no key
+      lse = jnp.asarray(lse.reshape(p.total_chunks, c["GP"]), jnp.float32)
+      for width, dt in ((None, F32), (max(shape.v_widths) + 16, F32),
+                        (max(shape.v_widths), jnp.bfloat16)):
+        with interpreted_launch():
+          out, tot = triton_combine.combine_heads_triton(o, lse, p, dt, width)
+        ref, ref_tot = combine_heads(o, lse, p, dt, width)
+        assert out.shape == ref.shape and out.dtype == ref.dtype, (out.shape, ref.shape)
+        tol = 1e-6 if dt == F32 else 8e-3
+        assert_close(out.astype(F32), ref.astype(F32), tol, tol, f"combine[{i}] {opts} {width}")
+        assert_close(tot, ref_tot, 1e-6, 1e-6, f"combine[{i}] {opts} {width} lse")
+      if shape is many:   # chunks merged over several loop steps (the online rescale)
+        elements, triton_combine.ELEMENTS = triton_combine.ELEMENTS, 256
+        with interpreted_launch():
+          out, tot = triton_combine.combine_heads_triton(o, lse, p, F32, None)
+        triton_combine.ELEMENTS = elements
+        ref, ref_tot = combine_heads(o, lse, p, F32, None)
+        assert_close(out, ref, 1e-6, 1e-6, f"combine[{i}] {opts} in blocks of 2 chunks")
+        assert_close(tot, ref_tot, 1e-6, 1e-6, f"combine[{i}] {opts} in blocks of 2 chunks lse")
+  shape = rs.TEST_SHAPES[0]
+  p = plan((shape.batch, shape.groups, sum(shape.k_widths)), shape.capacity, shape.k_widths,
+           shape.v_widths, jnp.bfloat16, block_s=16)
+  lens = jnp.asarray([100, 37, 150], jnp.int32)
+  with interpreted_launch():
+    got = triton_records.rows_records(p, lens)
+  if np.array_equal(np.asarray(got), np.asarray(records(p, lens.at[1].add(1), "rows"))):
+    raise AssertionError("records: a length off by one went unnoticed")
+  c = p.constexprs
+  o = jnp.asarray(rng.standard_normal((p.total_chunks, c["G"], c["VW"])), jnp.float32)
+  lse = jnp.asarray(rng.standard_normal((p.total_chunks, c["GP"])), jnp.float32)
+  with interpreted_launch():
+    out, _ = triton_combine.combine_heads_triton(o, lse, p, F32)
+  ref, _ = combine_heads(o, lse.at[p.n_groups].set(-jnp.inf), p, F32)
+  try:
+    assert_close(out, ref, 1e-4, 1e-4, "combine with a chunk dropped")
+  except AssertionError as e:
+    print(f"negative control failed as it must: {e}")
+  else:
+    raise AssertionError("combine: a dropped chunk went unnoticed")
+
+
 def check_rotated_quantized():
   """The ragged kernel reading planar KIVI codes (`triton_ragged_quant`, the quantized
   rotated cache's store) vs the reference on the dequantized store: every `TEST_SHAPES`

@@ -284,3 +284,32 @@ def test_quantized_fit_names_the_field_and_the_reference_dequantizes():
   bad = dataclasses.replace(kq, codes=kq.codes.at[1].set(255 - kq.codes[1]))
   moved, _ = ragged_attention_quantized(q, bad, vq, lens, implementation="reference", **w)
   assert float(jnp.max(jnp.abs(moved - out))) > 1e-2
+
+
+def test_head_table_and_records_fit():
+  """The one-launch combine's head table agrees with the XLA combine's index tables
+  (`output_index`): each head's LSE rows and packed output columns; the one-launch records
+  take the "rows" order with one chunk size only, up to the row-task bound."""
+  shape = rs.TEST_SHAPES[0]
+  for gw in (16, 64, 256):
+    p = plan((shape.batch, shape.groups, sum(shape.k_widths)), shape.capacity, shape.k_widths,
+             shape.v_widths, jnp.bfloat16, block_s=16, group_width=gw)
+    tab = p.head_table()
+    _, packed, lse_idx = p.output_index()
+    gp, vw = p.constexprs["GP"], p.constexprs["VW"]
+    for h, (grp, row0, vlo, width, off) in enumerate(tab):
+      assert width == shape.v_widths[h]
+      np.testing.assert_array_equal(lse_idx[h], grp * gp + row0 + np.arange(shape.groups))
+      want = (grp * shape.groups + np.arange(shape.groups))[:, None] * vw + vlo + np.arange(width)
+      np.testing.assert_array_equal(packed[:, off:off + width], want)
+    assert p.records_fit("rows", 2048)
+    assert not p.records_fit("lpt", 2048) and not p.records_fit("static", 2048)
+    assert not p.records_fit("rows", p.batch * p.n_chunks - 1)
+
+
+def test_bad_epilogue_names_the_field():
+  from kvlowrank_kernels.rotated.triton_plan import check_epilogue  # pylint: disable=C0415
+  for good in ("triton", "xla"):
+    check_epilogue(good)
+  with pytest.raises(ValueError, match="epilogue must be one of"):
+    check_epilogue("jnp")
