@@ -208,8 +208,8 @@ def ragged_attention_quantized_triton(q_rot, keys, values, lengths, *, k_widths,
   slots [0, lengths[b]) of row b. Same outputs as the reference on the store dequantized to
   the scales' dtype (the values `kivi.planar.dequantize_*` give) with q_rot in that dtype.
 
-  Extra Args: as `ragged_attention_triton`'s (epilogue included); fast: inline-PTX dequantization (None: on unless
-  TRITON_INTERPRET=1).
+  Extra Args: as `ragged_attention_triton`'s (epilogue included); fast: inline-PTX
+  dequantization (None: on unless TRITON_INTERPRET=1).
   """
   check_store(keys, values, k_widths, v_widths)
   b, _, s, _ = keys.codes.shape

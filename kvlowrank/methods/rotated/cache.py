@@ -86,13 +86,13 @@ def pack(x, widths):
 
 
 def rotation_product(spec: str, x, rk):
-  """einsum(spec, x, rk) in float32. 16-bit operands of one dtype are upcast and multiplied
-  at DEFAULT precision: on a GPU a single TF32 pass, exact for them (bf16 and fp16 values are
-  TF32 values, and their products are float32 values), instead of the three to six passes of
-  a HIGHEST-precision float32 GEMM; other dtypes at HIGHEST precision."""
-  exact = x.dtype == rk.dtype and jnp.dtype(x.dtype).itemsize == 2
+  """einsum(spec, x, rk) in float32. bf16 operands (both) are upcast and multiplied at DEFAULT
+  precision: on a GPU a single TF32 (or bf16) pass, exact for them (bf16 values survive either
+  rounding, and their products are float32 values; accumulation is float32), instead of the
+  three to six passes of a HIGHEST-precision float32 GEMM; other dtypes at HIGHEST."""
+  exact = x.dtype == rk.dtype == jnp.bfloat16
   return jnp.einsum(spec, x.astype(jnp.float32), rk.astype(jnp.float32),
-                    precision=None if exact else _HI)
+                    precision=jax.lax.Precision.DEFAULT if exact else _HI)
 
 
 def rotate_queries(q, rk, k_widths):
