@@ -24,6 +24,7 @@ import triton
 import triton.language as tl
 
 from ..common import triton_backend
+from .triton_plan import pow2_at_least
 
 ELEMENTS = 8192   # partial elements per loop step (chunks x queries x columns) at most
 WB = 32           # output columns per program
@@ -81,11 +82,10 @@ def combine_heads_triton(o, lse, p, out_dtype, heads_width=None):
   c = p.constexprs
   k, g, bsz = len(p.v_widths), p.groups, p.batch
   tab = p.head_table()
-  pow2 = lambda x: 1 << max(0, int(x) - 1).bit_length()
   span = max(p.v_widths) if heads_width is None else int(heads_width)
-  gc = max(2, pow2(g))
-  wb = max(2, min(WB, pow2(span)))
-  cb = max(2, min(pow2(p.n_chunks), ELEMENTS // (gc * wb)))
+  gc = pow2_at_least(g, 2)
+  wb = max(2, min(WB, pow2_at_least(span, 1)))
+  cb = max(2, min(pow2_at_least(p.n_chunks, 1), ELEMENTS // (gc * wb)))
   if heads_width is None:
     sv = sum(p.v_widths)
     shape, sb, sh, sg, width = (bsz, g, sv), g * sv, 0, sv, 0

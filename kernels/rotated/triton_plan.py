@@ -50,7 +50,8 @@ QUANT_GROUP = 16         # its key token group = value channel group (a sub-tile
 EPILOGUES = ("triton", "xla")
 
 
-def _pow2_at_least(x: int, lo: int = 16) -> int:
+def pow2_at_least(x: int, lo: int = 16) -> int:
+  """The smallest power of two >= x, and at least lo (tile and loop-step sizes)."""
   return max(lo, 1 << (int(x) - 1).bit_length())
 
 
@@ -97,10 +98,10 @@ class RaggedPlan:
   @property
   def constexprs(self) -> dict:
     rows = max(len(grp) for grp in self.head_groups) * self.groups
-    return dict(G=self.groups, GP=_pow2_at_least(rows), GC=_pow2_at_least(self.groups),
+    return dict(G=self.groups, GP=pow2_at_least(rows), GC=pow2_at_least(self.groups),
                 SK=sum(self.k_widths), SV=sum(self.v_widths),
-                KW=_pow2_at_least(max(self._group_sums(self.k_widths))),
-                VW=_pow2_at_least(max(self._group_sums(self.v_widths))), BLOCK_S=self.block_s)
+                KW=pow2_at_least(max(self._group_sums(self.k_widths))),
+                VW=pow2_at_least(max(self._group_sums(self.v_widths))), BLOCK_S=self.block_s)
 
   def group_table(self) -> np.ndarray:
     """int32 [n_groups, 5]: (k offset, v offset, k width / 16, v width / 16, group index)."""

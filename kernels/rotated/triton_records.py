@@ -33,7 +33,7 @@ import triton.language as tl
 
 from ..common import triton_backend
 from . import lpt
-from .triton_plan import RECORD
+from .triton_plan import RECORD, pow2_at_least
 
 RB = 32    # row tasks per program
 RC = 512   # row tasks compared per step at most (decode shapes: all of them in one step)
@@ -97,7 +97,7 @@ def rows_records(p, lengths):
       jnp.asarray(p.group_table().reshape(-1)), int(p.capacity),
       out_shapes=[jax.ShapeDtypeStruct((p.total_chunks, RECORD), jnp.int32)],
       grid=(-(-n_rows // RB),), num_warps=4, num_stages=1, inits=False, N_ROWS=n_rows,
-      NC=p.n_chunks, NG=ng, NGP=max(2, 1 << max(0, ng - 1).bit_length()),
+      NC=p.n_chunks, NG=ng, NGP=pow2_at_least(ng, 2),
       CT=int(p.chunk_tokens[0]), RB=RB,
-      RC=min(RC, max(2, 1 << max(0, n_rows - 1).bit_length())), FIELDS=RECORD)
+      RC=min(RC, pow2_at_least(n_rows, 2)), FIELDS=RECORD)
   return rec
