@@ -435,8 +435,18 @@ def _kivi_body(q_ptr, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, kw_ptr, vw
     _window_part(q, qk_scale, kw_ptr, vw_ptr, wlen_ptr, W, b64, kh, o_ptr, lse_ptr, prow, row_ok,
                  KH, QP, H, BLOCK_W)
   else:
+    part = sid
+    if GEAR[0]:
+      # GEAR-L with streaming chunks (each of their steps loads and applies its own factors)
+      # after the prefill segment: the last split's programs run longest, and the grid
+      # launches them last, as the tail. Such rows take their splits in reverse, so those
+      # programs start in the first wave (partial slot sid holds split NSPLIT - 1 - sid; the
+      # combine sums every slot). Rows with none keep the order, which measured faster for
+      # them (results/gear_kernel.md, "Split order").
+      streams = tl.load(gx[6] + b) * GEAR[3] < tl.load(qlen_ptr + b)
+      part = tl.where(streams, NSPLIT - 1 - sid, sid)
     _quant_part(q_ptr, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, qlen_ptr, S, NSPLIT, b,
-                b64, kh, sid, qk_scale, o_ptr, lse_ptr, prow, heads, row_ok, KH, QP, H, KBITS,
+                b64, kh, part, qk_scale, o_ptr, lse_ptr, prow, heads, row_ok, KH, QP, H, KBITS,
                 VBITS, KCW, VCW, G, GV, VB, BLOCK_S, KF16, VF16, FAST, gx, GEAR)
 
 
