@@ -4,6 +4,9 @@ Times (`kvlowrank.bench.time_op`: chained executables, median of 50) at one cont
   dense-cudnn        bf16 cache, `jax.nn.dot_product_attention` (cuDNN);
   kivi2-g32-mosaic   KIVI-2, G = 32, 128-token window: the Mosaic warp kernel (what KIVI-2
                      runs end to end on Hopper), on the cache relaid out once outside timing;
+  gear-l-2-g32-mosaic  GEAR-L over that G = 32 cache: the Mosaic warp kernel with the low-rank
+                     terms (`gear.mosaic_gear`; the prefill factor covering all but
+                     --stream_chunks chunks of 64);
   kivi2-g32-triton   the same cache, the Triton planar kernel (bench_kernels' options);
   kivi2-g64-triton   KIVI-2, G = 64, 64-token window (GEAR's backbone), Triton planar;
   gear-l-2, gear-2, outlier-2   GEAR's backbone + low rank (RP 4 / RG 2) and/or outliers
@@ -27,6 +30,7 @@ from kvlowrank.bench import environment, rand, rand_u8, time_op
 from kvlowrank_kernels.dense import decode_attention
 from kvlowrank_kernels.gear import gear_attention
 from kvlowrank_kernels.gear import shapes as gear_shapes
+from kvlowrank_kernels.gear.mosaic_gear import gear_attention_mosaic
 from kvlowrank_kernels.gear.shapes import GearShape, residual_operands
 from kvlowrank_kernels.kivi import KiviKeys, KiviValues, kivi_attention
 from kvlowrank_kernels.kivi.mosaic_kivi_warp import kivi_attention_mosaic_warp
@@ -91,7 +95,14 @@ def main(argv=None):
   cache = jax.jit(to_mosaic)(kv32[1], kv32[2])
   add("kivi2-g32-mosaic", jax.jit(kivi_attention_mosaic_warp),
       (kv32[0], cache, *kv32[3:]))
-  del cache
+  shape32 = GearShape(gear_shapes.backbone(batch=b, capacity=s, window=128, n_heads=N,
+                                           n_kv_heads=KH, k_group=32, v_group=32))
+  lr32, _, _ = residual_operands(shape32, jax.random.key(3),
+                                 jnp.full((b,), s // 64 - args.stream_chunks, jnp.int32),
+                                 "gear-l")
+  add("gear-l-2-g32-mosaic", jax.jit(lambda *a: gear_attention_mosaic(*a, chunk=64)),
+      (kv32[0], cache, *kv32[3:], lr32))
+  del cache, lr32
   add("kivi2-g32-triton", jax.jit(lambda *a: kivi_attention(*a, implementation="triton",
                                                             **KIVI_OPTS)), kv32, opts=KIVI_OPTS)
   del kv32

@@ -65,6 +65,7 @@ METHODS = {
                         ("xla",)),
     "gear2": ("gear", GearSpec(), ("triton",)),
     "gearl2": ("gear", GearSpec(sparsity=0.0), ("triton",)),
+    "gearl2-g32": ("gear", GearSpec(sparsity=0.0, group_size=32), ("mosaic",)),
     "fdc50": ("fdc", RotatedSpec(), ("triton",)),
     "zack50": ("zack", RotatedSpec(), ("triton",)),
     # 4-bit K'/V': the kernel on the prefix dequantized to bf16, the exact ring by jnp.

@@ -517,7 +517,8 @@ def test_kv_size_in_both_conventions_equals_hand_arithmetic():
     (dict(rank_prefill=128), "GearSpec.rank_prefill"),
     (dict(iterations=0), "GearSpec.iterations"), (dict(backbone="palu"), "GearSpec.backbone"),
     (dict(backbone="xquant"), "GearSpec.backbone"), (dict(outlier_fill="median"), "outlier_fill"),
-    (dict(implementation="mosaic"), "GearSpec.implementation"),
+    (dict(implementation="pallas"), "GearSpec.implementation"),
+    (dict(layout="tiled"), "GearSpec.layout"),
     (dict(scale_dtype="int8"), "GearSpec.scale_dtype"),
 ])
 def test_bad_spec_errors(kwargs, field):
@@ -587,3 +588,51 @@ def test_bench_random_fill_gives_valid_indices():
   out, lse = jax.jit(lambda c, q, p: c.attend(q, p, {}, spec=spec))(
       c, q, jnp.full((1, 1), 100, jnp.int32))
   assert np.isfinite(np.asarray(out, np.float32)).all() and np.isfinite(np.asarray(lse)).all()
+
+
+def test_warp_layout_backbone_holds_the_planar_numbers():
+  """GEAR-L with g = 32 stores its backbone in the Mosaic kernel's warp layout (`layout`
+  "auto"): after the same prefill and decode steps (crossing a chunk boundary, ragged rows)
+  its dequantized backbone, factors, attention (reference path) and bytes equal a planar
+  cache's; negative control: different data differ. layout="warp" where it does not apply
+  is one error naming GearSpec.layout."""
+  spec = SPEC.replace(head_dim=128, n_heads=8, n_kv_heads=2)
+  gs = GearSpec(bits=2, group_size=32, buffer=64, sparsity=0.0)
+  rng = np.random.default_rng(11)
+  mk = lambda t: jnp.asarray(rng.standard_normal((2, t, 2, 128)) * (1 + np.arange(128) / 64),
+                             jnp.float32)
+  k, v = mk(100), mk(100)
+  pos = jnp.asarray(np.where(np.arange(100)[None] < np.array([[100], [70]]), np.arange(100),
+                             -1), jnp.int32)
+  steps = [(mk(1), mk(1)) for _ in range(36)]
+  q = jnp.asarray(rng.standard_normal((2, 1, 8, 128)), jnp.float32)
+
+  def run(layout, k0=k):
+    c = GearCache.init(dataclasses.replace(gs, layout=layout), spec, batch=2, capacity=384,
+                       dtype=jnp.float32)
+    c = _update(c, k0, v, pos)
+    lens = np.array([100, 70])
+    for k1, v1 in steps:
+      c = _update(c, k1, v1, jnp.asarray(lens[:, None], jnp.int32))
+      lens = lens + 1
+    qp = jnp.asarray(lens[:, None] - 1, jnp.int32)
+    out, lse = jax.jit(lambda c, q, p: c.attend(q, p, {}, spec=spec))(c, q, qp)
+    return c, out, lse
+
+  warp, out_w, lse_w = run("auto")
+  planar, out_p, lse_p = run("planar")
+  assert warp.warp and not planar.warp
+  assert type(warp.store).__name__ == "KiviMosaic"
+  assert [int(x) for x in warp.n_pchunks] == [1, 1] and [int(x) for x in warp.lens] == [136, 106]
+  for a, b in zip(warp.dequantized(), planar.dequantized()):
+    assert np.array_equal(np.asarray(a), np.asarray(b))
+  for f in ("a_k", "a_v", "b_k", "b_v", "bp_k", "bp_v"):
+    assert np.array_equal(np.asarray(getattr(warp, f)), np.asarray(getattr(planar, f))), f
+  np.testing.assert_allclose(np.asarray(out_w), np.asarray(out_p), atol=1e-6)
+  np.testing.assert_allclose(np.asarray(lse_w), np.asarray(lse_p), atol=1e-6)
+  assert warp.nbytes_breakdown() == planar.nbytes_breakdown()
+  assert warp.nbytes() == sum(warp.nbytes_breakdown().values())
+  other, _, _ = run("auto", k0=k * 1.5)
+  assert not np.array_equal(np.asarray(other.dequantized()[0]), np.asarray(warp.dequantized()[0]))
+  with pytest.raises(ValueError, match="GearSpec.layout='warp'"):
+    GearCache.init(GearSpec(sparsity=0.0, layout="warp"), spec, batch=1, capacity=64)

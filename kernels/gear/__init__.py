@@ -11,6 +11,9 @@ Implementations:
                2/4-bit planar codes, chunks a multiple of the loop step).
 None picks "triton" on a GPU with jax-triton, else "reference". `triton_fit` says whether the
 kernel takes a problem (pure shape/dtype checks, no device needed).
+GEAR-L over a backbone stored in the Mosaic warp layout (`kivi.mosaic_layout.KiviMosaic`)
+runs `gear_attention_mosaic` (`mosaic_gear`: the Mosaic KIVI warp kernel with the low-rank
+terms; Hopper), `mosaic_fit` saying whether it takes a problem; the cache dispatches it.
 """
 
 from __future__ import annotations
@@ -19,11 +22,14 @@ import warnings
 
 from ..common import triton_backend
 from ..kivi.planar import KiviKeys, KiviValues
+from .mosaic_gear import fit as mosaic_fit
+from .mosaic_gear import gear_attention_mosaic
 from .operands import GearLowRank, GearSparseKeys, GearSparseValues
 from .reference import check_gear_shapes, gear_attention_reference
 
 __all__ = ["GearLowRank", "GearSparseKeys", "GearSparseValues", "gear_attention",
-           "gear_attention_reference", "resolve_implementation", "triton_fit"]
+           "gear_attention_mosaic", "gear_attention_reference", "mosaic_fit",
+           "resolve_implementation", "triton_fit"]
 
 IMPLEMENTATIONS = ("reference", "triton")
 TRITON_OPTIONS = frozenset(("block_s", "block_w", "num_splits", "target_programs", "num_warps",

@@ -63,7 +63,8 @@ def _smem_bytes(w, stages, np_):
           + kib(HEAD_DIM * np_ * 4) + kib(np_ * 4) + 512)  # merged partial, barriers
 
 
-def plan(q_shape, cache_shape, *, warpgroups=2, stages=None, num_splits=None):
+def plan(q_shape, cache_shape, *, warpgroups=2, stages=None, num_splits=None,
+         extra_smem=None):
   """Launch geometry (dict) with ValueErrors naming the bad argument (`ring.plan_ring`).
 
   Args:
@@ -73,18 +74,22 @@ def plan(q_shape, cache_shape, *, warpgroups=2, stages=None, num_splits=None):
     warpgroups: compute warpgroups W (1, 2 or 3).
     stages: ring slots (a multiple of W); None: the deepest that fits.
     num_splits: split-K override (None: wave-balanced).
+    extra_smem: None, or (w, stages, np) -> the shared-memory bytes a caller's extension
+      (`launch`'s `ext`) adds.
   The plan's "group": each warp takes its blocks GROUP at a time, one online-softmax step
   over them (`mosaic_warp_step.block_step`), 2 where the ring holds both (stages >= 2 W),
   else 1. Why 2: the loop is latency-bound (one CTA per multiprocessor, each block a
   dependent chain), and two blocks' chains interleave; measured in BENCHMARKS.md.
   """
+  smem = _smem_bytes if extra_smem is None else (
+      lambda w, st, np_: _smem_bytes(w, st, np_) + extra_smem(w, st, np_))
   p = ring.plan_ring(NAME, q_shape, cache_shape, warpgroups=warpgroups, stages=stages,
-                     num_splits=num_splits, smem_bytes=_smem_bytes)
+                     num_splits=num_splits, smem_bytes=smem)
   return dict(p, group=2 if p["stages"] >= 2 * p["w"] else 1)
 
 
-def _kernel(p, dtype, sm_scale, q_ref, kc_ref, ks_ref, vc_ref, vs_ref, len_ref, o_ref,
-            lse_ref, smem, bars):
+def _kernel(p, dtype, sm_scale, ext, q_ref, kc_ref, ks_ref, vc_ref, vs_ref, len_ref, ext_in,
+            o_ref, lse_ref, smem, bars, ext_smem, ext_bars):
   import jax.experimental.pallas as pl  # pylint: disable=import-outside-toplevel
   import jax.experimental.pallas.mosaic_gpu as plgpu  # pylint: disable=import-outside-toplevel
   nw, stages, np_, ns, kh = p["w"], p["stages"], p["np"], p["num_splits"], p["kh"]
@@ -102,6 +107,12 @@ def _kernel(p, dtype, sm_scale, q_ref, kc_ref, ks_ref, vc_ref, vs_ref, len_ref, 
   b, head = pid // kh, pid % kh
   start, end, n_blocks = splitk.split_bounds(len_ref[b], ns, sid, BLOCK)
   scale2 = sm_scale * LOG2E
+  # ext (None for KIVI): a caller's extra terms (`launch`)
+  x = None if ext is None else ext.bind(p, dtype, b=b, head=head, pid=pid, start=start,
+                                        inputs=ext_in, smem=ext_smem, bars=ext_bars,
+                                        ring_bars=(kc_bar, ks_bar, vc_bar, vs_bar))
+  n_ref, n_state, n_const = (0, 0, 0) if x is None else (x.refs_per_block, x.n_state,
+                                                         x.n_const)
 
   @plgpu.inline_mgpu(arg_types=(ref,), return_type=qb_t)
   def load_q(_, q):
@@ -111,61 +122,98 @@ def _kernel(p, dtype, sm_scale, q_ref, kc_ref, ks_ref, vc_ref, vs_ref, len_ref, 
   def init(_):
     return ws.initial_state(nt)
 
-  def make_step(k):  # one online-softmax step over k blocks (`mosaic_warp_step.block_step`)
-    @plgpu.inline_mgpu(arg_types=(ref,) * (4 * k) + (layout,) * (4 + k),
-                       return_type=(acc_t, ml_t, ml_t))
+  def make_step(k, general):  # one online-softmax step over k blocks (`ws.block_step`)
+    per = 4 + n_ref
+    ret = (acc_t, ml_t, ml_t) + (() if x is None else x.state_types(sds))
+
+    @plgpu.inline_mgpu(arg_types=(ref,) * (per * k) + (layout,) * (4 + n_state + n_const
+                                                                   + k * (1 + (x is not None))),
+                       return_type=ret)
     def step(_, *args):
-      refs, (qb, acc, ml, zacc), valids = args[:4 * k], args[4 * k:4 * k + 4], args[4 * k + 4:]
-      slots = [tuple(refs[4 * j:4 * j + 4]) for j in range(k)]
-      return ws.block_step(slots, qb, acc, ml, zacc, list(valids), nt=nt, dtype=dtype,
-                           scale2=scale2)
+      refs, rest = args[:per * k], args[per * k:]
+      (qb, acc, ml, zacc), rest = rest[:4], rest[4:]
+      state, rest = rest[:n_state], rest[n_state:]
+      const, rest = rest[:n_const], rest[n_const:]
+      valids, extras = rest[:k], rest[k:]
+      slots = [tuple(refs[per * j:per * j + 4]) for j in range(k)]
+      hook = None if x is None else x.step_hook(
+          [refs[per * j + 4:per * (j + 1)] for j in range(k)], state, const, extras, nt=nt,
+          general=general)
+      out = ws.block_step(slots, qb, acc, ml, zacc, list(valids), nt=nt, dtype=dtype,
+                          scale2=scale2, ext=hook)
+      return out if hook is None else out + hook.state()
     return step
 
   @plgpu.inline_mgpu(arg_types=(layout, layout, layout, ref, ref))
   def publish(_, acc, ml, zacc, wo, wml):
     ws.publish_partial(acc, ml, zacc, wo, wml, nt)
 
-  @plgpu.inline_mgpu(arg_types=(ref, ref, ref, ref))
-  def merge(_, wo, wml, o, lse):
-    ws.merge_partials(wo, wml, o, lse, 4 * nw, np_)
+  m_refs = () if x is None else x.merge_refs()
+
+  @plgpu.inline_mgpu(arg_types=(ref,) * (4 + len(m_refs)))
+  def merge(_, wo, wml, o, lse, *extra):
+    ws.merge_partials(wo, wml, o, lse, 4 * nw, np_,
+                      extra=None if x is None else x.merge_hook(extra, 4 * nw, np_))
 
   def compute(w):
     plgpu.set_max_registers(p["regs"], action="increase")
     plgpu.barrier_wait(q_bar)
     qb = load_q(q_s)
+    const = () if x is None else x.load_const()
     mine = jnp.maximum(n_blocks - w + nw - 1, 0) // nw  # blocks w, w + W, ...
 
     def arrived(i):  # block i's slot (its operands) and its valid-token count
       slot = lax.rem(i, stages)
       for bar in (kc_bar, ks_bar, vc_bar, vs_bar):
         plgpu.barrier_wait(bar.at[slot])
+      refs = (kc_s.at[slot], ks_s.at[slot], vc_s.at[slot], vs_s.at[slot])
       valid = plgpu.layout_cast(jnp.full((64, 8), end - (start + i * BLOCK), jnp.int32),
                                 layout)
-      return slot, (kc_s.at[slot], ks_s.at[slot], vc_s.at[slot], vs_s.at[slot]), valid
+      extras = ()
+      if x is not None:
+        refs += x.arrived(slot)
+        extras = (x.block_value(start + i * BLOCK, layout),)
+      return slot, refs, valid, extras
 
-    def body(k, first, ii, carry):  # blocks w + (first + k ii + j) W, j < k (k slots)
+    def body(k, first, general, ii, carry):  # blocks w + (first + k ii + j) W, j < k
       got = [arrived(w + (first + k * ii + j) * nw) for j in range(k)]
-      carry = steps[k](*[r for _, refs, _ in got for r in refs], qb, *carry,
-                       *[valid for _, _, valid in got])
-      for slot, _, _ in got:
+      carry = steps[k, general](*[r for _, refs, _, _ in got for r in refs], qb, *carry,
+                                *const, *[valid for _, _, valid, _ in got],
+                                *[e for _, _, _, ex in got for e in ex])
+      for slot, _, _, _ in got:
         plgpu.barrier_arrive(free.at[slot])
       return carry
 
     k = p["group"]
-    carry = lax.fori_loop(0, mine // k, functools.partial(body, k, 0), init())
-    if k > 1:  # the last mine % k blocks, one at a time
-      carry = lax.fori_loop(0, mine % k, functools.partial(body, 1, mine - mine % k), carry)
-    publish(*carry, wo_s, wml_s)
+
+    def run(first, count, general, carry):  # `count` of this warpgroup's blocks from `first`
+      carry = lax.fori_loop(0, count // k, functools.partial(body, k, first, general), carry)
+      if k > 1:  # the last count % k blocks, one at a time
+        carry = lax.fori_loop(0, count % k, functools.partial(
+            body, 1, first + count - count % k, general), carry)
+      return carry
+
+    carry = tuple(init()) + (() if x is None else tuple(x.init_state()))
+    if x is None:
+      carry = run(0, mine, False, carry)
+    else:  # the extension's plain blocks first (no per-warp branches), then the general ones
+      plain = jnp.minimum(
+          jnp.maximum(x.plain_blocks(start, n_blocks) - w + nw - 1, 0) // nw, mine)
+      carry = run(plain, mine - plain, True, run(0, plain, False, carry))
+    publish(*carry[:3], wo_s, wml_s)
+    if x is not None:
+      x.publish(carry[3:])
     plgpu.barrier_arrive(done)
     if w == 0:
       plgpu.barrier_wait(done)
-      merge(wo_s, wml_s, o_s, lse_s)
+      merge(wo_s, wml_s, o_s, lse_s, *m_refs)
       plgpu.commit_smem()
       plgpu.copy_smem_to_gmem(o_s, o_ref.at[pid, sid])
       plgpu.copy_smem_to_gmem(lse_s, lse_ref.at[pid, sid])
       plgpu.wait_smem_to_gmem(0)
 
-  steps = {k: make_step(k) for k in {1, p["group"]}}
+  steps = {(k, g): make_step(k, g) for k in {1, p["group"]}
+           for g in ((False,) if x is None else (False, True))}
   for w in range(nw):
     pl.when(wg == w)(functools.partial(compute, w))
 
@@ -173,16 +221,37 @@ def _kernel(p, dtype, sm_scale, q_ref, kc_ref, ks_ref, vc_ref, vs_ref, len_ref, 
       ring.produce, q_ref.at[pid], q_s, q_bar,
       ((kc_ref, kc_s, kc_bar), (ks_ref, ks_s, ks_bar), (vc_ref, vc_s, vc_bar),
        (vs_ref, vs_s, vs_bar)), free, b=b, head=head, start=start, n_blocks=n_blocks,
-      stages=stages))
+      stages=stages, extra=x))
 
 
-def _call(p, dtype, sm_scale, qt, cache: KiviMosaic, lengths):
+def launch(p, dtype, sm_scale, qt, cache: KiviMosaic, lengths, ext=None, ext_inputs=()):
+  """The kernel's (o^T [B K, splits, 128, NP], lse [B K, splits, NP]) partials.
+
+  ext: None (KIVI), or extra terms a caller adds (GEAR's low-rank residual,
+  `kvlowrank_kernels.gear.mosaic_gear`), with their gmem operands `ext_inputs` (appended to
+  the kernel's inputs). Its protocol: `scratch(p, dtype)` / `barriers(p)` list its shared
+  memory and barriers; `ring_arrivals`: the arrivals it adds to each of the ring's four
+  barriers (kc, ks, vc, vs: its per-block copies arrive on the block's barriers, so the
+  compute warps wait on no more barriers than KIVI's); `bind(p, dtype, b=, head=, pid=,
+  start=, inputs=, smem=, bars=, ring_bars=)` returns the per-CTA object the kernel body
+  calls: `copy_const()` / `copy_block(block,
+  slot)` in the producer (`mosaic_ring.produce`); in each compute warpgroup `load_const()`
+  (its per-CTA arrays), `init_state()`, `plain_blocks(start, n_blocks)` (how many of the
+  split's first blocks take the plain step: `step_hook(..., general=False)`; the rest take
+  `general=True`), per block `arrived(slot)` (its slot refs; the ring barriers cover them) and
+  `block_value(first token, layout)`, `step_hook(...)` inside each step
+  (`mosaic_warp_step.block_step`'s `ext`), `state_types(sds)`, `publish(state)`,
+  `merge_refs()` and `merge_hook(refs, n_warps, np)` (`mosaic_warp_step.merge_partials`);
+  attributes refs_per_block, n_state, n_const.
+  """
   import jax.experimental.pallas as pl  # pylint: disable=import-outside-toplevel
   import jax.experimental.pallas.mosaic_gpu as plgpu  # pylint: disable=import-outside-toplevel
   nw, stages, np_, ns = p["w"], p["stages"], p["np"], p["num_splits"]
   jdt = jnp.dtype(dtype)
+  n_in = len(ext_inputs)
 
-  def entry(q_ref, kc_ref, ks_ref, vc_ref, vs_ref, len_ref, o_ref, lse_ref):
+  def entry(q_ref, kc_ref, ks_ref, vc_ref, vs_ref, len_ref, *rest):
+    ext_in, (o_ref, lse_ref) = rest[:n_in], rest[n_in:]
     scratch = [
         plgpu.SMEM((np_, HEAD_DIM), jdt),
         plgpu.SMEM((stages, 4, 256), jnp.uint32),
@@ -194,16 +263,24 @@ def _call(p, dtype, sm_scale, qt, cache: KiviMosaic, lengths):
         plgpu.SMEM((HEAD_DIM, np_), jnp.float32),
         plgpu.SMEM((np_,), jnp.float32),
     ]
+    more = (0,) * 4 if ext is None else ext.ring_arrivals
     bars = (
         plgpu.Barrier(num_barriers=1),
-        *(plgpu.Barrier(num_barriers=stages) for _ in range(4)),
+        *(plgpu.Barrier(num_barriers=stages) if a == 0 else
+          plgpu.Barrier(num_arrivals=1 + a, num_barriers=stages) for a in more),
         plgpu.Barrier(num_arrivals=1, num_barriers=stages),
         plgpu.Barrier(num_arrivals=nw, num_barriers=1),
     )
+    x_scratch = [] if ext is None else list(ext.scratch(p, dtype))
+    x_bars = () if ext is None else tuple(ext.barriers(p))
+    n_s, n_b = len(scratch), len(bars)
     pl.run_scoped(
-        lambda *refs: _kernel(p, dtype, sm_scale, q_ref, kc_ref, ks_ref, vc_ref, vs_ref,
-                              len_ref, o_ref, lse_ref, refs[:9], refs[9:]),
-        *scratch, *bars, collective_axes="wg")
+        lambda *refs: _kernel(p, dtype, sm_scale, ext, q_ref, kc_ref, ks_ref, vc_ref, vs_ref,
+                              len_ref, ext_in, o_ref, lse_ref, refs[:n_s],
+                              refs[n_s + len(x_scratch):n_s + len(x_scratch) + n_b],
+                              refs[n_s:n_s + len(x_scratch)],
+                              refs[n_s + len(x_scratch) + n_b:]),
+        *scratch, *x_scratch, *bars, *x_bars, collective_axes="wg")
 
   kvh = p["b"] * p["kh"]
   out_types = (jax.ShapeDtypeStruct((kvh, ns, HEAD_DIM, np_), jnp.float32),
@@ -211,7 +288,7 @@ def _call(p, dtype, sm_scale, qt, cache: KiviMosaic, lengths):
   return plgpu.kernel(
       entry, out_type=out_types, grid=p["grid"], grid_names=("p", "s"),
       num_threads=nw + 1, thread_name="wg",
-  )(qt, cache.kc, cache.ks, cache.vc, cache.vs, lengths)
+  )(qt, cache.kc, cache.ks, cache.vc, cache.vs, lengths, *ext_inputs)
 
 
 def kivi_attention_mosaic_warp(q, cache: KiviMosaic, k_win, v_win, q_len, w_len, *,
@@ -239,7 +316,7 @@ def kivi_attention_mosaic_warp(q, cache: KiviMosaic, k_win, v_win, q_len, w_len,
            num_splits=num_splits)
   sm_scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
   qt = ring.query_operand(q, p, dtype)
-  o_t, lse_t = _call(p, dtype, sm_scale, qt, cache, q_len.astype(jnp.int32))
+  o_t, lse_t = launch(p, dtype, sm_scale, qt, cache, q_len.astype(jnp.int32))
   return ring.merge_with_window(q, o_t, lse_t, p["num_splits"], p, k_win, v_win, w_len,
                                 scale=scale, out_dtype=out_dtype,
                                 window_implementation=window_implementation,

@@ -69,21 +69,27 @@ def query_operand(q, p, dtype: str):
   return jnp.pad(q.reshape(b * kh, qpk, h), ((0, 0), (0, np_ - qpk), (0, 0))).astype(dtype)
 
 
-def produce(q_src, q_dst, q_bar, arrays, free, *, b, head, start, n_blocks, stages):
+def produce(q_src, q_dst, q_bar, arrays, free, *, b, head, start, n_blocks, stages,
+            extra=None):
   """The producer warpgroup's body: q once, then every block of the split into the ring.
 
   arrays: ((gmem ref [B, K, S / 128, 4, 256], smem ring [stages, 4, 256], barriers) x 4);
-  start: the split's first token (a multiple of 128).
+  start: the split's first token (a multiple of 128); extra: None, or a caller's operands
+  with `copy_const()` (once, after q) and `copy_block(block index, slot)` (with each block).
   """
   import jax.experimental.pallas as pl  # pylint: disable=import-outside-toplevel
   import jax.experimental.pallas.mosaic_gpu as plgpu  # pylint: disable=import-outside-toplevel
   plgpu.set_max_registers(40, action="decrease")
   plgpu.copy_gmem_to_smem(q_src, q_dst, q_bar)
+  if extra is not None:
+    extra.copy_const()
   blk0 = start // BLOCK
 
   def load(i, slot):
     for src, dst, bar in arrays:
       plgpu.copy_gmem_to_smem(src.at[b, head, blk0 + i], dst.at[slot], bar.at[slot])
+    if extra is not None:
+      extra.copy_block(blk0 + i, slot)
 
   for i in range(stages):
     pl.when(i < n_blocks)(functools.partial(load, i, i))

@@ -1,7 +1,7 @@
 """The per-thread bodies of `mosaic_kivi_warp` (run inside `plgpu.inline_mgpu`).
 
 State crosses the Pallas loop as WGMMA-layout arrays used as plain register files (a
-[64, C] f32/i32 array is C / 2 scalars per thread, in the order `_scalars` lists them):
+[64, C] f32/i32 array is C / 2 scalars per thread, in the order `scalars` lists them):
   qb  [64, 32 NT] i32: q's B fragments, (n-tile, k-step kk, b0/b1)
   acc [64, 64 NT] f32: o^T's D fragments, (n-tile, channel tile t, c0..c3)
   ml  [64, 8 NT]  f32: (n-tile, [max e0, max e1, sum e0, sum e1]) of the thread's two
@@ -42,18 +42,18 @@ def _mlir():
   return mgpu, fa, mgpu_utils, ir, arith, vector
 
 
-def _f32(v: float):
+def f32c(v: float):
   _, _, _, ir, arith, _ = _mlir()
   return arith.constant(ir.F32Type.get(), v)
 
 
-def _scalars(arr):
+def scalars(arr):
   """A WGMMA-layout FragmentedArray's per-thread scalars, in register order."""
   return [extract(reg, e) for reg in arr.registers.flat for e in range(2)]
 
 
-def _array(vals, elem, signed):
-  """The inverse of `_scalars`: a [64, 2 len(vals)] WGMMA-layout FragmentedArray."""
+def as_array(vals, elem, signed):
+  """The inverse of `scalars`: a [64, 2 len(vals)] WGMMA-layout FragmentedArray."""
   mgpu, fa, _, ir, _, vector = _mlir()
   layout = fa.WGMMA_LAYOUT
   regs = np.empty(layout.registers_shape((64, 2 * len(vals))), dtype=object)
@@ -70,10 +70,10 @@ def _fmax(a, b):
 
 def _is_neg_inf(x):
   _, _, _, _, arith, _ = _mlir()
-  return arith.cmpf(arith.CmpFPredicate.OEQ, x, _f32(-math.inf))
+  return arith.cmpf(arith.CmpFPredicate.OEQ, x, f32c(-math.inf))
 
 
-def _lane_parts():
+def lane_parts():
   _, _, _, _, arith, _ = _mlir()
   tid, warp, lane = thread_coords()
   return tid, warp, arith.divui(lane, const_i32(4)), arith.remui(lane, const_i32(4))
@@ -85,7 +85,7 @@ def query_fragments(q_ref, nt: int, dtype: str):
   ft = ir.F16Type.get() if dtype == "float16" else ir.BF16Type.get()
   i32 = ir.IntegerType.get_signless(32)
   index = ir.IndexType.get()
-  _, _, r, q = _lane_parts()
+  _, _, r, q = lane_parts()
   vals = []
   for n in range(nt):
     row = arith.index_cast(index, arith.addi(r, const_i32(8 * n)))
@@ -95,28 +95,29 @@ def query_fragments(q_ref, nt: int, dtype: str):
                                                  const_i32(16 * kk + 8 * half)))
         pair = vector.load(ir.VectorType.get([2], ft), q_ref, [row, col])
         vals.append(extract(vector.bitcast(ir.VectorType.get([1], i32), pair), 0))
-  return _array(vals, i32, True)
+  return as_array(vals, i32, True)
 
 
 def initial_state(nt: int):
   """(acc, ml, zacc) before the first block: zeros, maxima -inf, sums 0, zeros."""
   _, _, _, ir, _, _ = _mlir()
   f32 = ir.F32Type.get()
-  acc = [_f32(0.0)] * (32 * nt)
-  ml = [_f32(v) for _ in range(nt) for v in (-math.inf, -math.inf, 0.0, 0.0)]
-  return _array(acc, f32, None), _array(ml, f32, None), _array(acc[:4 * nt], f32, None)
+  acc = [f32c(0.0)] * (32 * nt)
+  ml = [f32c(v) for _ in range(nt) for v in (-math.inf, -math.inf, 0.0, 0.0)]
+  return as_array(acc, f32, None), as_array(ml, f32, None), as_array(acc[:4 * nt], f32, None)
 
 
-def _key_scores(kc, ks, qb, *, nt, dtype):
+def _key_scores(kc, ks, qb, *, nt, dtype, init=None):
   """{(m, n): 4 f32}: the scores of the warp's 32 tokens (D fragments of tokens
   32 warp + 16 m + r (+ 8)), unscaled. The key scales multiply q (B = q * s, one HMUL2 per B
   register), the key codes go into the products as exact small integers, and the zero
   points enter as beta = z . q: one m16n8k16 product per k-step whose A fragment is the
   thread's scale row as loaded, [s, z, s, z] (A rows r hold s, rows r + 8 hold z: no register
-  copies), so D rows 8-15 are beta, in the scores' column layout."""
+  copies), so D rows 8-15 are beta, in the scores' column layout. init: None, or {(m, n):
+  4 f32} added to the scores (an extension's term)."""
   _, _, _, _, arith, _ = _mlir()
-  _, warp, _, _ = _lane_parts()
-  zero4 = [_f32(0.0)] * 4
+  _, warp, _, _ = lane_parts()
+  zero4 = [f32c(0.0)] * 4
   srows = key_scale_rows(ks, warp, dtype)  # the warp's token group
   bq = [ptx.hmul2(qb[16 * n + 2 * kk + h], srows[kk][2 * h], dtype)
         for n in range(nt) for kk in range(8) for h in range(2)]
@@ -131,8 +132,9 @@ def _key_scores(kc, ks, qb, *, nt, dtype):
   for m in range(2):
     kp = key_pairs(kc, m, dtype)
     for n in range(nt):
-      # two accumulation chains per product halve the dependent-MMA latency
-      chains = [zero4, zero4]
+      # two accumulation chains per product halve the dependent-MMA latency; init: a
+      # caller's term (its own products, off this chain's critical path) starts one chain
+      chains = [zero4 if init is None else init[m, n], zero4]
       for kk in range(8):
         a = [kp[(0, 2 * kk)], kp[(1, 2 * kk)], kp[(0, 2 * kk + 1)], kp[(1, 2 * kk + 1)]]
         b = bq[16 * n + 2 * kk: 16 * n + 2 * kk + 2]
@@ -148,9 +150,9 @@ def _softmax(blocks, ml, *, nt, scale2):
   then one online-softmax step per query column (n, e) over the warp's 32 tokens of every
   block: returns (p [{(m, n): 4 f32}] per block, alphas {(n, e)}, new ml scalars)."""
   _, _, _, _, arith, _ = _mlir()
-  _, warp, r, _ = _lane_parts()
+  _, warp, r, _ = lane_parts()
   row0 = arith.addi(arith.muli(warp, const_i32(32)), r)
-  neg_inf, scale = _f32(-math.inf), _f32(scale2)
+  neg_inf, scale = f32c(-math.inf), f32c(scale2)
   for scores, valid in blocks:
     for (m, n), s in scores.items():
       for c in range(4):
@@ -169,7 +171,7 @@ def _softmax(blocks, ml, *, nt, scale2):
         bmax = _fmax(bmax, ptx.shfl_xor(bmax, mask))
       m_old = ml[4 * n + e]
       m_new = _fmax(m_old, bmax)
-      m_use = arith.select(_is_neg_inf(m_new), _f32(0.0), m_new)
+      m_use = arith.select(_is_neg_inf(m_new), f32c(0.0), m_new)
       alphas[n, e] = ptx.ex2(arith.subf(m_old, m_use))
       tot = None
       for sc, _ in blocks:
@@ -182,21 +184,27 @@ def _softmax(blocks, ml, *, nt, scale2):
   return [sc for sc, _ in blocks], alphas, ml_out
 
 
-def _value_products(vc, vs, p, acc, zacc, *, nt, dtype):
-  """acc (o^T D fragments) += V^T @ p for the warp's tokens; returns (acc, zacc). The value
-  scales multiply p (B = p * s of the tile's channel group; 4 groups, one HMUL2 per B
-  register each) and the zero points go to zacc: per n the D fragment of [S; Z] [16, 8],
-  rows r < 8 / r + 8 the sums over tokens of p s / p z of channel group r % 4, from one
-  m16n8k16 per k-step whose A fragment is that group's scale chunk as loaded, [s, z, s, z]
-  (no register copies); `publish_partial` adds Z."""
-  _, _, _, ir, arith, _ = _mlir()
-  ft = ir.F16Type.get() if dtype == "float16" else ir.BF16Type.get()
-  tid, warp, r, q = _lane_parts()
-  # p -> the value products' B fragments: rows (tokens) 2 q (+ 8), column (head) r.
+def p_fragments(p, dtype):
+  """p {(m, n): 4 f32} (D fragments of the warp's tokens 16 m + r (+ 8), heads 8 n + 2 q +
+  e) -> {(m, n): [b0, b1]}: the B fragments of the value products, rows (tokens 16 m +)
+  2 q (+ 8), column (head) r, rounded to the 16-bit type."""
   pb = {}
   for (m, n), pv in p.items():
     pb[m, n] = [ptx.movmatrix_t(ptx.pack2(pv[0], pv[1], dtype)),
                 ptx.movmatrix_t(ptx.pack2(pv[2], pv[3], dtype))]
+  return pb
+
+
+def _value_products(vc, vs, pb, acc, zacc, *, nt, dtype):
+  """acc (o^T D fragments) += V^T @ p for the warp's tokens (pb: `p_fragments`); returns
+  (acc, zacc). The value scales multiply p (B = p * s of the tile's channel group; 4
+  groups, one HMUL2 per B register each) and the zero points go to zacc: per n the D
+  fragment of [S; Z] [16, 8], rows r < 8 / r + 8 the sums over tokens of p s / p z of
+  channel group r % 4, from one m16n8k16 per k-step whose A fragment is that group's scale
+  chunk as loaded, [s, z, s, z] (no register copies); `publish_partial` adds Z."""
+  _, _, _, ir, arith, _ = _mlir()
+  ft = ir.F16Type.get() if dtype == "float16" else ir.BF16Type.get()
+  tid, warp, r, q = lane_parts()
   # 8 words (word u = 4 kk + channel group), 8 scale chunks (chunk u: [jh][s, z]).
   sbase = arith.muli(arith.addi(arith.muli(warp, const_i32(32)), q), const_i32(8))
   words = load16(vc, arith.muli(tid, const_i32(8))) + load16(
@@ -223,7 +231,7 @@ def _value_products(vc, vs, p, acc, zacc, *, nt, dtype):
 
 
 def block_step(slots, qb_arr, acc_arr, ml_arr, z_arr, valids, *, nt: int, dtype: str,
-               scale2: float):
+               scale2: float, ext=None):
   """One step of this thread's warp over k 128-token blocks (its 32 tokens of each; k is the
   plan's group, 1 or 2): returns (acc, ml, zacc).
 
@@ -232,18 +240,29 @@ def block_step(slots, qb_arr, acc_arr, ml_arr, z_arr, valids, *, nt: int, dtype:
   scale2: softmax scale * log2 e. Two blocks make one online-softmax step over their 64
   tokens: their key products, and then their value products, are independent chains that
   the scheduler interleaves (the loop is latency-bound).
+  ext: None (KIVI), or a caller's extra terms with three hooks, all in place on this
+  thread's scalars: `scores(j, qb)` returns its terms of block j's unscaled scores {(m, n):
+  4 f32}, added before the mask and the softmax (qb: q's B fragments, as `qb` above), `rescale(alphas)` rescales its own running sums by the step's
+  {(n, e): alpha}, and `values(j, pb, acc)` returns acc plus its terms of block j given p's
+  B fragments (`p_fragments`) -- GEAR's low-rank residual (`kvlowrank_kernels.gear`).
   """
   _, _, _, ir, arith, _ = _mlir()
   f32 = ir.F32Type.get()
-  qb, acc, ml, zacc = (_scalars(a) for a in (qb_arr, acc_arr, ml_arr, z_arr))
-  blocks = [(_key_scores(kc, ks, qb, nt=nt, dtype=dtype), _scalars(valid)[0])
-            for (kc, ks, _, _), valid in zip(slots, valids)]
+  qb, acc, ml, zacc = (scalars(a) for a in (qb_arr, acc_arr, ml_arr, z_arr))
+  blocks = [(_key_scores(kc, ks, qb, nt=nt, dtype=dtype,
+                         init=None if ext is None else ext.scores(j, qb)), scalars(valid)[0])
+            for j, ((kc, ks, _, _), valid) in enumerate(zip(slots, valids))]
   ps, alphas, ml_out = _softmax(blocks, ml, nt=nt, scale2=scale2)
   acc = [arith.mulf(v, alphas[i // 32, i % 2]) for i, v in enumerate(acc)]
   zacc = [arith.mulf(v, alphas[i // 4, i % 2]) for i, v in enumerate(zacc)]
-  for (_, _, vc, vs), p in zip(slots, ps):
-    acc, zacc = _value_products(vc, vs, p, acc, zacc, nt=nt, dtype=dtype)
-  return _array(acc, f32, None), _array(ml_out, f32, None), _array(zacc, f32, None)
+  if ext is not None:
+    ext.rescale(alphas)
+  for j, ((_, _, vc, vs), p) in enumerate(zip(slots, ps)):
+    pb = p_fragments(p, dtype)
+    acc, zacc = _value_products(vc, vs, pb, acc, zacc, nt=nt, dtype=dtype)
+    if ext is not None:
+      acc = ext.values(j, pb, acc)
+  return as_array(acc, f32, None), as_array(ml_out, f32, None), as_array(zacc, f32, None)
 
 
 def publish_partial(acc_arr, ml_arr, z_arr, wo, wml, nt: int):
@@ -253,10 +272,10 @@ def publish_partial(acc_arr, ml_arr, z_arr, wo, wml, nt: int):
   _, _, mgpu_utils, ir, arith, vector = _mlir()
   f32 = ir.F32Type.get()
   index = ir.IndexType.get()
-  _, _, r, q = _lane_parts()
+  _, _, r, q = lane_parts()
   gw = arith.index_cast(index, arith.divui(mgpu_utils.thread_idx(), const_i32(32)))
   idx = lambda v: arith.index_cast(index, v)
-  acc, ml, zacc = _scalars(acc_arr), _scalars(ml_arr), _scalars(z_arr)
+  acc, ml, zacc = scalars(acc_arr), scalars(ml_arr), scalars(z_arr)
   # Z [g, 2 q + e]: lane 4 g + q, D row 8 + g; o^T rows 16 t + .. are group t // 2
   for n in range(nt):
     zg = [[ptx.shfl_idx(zacc[4 * n + 2 + e], arith.addi(q, const_i32(4 * g)))
@@ -283,13 +302,16 @@ def publish_partial(acc_arr, ml_arr, z_arr, wo, wml, nt: int):
         vector.store(vector.from_elements(v2, acc[i:i + 2]), wo, [gw, row, col])
 
 
-def merge_partials(wo, wml, o, lse, n_warps: int, np_: int):
+def merge_partials(wo, wml, o, lse, n_warps: int, np_: int, extra=None):
   """One warpgroup merges the n_warps partials: thread tau writes o [128, NP] row tau
-  (normalised) and lse [NP] (natural log; -inf and o = 0 where no token was seen)."""
+  (normalised) and lse [NP] (natural log; -inf and o = 0 where no token was seen).
+  extra: None, or a caller's hook `extra(weights)` -> NP f32 added to the row before the
+  normalisation, given weights[j][h] (warp j's partial's weight in head h's merge; GEAR's
+  value low-rank term, `kvlowrank_kernels.gear.mosaic_gear`)."""
   _, _, _, ir, arith, vector = _mlir()
   f32 = ir.F32Type.get()
   index = ir.IndexType.get()
-  tid, _, _, _ = _lane_parts()
+  tid, _, _, _ = lane_parts()
   ci = lambda v: arith.constant(index, v)
   row = arith.index_cast(index, tid)
   vec = ir.VectorType.get([np_], f32)
@@ -303,19 +325,24 @@ def merge_partials(wo, wml, o, lse, n_warps: int, np_: int):
   big = list(maxima[0])
   for j in range(1, n_warps):
     big = [_fmax(x, y) for x, y in zip(big, maxima[j])]
-  use = [arith.select(_is_neg_inf(x), _f32(0.0), x) for x in big]
-  tot = [_f32(0.0)] * np_
-  out = [_f32(0.0)] * np_
+  use = [arith.select(_is_neg_inf(x), f32c(0.0), x) for x in big]
+  tot = [f32c(0.0)] * np_
+  out = [f32c(0.0)] * np_
+  weights = []
   for j in range(n_warps):
     vals = load_vec(wo, [ci(j), row, ci(0)])
+    weights.append([])
     for h in range(np_):
       wgt = ptx.ex2(arith.subf(maxima[j][h], use[h]))
+      weights[j].append(wgt)
       tot[h] = arith.addf(tot[h], arith.mulf(wgt, sums[j][h]))
       out[h] = arith.addf(out[h], arith.mulf(wgt, vals[h]))
-  has = [arith.cmpf(arith.CmpFPredicate.OGT, x, _f32(0.0)) for x in tot]
-  safe = [arith.select(hh, x, _f32(1.0)) for hh, x in zip(has, tot)]
+  if extra is not None:
+    out = [arith.addf(x, y) for x, y in zip(out, extra(weights))]
+  has = [arith.cmpf(arith.CmpFPredicate.OGT, x, f32c(0.0)) for x in tot]
+  safe = [arith.select(hh, x, f32c(1.0)) for hh, x in zip(has, tot)]
   o_row = [arith.divf(x, s) for x, s in zip(out, safe)]
-  lse_row = [arith.select(hh, arith.mulf(arith.addf(u, ptx.lg2(s)), _f32(math.log(2.0))),
-                          _f32(-math.inf)) for hh, u, s in zip(has, use, safe)]
+  lse_row = [arith.select(hh, arith.mulf(arith.addf(u, ptx.lg2(s)), f32c(math.log(2.0))),
+                          f32c(-math.inf)) for hh, u, s in zip(has, use, safe)]
   vector.store(vector.from_elements(vec, o_row), o, [row, ci(0)])
   vector.store(vector.from_elements(vec, lse_row), lse, [ci(0)])

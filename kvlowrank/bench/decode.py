@@ -30,7 +30,8 @@ Methods (`METHODS`): dense (bf16), KIVI-2 / KIVI-4 (G = 32, R = 128, fp16 scales
 latency configuration; bf16 latents and 4-bit latents), XQuant-2 (group 128; "x" path
 for MHA, "latent" for GQA), XQuant-CL-2 (every layer a 2-bit delta layer from base layer 0,
 group 128; no attention split: its layers attend only inside the cross-layer `step`),
-GEAR-2 / GEAR-L-2 (2-bit KIVI backbone g = n_b = 64, s = 2 % / 0, r_p = 4, r_g = 2; the
+GEAR-2 / GEAR-L-2 (2-bit KIVI backbone g = n_b = 64, s = 2 % / 0, r_p = 4, r_g = 2; GEAR-L-2
+g=32: KIVI-2's backbone, g = 32, n_b = 64, in the warp layout on the Mosaic kernel; the
 fill sets n_pchunks = the context, i.e. every compressed token uses the prefill factor, as
 after a prefill of the context, and outlier indices < 64),
 FDC-50% / ZACK-50% (the rotated cache; random rotations of ragged widths H/4, 3H/4, H/2,
@@ -117,6 +118,8 @@ METHODS = {
     "xquantcl2": BenchMethod("XQuant-CL-2", "xquant_cl", XQuantCLSpec(bits=2)),
     "gear2": BenchMethod("GEAR-2", "gear", GearSpec()),
     "gearl2": BenchMethod("GEAR-L-2", "gear", GearSpec(sparsity=0.0)),
+    # GEAR-L over KIVI-2's own backbone (g = 32): the warp layout and the Mosaic kernel.
+    "gearl2-g32": BenchMethod("GEAR-L-2 g=32", "gear", GearSpec(sparsity=0.0, group_size=32)),
     # FDC / ZACK at 50%: the same rotated cache (the recipes differ offline only); ragged
     # random widths (`rotated_widths`) averaging H/2 for keys and values.
     "fdc50": BenchMethod("FDC-50%", "fdc", RotatedSpec()),

@@ -3,9 +3,10 @@
 GEAR's correction is a layer over any quantizer Q that compresses a chunk of K/V vectors
 and dequantizes it again: the layer needs `quantize_*` (codes + D^ of a chunk, so that it
 can form the residual X - D^ - S), `write` (the codes into the store) and `dequantize`
-(D^ at attention time). `PlanarBackbone` is that interface over the KIVI planar store
-(`kvlowrank_kernels.kivi.planar` / `store`: the arrays the KIVI decode kernels read) and the
-project's one quantizer; both of the paper's backbones are instances of it:
+(D^ at attention time). `StoreBackbone` is that interface over a KIVI store
+(`kvlowrank_kernels.kivi.store`: the arrays the KIVI decode kernels read; the warp layout of
+the Mosaic kernel where GEAR-L's Mosaic kernel applies, `GearSpec.layout`, else planar) and
+the project's one quantizer; both of the paper's backbones are instances of it:
 
   "kivi" (`kivi_backbone`): keys per channel over groups of g tokens, values per token over
     groups of g channels -- KIVI (g = 64, n_b = 64 in the paper's 2-bit runs);
@@ -46,22 +47,28 @@ from kvlowrank_kernels.quant.quantizer import dequantize_codes, quantize_codes
 
 
 @dataclasses.dataclass(frozen=True)
-class PlanarBackbone:
-  """Asymmetric min/max quantization into the KIVI planar store (static, hashable)."""
+class StoreBackbone:
+  """Asymmetric min/max quantization into a KIVI store (static, hashable)."""
 
   name: str
   bits: int
   key_group: int      # tokens per key group (per channel)
   value_group: int    # channels per value group (per token)
   scale_dtype: str = "float16"
+  layout: str = "planar"   # the store's layout (`kvlowrank_kernels.kivi.store.LAYOUTS`)
 
   def capacity_multiple(self, buffer: int) -> int:
-    """The store's capacity is a multiple of this (key groups, value blocks, chunks)."""
-    m = self.key_group * planar.VALUE_BLOCK // math.gcd(self.key_group, planar.VALUE_BLOCK)
+    """The store's capacity is a multiple of this (key groups, value blocks or the warp
+    layout's 128-token blocks, chunks)."""
+    m = kstore.capacity_multiple(self.layout, self.key_group)
     return m * buffer // math.gcd(m, buffer)
 
   def empty(self, *, batch: int, kv_heads: int, capacity: int, head_dim: int):
-    """A zeroed PlanarStore (`kvlowrank_kernels.kivi.store`) of `capacity` slots."""
+    """A zeroed store (`kvlowrank_kernels.kivi.store`) of `capacity` slots."""
+    if self.layout == "warp":
+      return kstore.empty("warp", batch=batch, kv_heads=kv_heads, capacity=capacity,
+                          head_dim=head_dim, k_bits=self.bits, v_bits=self.bits,
+                          group=self.key_group, scale_dtype=self.scale_dtype)
     b, k, s, h, sd = batch, kv_heads, capacity, head_dim, jnp.dtype(self.scale_dtype)
     gk, gv, z = self.key_group, self.value_group, jnp.zeros
     kw = packing.packed_bytes(h, self.bits, packing.plane_width(h, self.bits))
@@ -101,9 +108,9 @@ class PlanarBackbone:
     return kstore.dequantize(store, head_dim)
 
 
-def make_backbone(gspec, head_dim: int) -> PlanarBackbone:
+def make_backbone(gspec, head_dim: int) -> StoreBackbone:
   """The backbone of a GearSpec for a model of this head dim."""
   if gspec.backbone == "kivi":
-    return PlanarBackbone("kivi", gspec.bits, gspec.group_size, gspec.group_size,
-                          gspec.scale_dtype)
-  return PlanarBackbone("kcvt", gspec.bits, gspec.buffer, head_dim, gspec.scale_dtype)
+    return StoreBackbone("kivi", gspec.bits, gspec.group_size, gspec.group_size,
+                         gspec.scale_dtype, gspec.store_layout(head_dim))
+  return StoreBackbone("kcvt", gspec.bits, gspec.buffer, head_dim, gspec.scale_dtype)

@@ -1,9 +1,11 @@
 """GEAR cache (Kang et al. 2024, Algorithm 1): D^ + S + L over a quantized backbone.
 
 Storage (per layer; the arrays GEAR's decode kernel reads, `kvlowrank_kernels.gear`):
-  * store: the backbone's codes D^ = Q(X - S) in the KIVI planar store
-    (`kvlowrank_kernels.kivi.planar`: keys [B, K, S, R] + scale/zero [B, K, S/Gk, H],
-    values token-blocked [B, K, S, R] + scale/zero [B, K, S, H/Gv]) -- `backbone.py`;
+  * store: the backbone's codes D^ = Q(X - S) in a KIVI store (`backbone.py`,
+    `GearSpec.layout`): the Mosaic kernel's warp layout (`kivi.mosaic_layout.KiviMosaic`,
+    2-bit, g = 32) where GEAR-L's Mosaic kernel takes the configuration, else the planar
+    store (`kvlowrank_kernels.kivi.planar`: keys [B, K, S, R] + scale/zero [B, K, S/Gk, H],
+    values token-blocked [B, K, S, R] + scale/zero [B, K, S, H/Gv]);
   * k_win, v_win [B, W, K, H] (cache dtype), W = n_b: GEAR's streaming buffer. Both K and V
     stay exact until n_b tokens accumulate; then the whole chunk is compressed at once
     (outliers, quantization, low-rank), so the compressed prefix q_len = (len // n_b) n_b
@@ -47,11 +49,13 @@ query sees the tokens of its own call compressed once their chunk is whole (GEAR
 attends exact K/V; here prompt queries see the compressed cache, as the KIVI cache does:
 a one-pass perplexity then measures the compression error).
 
-Decode path: a decode step (T = 1) on a GPU runs `kvlowrank_kernels.gear.gear_attention`'s
-Triton kernel on the cache's arrays as stored (the Triton KIVI planar kernel with its GEAR
-terms: outliers and the factored low rank added inside the dequantized tiles, never in
-HBM); anything else (CPU, prefill, shapes the kernel's plan refuses) runs the jnp reference
-below, the reason logged once (`cache.dispatch`).
+Decode path: a decode step (T = 1) on a GPU runs a kernel on the cache's arrays as stored:
+on the warp layout (Hopper) `kvlowrank_kernels.gear.gear_attention_mosaic` (the Mosaic KIVI
+warp kernel with GEAR-L's low-rank terms as its extra MMAs), on the planar store
+`gear_attention`'s Triton kernel (the Triton KIVI planar kernel with its GEAR terms:
+outliers and the factored low rank added inside the dequantized tiles, never in HBM);
+anything else (CPU, prefill, shapes the kernels' plans refuse) runs the jnp reference below,
+the reason logged once (`cache.dispatch`).
 """
 
 from __future__ import annotations
@@ -65,17 +69,20 @@ import jax.numpy as jnp
 
 from kvlowrank.cache import base, dispatch
 from kvlowrank.methods.gear import outliers, power
-from kvlowrank.methods.gear.backbone import PlanarBackbone, make_backbone
+from kvlowrank.methods.gear.backbone import StoreBackbone, make_backbone
 from kvlowrank.methods.gear.spec import GearSpec
 from kvlowrank.model.attention import (SCORE_ELEMENTS, attention_mask, combine,
                                        dot_product_attention, masked_softmax_lse)
 from kvlowrank.spec import ModelSpec
 from kvlowrank_kernels import gear as gear_kernels
+from kvlowrank_kernels.kivi import store as kstore
 
 _HI = jax.lax.Precision.HIGHEST
 # Jitted so that the layers' identical kernel calls are lowered once per model.
 _kernel_attention = jax.jit(gear_kernels.gear_attention,
                             static_argnames=("scale", "out_dtype", "implementation"))
+_mosaic_attention = jax.jit(gear_kernels.gear_attention_mosaic,
+                            static_argnames=("chunk", "scale", "out_dtype"))
 F16 = jnp.float16
 
 
@@ -93,7 +100,7 @@ def _scatter_axis2(buf, first, ok, vals):
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class GearCache(base.KVCache):
-  store: Any                 # kvlowrank_kernels.kivi.store.PlanarStore (the backbone's D^)
+  store: Any                 # the backbone's D^: kivi.store.PlanarStore or mosaic_layout.KiviMosaic
   k_win: jax.Array           # [B, W, K, H] exact streaming buffer (slot i = q_len + i)
   v_win: jax.Array
   lens: jax.Array            # [B] int32
@@ -108,7 +115,7 @@ class GearCache(base.KVCache):
   sk_val: Optional[jax.Array]   # [B, K, C, NK, H] fp16
   sv_idx: Optional[jax.Array]   # [B, K, S, NV] uint8
   sv_val: Optional[jax.Array]   # [B, K, S, NV] fp16
-  backbone: PlanarBackbone = base.static_field(default=None)
+  backbone: StoreBackbone = base.static_field(default=None)
   rank_prefill: int = base.static_field(default=4)
   rank_chunk: int = base.static_field(default=2)
   k_counts: tuple = base.static_field(default=(0, 0))   # (top, bottom) per key channel
@@ -167,7 +174,12 @@ class GearCache(base.KVCache):
   # ------------------------------------------------------------------ shapes
   @property
   def capacity(self) -> int:
-    return self.store.keys.codes.shape[2]
+    return kstore.capacity(self.store)
+
+  @property
+  def warp(self) -> bool:
+    """The backbone is stored in the Mosaic kernel's warp layout (`GearSpec.layout`)."""
+    return self.backbone.layout == "warp"
 
   @property
   def lengths(self):
@@ -358,21 +370,38 @@ class GearCache(base.KVCache):
     return lowrank, sk, sv
 
   def kernel_candidates(self, q_shape):
-    """The Triton GEAR kernel for a query [B, N, H], with its fit check."""
-    def fit():
-      if self.k_win.dtype not in (jnp.bfloat16, jnp.float16):
-        return f"{jnp.dtype(self.k_win.dtype).name} cache (the kernel takes bf16/fp16)"
-      if (self.a_k is not None) != (self.b_k is not None and self.bp_k is not None):
-        return "a low-rank residual of rank 0 in the prefill or the chunks"
-      lowrank, sk, sv = self.kernel_operands()
-      return gear_kernels.triton_fit(q_shape, self.store.keys, self.store.values,
-                                     self.buffer, lowrank, sk, sv)
-    return [("triton", "gpu", fit)]
+    """The GEAR kernels for a query [B, N, H] (fastest first) with their fit checks: the
+    Mosaic GEAR-L kernel on the warp layout, the Triton kernel on planar."""
+    def fit(check):
+      def go():
+        if self.k_win.dtype not in (jnp.bfloat16, jnp.float16):
+          return f"{jnp.dtype(self.k_win.dtype).name} cache (the kernels take bf16/fp16)"
+        if (self.a_k is not None) != (self.b_k is not None and self.bp_k is not None):
+          return "a low-rank residual of rank 0 in the prefill or the chunks"
+        return check()
+      return go
+
+    lowrank, sk, sv = self.kernel_operands()
+    if self.warp:
+      mosaic = lambda: gear_kernels.mosaic_fit(q_shape, self.store, lowrank, self.buffer,
+                                               sparse=self.sparse)
+      triton = lambda: "the backbone is stored in the warp layout"
+    else:
+      mosaic = lambda: "the backbone is stored in the planar layout"
+      triton = lambda: gear_kernels.triton_fit(q_shape, self.store.keys, self.store.values,
+                                               self.buffer, lowrank, sk, sv)
+    return [("mosaic", "hopper", fit(mosaic)), ("triton", "gpu", fit(triton))]
 
   def attend(self, q, q_positions, lp, *, spec: ModelSpec, implementation=None):
     del lp, spec
     impl = self.decode_implementation(q.shape, implementation)
     q_len, w_len = self.segments()
+    if impl == "mosaic":
+      lowrank, _, _ = self.kernel_operands()
+      out, lse = _mosaic_attention(q[:, 0], self.store, self.k_win, self.v_win, q_len, w_len,
+                                   lowrank, chunk=self.buffer, scale=q.shape[-1] ** -0.5,
+                                   out_dtype=q.dtype)
+      return base.mask_padding_queries(out[:, None], lse[:, None], q_positions, q.dtype)
     if impl != dispatch.REFERENCE:
       lowrank, sk, sv = self.kernel_operands()
       out, lse = _kernel_attention(
@@ -461,8 +490,12 @@ class GearCache(base.KVCache):
     """Allocated bytes by role (sums to `nbytes()`): sparse indices and factors counted."""
     size = lambda *xs: int(sum(x.size * x.dtype.itemsize for x in xs if x is not None))
     st = self.store
-    sz = size(st.keys.scale, st.values.scale, st.keys.zero, st.values.zero)
-    return {"codes": size(st.keys.codes, st.values.codes), "scales": sz // 2,
+    if self.warp:   # ks / vs hold a scale and a zero point per group (`mosaic_layout`)
+      codes, sz = size(st.kc, st.vc), size(st.ks, st.vs)
+    else:
+      codes = size(st.keys.codes, st.values.codes)
+      sz = size(st.keys.scale, st.values.scale, st.keys.zero, st.values.zero)
+    return {"codes": codes, "scales": sz // 2,
             "zeros": sz // 2, "window": size(self.k_win, self.v_win),
             "low_rank_left": size(self.a_k, self.a_v),
             "low_rank_right": size(self.b_k, self.b_v, self.bp_k, self.bp_v),

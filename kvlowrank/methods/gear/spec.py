@@ -7,7 +7,8 @@ One spec covers the paper's three variants, told apart by the sparsity s and the
   outlier-only (Q + S, Table 8's "Outlier-A."): rank_prefill = rank_chunk = 0;
   s = 0 and r = 0 leave the backbone alone (with GEAR's streaming buffer).
 
-Backbones (`backbone`), both stored in the KIVI planar store (`kvlowrank_kernels.kivi.planar`):
+Backbones (`backbone`), stored in a KIVI store (`kvlowrank_kernels.kivi.store`): the warp
+layout of the Mosaic kernel where GEAR-L's kernel on it applies (`layout`), else planar:
   "kivi": keys per channel in groups of `group_size` tokens, values per token in groups of
           `group_size` channels (the paper's 2-bit backbone: g = 64, n_b = 64);
   "kcvt": the paper's coarse 4-bit backbone: one key group per channel of each compressed
@@ -23,12 +24,14 @@ from typing import Optional
 import numpy as np
 
 from kvlowrank.cache import dispatch
+from kvlowrank_kernels.gear import mosaic_gear
 from kvlowrank_kernels.quant import packing
 from kvlowrank_kernels.quant.quantizer import canonical_scale_dtype
 
 BACKBONES = ("kivi", "kcvt")
 OUTLIER_FILLS = ("mean", "zero")
-IMPLEMENTATIONS: tuple = ("triton",)   # the decode kernel (kvlowrank_kernels.gear)
+LAYOUTS = ("auto", "warp", "planar")
+IMPLEMENTATIONS: tuple = ("mosaic", "triton")   # the decode kernels (kvlowrank_kernels.gear)
 
 
 def _int(value, field: str, lo: int, hi: Optional[int] = None) -> int:
@@ -63,7 +66,12 @@ class GearSpec:
     entries: the official code's choice, which does not widen the group's range) or
     "zero" (the paper's X - S read literally); `outliers.py`;
   scale_dtype: scales and zero points (float16 as KIVI/GEAR);
-  implementation: None (fastest that fits: `cache.dispatch`), "reference" or "triton".
+  layout: the backbone store's layout: "auto" (the warp layout where the Mosaic GEAR-L
+    kernel takes the configuration -- 2-bit KIVI, g = 32, head dim 128, fp16 scales, no
+    outliers, ranks and buffer its plan takes, `kvlowrank_kernels.gear.mosaic_gear.
+    config_fit` -- else planar), "warp" (an error where it does not apply) or "planar";
+  implementation: None (fastest that fits: `cache.dispatch`), "reference", "mosaic" (the
+    warp layout) or "triton" (planar).
   """
 
   backbone: str = "kivi"
@@ -77,6 +85,7 @@ class GearSpec:
   seed: int = 0
   outlier_fill: str = "mean"
   scale_dtype: str = "float16"
+  layout: str = "auto"
   implementation: Optional[str] = None
 
   def __post_init__(self):
@@ -107,6 +116,8 @@ class GearSpec:
                        f"got {self.outlier_fill!r}")
     object.__setattr__(self, "scale_dtype",
                        canonical_scale_dtype(self.scale_dtype, "GearSpec.scale_dtype"))
+    if self.layout not in LAYOUTS:
+      raise ValueError(f"GearSpec.layout must be one of {LAYOUTS}, got {self.layout!r}")
     if self.implementation not in (None, dispatch.REFERENCE) + IMPLEMENTATIONS:
       raise ValueError(f"GearSpec.implementation must be None or 'reference'"
                        f"{' or one of ' + str(IMPLEMENTATIONS) if IMPLEMENTATIONS else ''}, "
@@ -119,6 +130,19 @@ class GearSpec:
     sp = self.sparsity > 0
     return {(True, True): "gear", (False, True): "gear_l", (True, False): "outlier",
             (False, False): "quant"}[(sp, lr)]
+
+  def store_layout(self, head_dim: int) -> str:
+    """The backbone store's layout for a model of this head dim (ValueError naming
+    GearSpec.layout when "warp" is asked for where it does not apply)."""
+    if self.layout == "planar":
+      return "planar"
+    why = "the kcvt backbone" if self.backbone != "kivi" else mosaic_gear.config_fit(
+        bits=self.bits, group=self.group_size, head_dim=head_dim,
+        scale_dtype=self.scale_dtype, sparse=self.sparsity > 0,
+        rank_prefill=self.rank_prefill, rank_chunk=self.rank_chunk, chunk=self.buffer)
+    if self.layout == "warp" and why is not None:
+      raise ValueError(f"GearSpec.layout='warp' does not hold {why}")
+    return "warp" if why is None else "planar"
 
   def check_model(self, head_dim: int, where: str = "GearSpec") -> None:
     """Errors that need the model's head dim (ValueError naming the field)."""
