@@ -22,7 +22,7 @@ import warnings
 
 from ..common import triton_backend
 from ..kivi.planar import KiviKeys, KiviValues
-from .mosaic_gear import fit as mosaic_fit
+from .mosaic_plan import fit as mosaic_fit
 from .mosaic_gear import gear_attention_mosaic
 from .operands import GearLowRank, GearSparseKeys, GearSparseValues
 from .reference import check_gear_shapes, gear_attention_reference

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 from kvlowrank_kernels.common import triton_backend
-from kvlowrank_kernels.gear import mosaic_gear, shapes
+from kvlowrank_kernels.gear import mosaic_gear, mosaic_plan, shapes
 from kvlowrank_kernels.gear.reference import gear_attention_reference
 from kvlowrank_kernels.kivi import mosaic_layout
 
@@ -54,27 +54,27 @@ def _inputs(shape, seed, lengths=None):
 def test_fit_names_what_the_kernel_refuses():
   args, cache, lr = _inputs(SHAPES[0], 0)
   q = args[0]
-  assert mosaic_gear.fit(q.shape, cache, lr, 64) is None
-  assert "outliers" in mosaic_gear.fit(q.shape, cache, lr, 64, sparse=True)
-  assert "warp layout" in mosaic_gear.fit(q.shape, args[1], lr, 64)
-  assert "low-rank" in mosaic_gear.fit(q.shape, cache, None, 64)
-  assert "chunks of 48" in mosaic_gear.fit(q.shape, cache, lr, 48)
+  assert mosaic_plan.fit(q.shape, cache, lr, 64) is None
+  assert "outliers" in mosaic_plan.fit(q.shape, cache, lr, 64, sparse=True)
+  assert "warp layout" in mosaic_plan.fit(q.shape, args[1], lr, 64)
+  assert "low-rank" in mosaic_plan.fit(q.shape, cache, None, 64)
+  assert "chunks of 48" in mosaic_plan.fit(q.shape, cache, lr, 48)
   bf = dataclasses.replace(cache, ks=cache.ks.astype(jnp.bfloat16),
                            vs=cache.vs.astype(jnp.bfloat16))
-  assert "bfloat16 scales" in mosaic_gear.fit(q.shape, bf, lr, 64)
+  assert "bfloat16 scales" in mosaic_plan.fit(q.shape, bf, lr, 64)
   odd = dataclasses.replace(lr, a_k=jnp.pad(lr.a_k, ((0, 0),) * 3 + ((0, 1),)),
                             a_v=jnp.pad(lr.a_v, ((0, 0),) * 3 + ((0, 1),)))
-  assert "a_k has 5 columns" in mosaic_gear.fit(q.shape, cache, odd, 64)
-  assert "RA=5" in mosaic_gear.config_fit(bits=2, group=32, head_dim=128, scale_dtype="float16",
+  assert "a_k has 5 columns" in mosaic_plan.fit(q.shape, cache, odd, 64)
+  assert "RA=5" in mosaic_plan.config_fit(bits=2, group=32, head_dim=128, scale_dtype="float16",
                                           sparse=False, rank_prefill=5, rank_chunk=2,
                                           chunk=64)
-  assert "group size 64" in mosaic_gear.config_fit(
+  assert "group size 64" in mosaic_plan.config_fit(
       bits=2, group=64, head_dim=128, scale_dtype="float16", sparse=False, rank_prefill=4,
       rank_chunk=2, chunk=64)
-  assert mosaic_gear.config_fit(bits=2, group=32, head_dim=128, scale_dtype="float16",
+  assert mosaic_plan.config_fit(bits=2, group=32, head_dim=128, scale_dtype="float16",
                                 sparse=False, rank_prefill=4, rank_chunk=2, chunk=64) is None
   f32 = dataclasses.replace(lr, b_v=lr.b_v.astype(F32))
-  assert "lowrank.b_v" in mosaic_gear.fit(q.shape, cache, f32, 64)
+  assert "lowrank.b_v" in mosaic_plan.fit(q.shape, cache, f32, 64)
   with pytest.raises(ValueError, match="chunks of 48"):
     mosaic_gear.gear_attention_mosaic(*args[:1], cache, *args[3:], lr, chunk=48)
 

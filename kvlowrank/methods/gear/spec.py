@@ -24,7 +24,7 @@ from typing import Optional
 import numpy as np
 
 from kvlowrank.cache import dispatch
-from kvlowrank_kernels.gear import mosaic_gear
+from kvlowrank_kernels.gear import mosaic_plan
 from kvlowrank_kernels.quant import packing
 from kvlowrank_kernels.quant.quantizer import canonical_scale_dtype
 
@@ -68,7 +68,7 @@ class GearSpec:
   scale_dtype: scales and zero points (float16 as KIVI/GEAR);
   layout: the backbone store's layout: "auto" (the warp layout where the Mosaic GEAR-L
     kernel takes the configuration -- 2-bit KIVI, g = 32, head dim 128, fp16 scales, no
-    outliers, ranks and buffer its plan takes, `kvlowrank_kernels.gear.mosaic_gear.
+    outliers, ranks and buffer its plan takes, `kvlowrank_kernels.gear.mosaic_plan.
     config_fit` -- else planar), "warp" (an error where it does not apply) or "planar";
   implementation: None (fastest that fits: `cache.dispatch`), "reference", "mosaic" (the
     warp layout) or "triton" (planar).
@@ -136,7 +136,7 @@ class GearSpec:
     GearSpec.layout when "warp" is asked for where it does not apply)."""
     if self.layout == "planar":
       return "planar"
-    why = "the kcvt backbone" if self.backbone != "kivi" else mosaic_gear.config_fit(
+    why = "the kcvt backbone" if self.backbone != "kivi" else mosaic_plan.config_fit(
         bits=self.bits, group=self.group_size, head_dim=head_dim,
         scale_dtype=self.scale_dtype, sparse=self.sparsity > 0,
         rank_prefill=self.rank_prefill, rank_chunk=self.rank_chunk, chunk=self.buffer)
