@@ -95,11 +95,10 @@ def main(argv=None):
   cache = jax.jit(to_mosaic)(kv32[1], kv32[2])
   add("kivi2-g32-mosaic", jax.jit(kivi_attention_mosaic_warp),
       (kv32[0], cache, *kv32[3:]))
+  npc = jnp.full((b,), s // 64 - args.stream_chunks, jnp.int32)  # chunks of 64 (prefill)
   shape32 = GearShape(gear_shapes.backbone(batch=b, capacity=s, window=128, n_heads=N,
                                            n_kv_heads=KH, k_group=32, v_group=32))
-  lr32, _, _ = residual_operands(shape32, jax.random.key(3),
-                                 jnp.full((b,), s // 64 - args.stream_chunks, jnp.int32),
-                                 "gear-l")
+  lr32, _, _ = residual_operands(shape32, jax.random.key(3), npc, "gear-l")
   add("gear-l-2-g32-mosaic", jax.jit(lambda *a: gear_attention_mosaic(*a, chunk=64)),
       (kv32[0], cache, *kv32[3:], lr32))
   del cache, lr32
@@ -111,7 +110,6 @@ def main(argv=None):
                                                             **KIVI_OPTS)), kv, opts=KIVI_OPTS)
   shape = GearShape(gear_shapes.backbone(batch=b, capacity=s, window=64, n_heads=N,
                                          n_kv_heads=KH))
-  npc = jnp.full((b,), s // 64 - args.stream_chunks, jnp.int32)
   for name, variant in (("gear-l-2", "gear-l"), ("gear-2", "gear"), ("outlier-2", "outlier")):
     lr, sk, sv = residual_operands(shape, jax.random.key(3), npc, variant)
     for opts in GEAR_SWEEP if args.sweep else [DEFAULT[variant]]:

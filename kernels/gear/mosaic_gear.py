@@ -24,8 +24,8 @@ Choices: the MMAs run in fp16 (GEAR's factors are fp16; the backbone's scales mu
 too); q B is rounded to fp16 (as the Triton kernel rounds q to the key dtype); a's columns
 beyond a segment's rank meet zero rows of B (the contract's zeros are not relied on: the
 B operands are zero-padded and the lanes past the rank masked).
-Restrictions (`mosaic_plan.fit`): the warp layout's (2-bit, groups of 32, H = 128, QPK <= 16), fp16
-scales, RA and r_g in {2, 4, 8}, r_p <= 8, chunks of 32, 64 or 128 tokens; no outliers.
+Restrictions (`mosaic_plan.fit`): the warp layout's (2-bit, groups of 32, H = 128, QPK <= 16),
+fp16 scales, RA and r_g in {2, 4, 8}, r_p <= 8, chunks of 32, 64 or 128 tokens; no outliers.
 """
 
 from __future__ import annotations
@@ -51,8 +51,8 @@ class _Bound:
 
   refs_per_block, n_state, n_const = 4, 1, 1
 
-  def __init__(self, lp, p, dtype, *, b, head, pid, start, inputs, smem, bars, ring_bars):
-    del dtype, start
+  def __init__(self, lp, p, dtype, *, b, head, pid, inputs, smem, bars, ring_bars):
+    del dtype
     self.lp, self.p, self.b, self.head, self.pid = lp, p, b, head, pid
     (self.qbp_g, self.bpv_g, self.pfx_g, self.ak_g, self.av_g, self.bk_g, self.bv_g) = inputs
     (self.qbp_s, self.bpv_s, self.ak_s, self.av_s, self.bk_s, self.bv_s, self.wu_s) = smem
@@ -143,7 +143,8 @@ class _Bound:
 
     @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA, plgpu.RefType()))
     def pub(_, u_arr, wu):
-      from jax.experimental.mosaic.gpu import utils as mgpu_utils  # pylint: disable=import-outside-toplevel
+      # pylint: disable-next=import-outside-toplevel
+      from jax.experimental.mosaic.gpu import utils as mgpu_utils
       ir, arith, _, _, vector = mlir_modules()
       f32 = ir.F32Type.get()
       _, _, r, q = ws.lane_parts()

@@ -108,8 +108,8 @@ def _kernel(p, dtype, sm_scale, ext, q_ref, kc_ref, ks_ref, vc_ref, vs_ref, len_
   start, end, n_blocks = splitk.split_bounds(len_ref[b], ns, sid, BLOCK)
   scale2 = sm_scale * LOG2E
   # ext (None for KIVI): a caller's extra terms (`launch`)
-  x = None if ext is None else ext.bind(p, dtype, b=b, head=head, pid=pid, start=start,
-                                        inputs=ext_in, smem=ext_smem, bars=ext_bars,
+  x = None if ext is None else ext.bind(p, dtype, b=b, head=head, pid=pid, inputs=ext_in,
+                                        smem=ext_smem, bars=ext_bars,
                                         ring_bars=(kc_bar, ks_bar, vc_bar, vs_bar))
   n_ref, n_state, n_const = (0, 0, 0) if x is None else (x.refs_per_block, x.n_state,
                                                          x.n_const)
@@ -233,7 +233,7 @@ def launch(p, dtype, sm_scale, qt, cache: KiviMosaic, lengths, ext=None, ext_inp
   memory and barriers; `ring_arrivals`: the arrivals it adds to each of the ring's four
   barriers (kc, ks, vc, vs: its per-block copies arrive on the block's barriers, so the
   compute warps wait on no more barriers than KIVI's); `bind(p, dtype, b=, head=, pid=,
-  start=, inputs=, smem=, bars=, ring_bars=)` returns the per-CTA object the kernel body
+  inputs=, smem=, bars=, ring_bars=)` returns the per-CTA object the kernel body
   calls: `copy_const()` / `copy_block(block,
   slot)` in the producer (`mosaic_ring.produce`); in each compute warpgroup `load_const()`
   (its per-CTA arrays), `init_state()`, `plain_blocks(start, n_blocks)` (how many of the

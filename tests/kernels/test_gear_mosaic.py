@@ -47,8 +47,7 @@ def _inputs(shape, seed, lengths=None):
   q_len, w_len, npc = (np.asarray(x, np.int32) for x in (lengths or LENGTHS[shape.batch]))
   args, groups = shapes.make_inputs(shape, jax.random.key(seed), q_len=q_len, w_len=w_len,
                                     n_pchunks=npc, variant="gear-l")
-  q, keys, values, kw, vw, ql, wl = args
-  return args, mosaic_layout.to_mosaic(keys, values), groups["lowrank"]
+  return args, mosaic_layout.to_mosaic(args[1], args[2]), groups["lowrank"]
 
 
 def test_fit_names_what_the_kernel_refuses():
@@ -91,7 +90,7 @@ def test_gear_mosaic_lowers_for_cuda(idx, opts):
 
 def _check(shape, seed, opts, lengths=None):
   args, cache, lr = _inputs(shape, seed, lengths)
-  q, keys, values, kw, vw, ql, wl = args
+  q, _, _, kw, vw, ql, wl = args
   run = jax.jit(lambda *a: mosaic_gear.gear_attention_mosaic(
       *a, chunk=shape.chunk, out_dtype=F32, return_partials=True, **opts))
   out, lse, (o_p, lse_p) = run(q, cache, kw, vw, ql, wl, lr)
