@@ -64,7 +64,7 @@ METHODS = {
     "xquant2-chunked": ("xquant", XQuantSpec(bits=2, group_size=128, decode_chunk=64),
                         ("xla",)),
     "gear2": ("gear", GearSpec(), ("triton",)),
-    "gearl2": ("gear", GearSpec(sparsity=0.0), ("triton",)),
+    "gearl2": ("gear", GearSpec(sparsity=0.0), ("mosaic",)),
     "gearl2-g32": ("gear", GearSpec(sparsity=0.0, group_size=32), ("mosaic",)),
     "fdc50": ("fdc", RotatedSpec(), ("triton",)),
     "zack50": ("zack", RotatedSpec(), ("triton",)),

@@ -635,4 +635,4 @@ def test_warp_layout_backbone_holds_the_planar_numbers():
   other, _, _ = run("auto", k0=k * 1.5)
   assert not np.array_equal(np.asarray(other.dequantized()[0]), np.asarray(warp.dequantized()[0]))
   with pytest.raises(ValueError, match="GearSpec.layout='warp'"):
-    GearCache.init(GearSpec(sparsity=0.0, layout="warp"), spec, batch=1, capacity=64)
+    GearCache.init(GearSpec(layout="warp"), spec, batch=1, capacity=64)

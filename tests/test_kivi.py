@@ -125,14 +125,14 @@ def _attend_both(cache, q, pos):
   return out, lse, dense, dlse
 
 
-def run_stream(ks, prefill_lens, n_decode, seed, drop=None, spec=SPEC):
+def run_stream(ks, prefill_lens, n_decode, seed, drop=None, spec=SPEC, capacity=64):
   """Ragged prefill then decode steps on random K/V; checks the cache against KiviRef
   after every step. drop=(step, row) replaces that decode token by padding in the
   cache only and checks only at the end, when the lengths agree again (negative control)."""
   rng = np.random.default_rng(seed)
   bsz, kh, h = len(prefill_lens), spec.n_kv_heads, spec.head_dim
   t0 = max(prefill_lens)
-  cache = KiviCache.init(ks, spec, batch=bsz, capacity=64, dtype=jnp.float32)
+  cache = KiviCache.init(ks, spec, batch=bsz, capacity=capacity, dtype=jnp.float32)
   mk = lambda t: rng.standard_normal((bsz, t, kh, h)).astype(np.float32) * \
       np.linspace(1.0, 8.0, h, dtype=np.float32)  # channel-dependent ranges (key outliers)
   k, v = mk(t0), mk(t0)
@@ -194,29 +194,38 @@ def test_kivi_matches_reference_stream(ks, prefill_lens, n_decode):
 WARP_SPEC = SPEC.replace(head_dim=128)
 
 
-def test_kivi_warp_layout_matches_reference_stream():
-  """2-bit, G = 32, H = 128: the store is the Mosaic warp kernel's layout, written token by
-  token (value codes by read-modify-write of shared words); same float64 reference."""
-  ks = KiviSpec(bits=2, group_size=32, residual=32, layout="warp")
-  cache = run_stream(ks, (40, 17), 30, seed=5, spec=WARP_SPEC)
-  assert cache.layout == "warp" and cache.capacity == 128
+@pytest.mark.parametrize("group", [32, 64])
+def test_kivi_warp_layout_matches_reference_stream(group):
+  """2-bit, G = 32 or 64, H = 128: the store is the Mosaic warp kernel's layout, written
+  token by token (value codes by read-modify-write of shared words); same float64
+  reference."""
+  ks = KiviSpec(bits=2, group_size=group, residual=group, layout="warp")
+  cache = run_stream(ks, (40, 17) if group == 32 else (150, 90), 30, seed=5, spec=WARP_SPEC,
+                     capacity=128 * (group // 32))
+  assert cache.layout == "warp" and cache.store.group == group
+  assert np.abs(np.asarray(cache.dequantized()[1])).max() > 0, "nothing quantized"
 
 
-def test_warp_and_planar_layouts_hold_the_same_cache():
+@pytest.mark.parametrize("group", [32, 64])
+def test_warp_and_planar_layouts_hold_the_same_cache(group):
   """The same stream through both layouts: bit-identical materialised K/V (the layouts
   are two orders of the same codes and scales); negative control: one flipped value-code
   word of the warp store changes the materialised values."""
-  ks = KiviSpec(bits=2, group_size=32, residual=32, layout="warp")
-  warp = run_stream(ks, (40, 17), 12, seed=9, spec=WARP_SPEC)
-  planar = run_stream(KiviSpec(bits=2, group_size=32, residual=32, layout="planar"), (40, 17),
-                      12, seed=9, spec=WARP_SPEC)
+  ks = KiviSpec(bits=2, group_size=group, residual=group, layout="warp")
+  lens, cap = ((40, 17), 64) if group == 32 else ((150, 90), 256)
+  warp = run_stream(ks, lens, 12, seed=9, spec=WARP_SPEC, capacity=cap)
+  planar = run_stream(KiviSpec(bits=2, group_size=group, residual=group, layout="planar"),
+                      lens, 12, seed=9, spec=WARP_SPEC, capacity=cap)
+  assert np.abs(np.asarray(warp.dequantized()[1])).max() > 0, "nothing quantized"
   assert planar.layout == "planar"
   for a, b in zip(warp.materialize(), planar.materialize()):
     np.testing.assert_array_equal(np.asarray(a)[:, :64], np.asarray(b)[:, :64])
   st = warp.store
   bad = dataclasses.replace(warp, store=dataclasses.replace(
       st, vc=st.vc.at[0, 0, 0, 0, 5].set(st.vc[0, 0, 0, 0, 5] ^ 3)))
-  assert not np.array_equal(np.asarray(bad.materialize()[1]), np.asarray(warp.materialize()[1]))
+  assert not np.array_equal(np.asarray(bad.dequantized()[1]), np.asarray(warp.dequantized()[1]))
+  for a, b in zip(warp.dequantized(), planar.dequantized()):
+    np.testing.assert_array_equal(np.asarray(a)[:, :64], np.asarray(b)[:, :64])
 
 
 def _eqns(jaxpr):

@@ -76,7 +76,7 @@ def fit(q_shape, cache, lowrank, chunk: int, sparse=False) -> str | None:
   except ValueError as e:
     return str(e)
   ra, rp, rg = lowrank.a_k.shape[-1], lowrank.prefill_rank, lowrank.chunk_rank
-  why = config_fit(bits=2, group=32, head_dim=HEAD_DIM, scale_dtype=dtype, sparse=False,
+  why = config_fit(bits=2, group=cache.group, head_dim=HEAD_DIM, scale_dtype=dtype, sparse=False,
                    rank_prefill=rp, rank_chunk=rg, chunk=chunk)
   if why is not None:
     return why
@@ -106,4 +106,5 @@ def extra_smem(lp: LowRankPlan):
 
 
 def plan(q_shape, cache, lp, **knobs):
-  return mkw.plan(q_shape, cache.kc.shape, extra_smem=extra_smem(lp), **knobs)
+  return mkw.plan(q_shape, cache.kc.shape, extra_smem=extra_smem(lp), kgroup=cache.group,
+                  **knobs)

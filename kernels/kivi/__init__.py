@@ -60,13 +60,13 @@ def mosaic_fit(q_shape, cache) -> str | None:
   try:
     if isinstance(cache, KiviMosaic):
       check_mosaic(cache)
-      cache_shape = cache.kc.shape
+      cache_shape, group = cache.kc.shape, cache.group
     else:
       keys, values = cache
       check_planar(keys, values)
       b, kh, s = keys.codes.shape[:3]
-      cache_shape = (b, kh, s // 128)
-    plan(tuple(q_shape), cache_shape)
+      cache_shape, group = (b, kh, s // 128), keys.group
+    plan(tuple(q_shape), cache_shape, kgroup=group)
   except ValueError as e:
     return str(e)
   return None

@@ -56,15 +56,15 @@ LOG2E = 1.4426950408889634
 NAME = "mosaic KIVI (warp)"
 
 
-def _smem_bytes(w, stages, np_):
+def _smem_bytes(w, stages, np_, group=32):
   kib = lambda n: -(-n // 1024) * 1024
-  return (stages * ring.SLOT_BYTES + kib(np_ * HEAD_DIM * 2)          # ring, q
+  return (stages * ring.slot_bytes(group) + kib(np_ * HEAD_DIM * 2)   # ring, q
           + kib(4 * w * HEAD_DIM * np_ * 4) + kib(4 * w * 2 * np_ * 4)  # warp partials
           + kib(HEAD_DIM * np_ * 4) + kib(np_ * 4) + 512)  # merged partial, barriers
 
 
 def plan(q_shape, cache_shape, *, warpgroups=2, stages=None, num_splits=None,
-         extra_smem=None):
+         extra_smem=None, kgroup=32):
   """Launch geometry (dict) with ValueErrors naming the bad argument (`ring.plan_ring`).
 
   Args:
@@ -76,16 +76,18 @@ def plan(q_shape, cache_shape, *, warpgroups=2, stages=None, num_splits=None,
     num_splits: split-K override (None: wave-balanced).
     extra_smem: None, or (w, stages, np) -> the shared-memory bytes a caller's extension
       (`launch`'s `ext`) adds.
+    kgroup: the cache's key / value group (32 or 64, `KiviMosaic.group`).
   The plan's "group": each warp takes its blocks GROUP at a time, one online-softmax step
   over them (`mosaic_warp_step.block_step`), 2 where the ring holds both (stages >= 2 W),
   else 1. Why 2: the loop is latency-bound (one CTA per multiprocessor, each block a
   dependent chain), and two blocks' chains interleave; measured in BENCHMARKS.md.
   """
-  smem = _smem_bytes if extra_smem is None else (
-      lambda w, st, np_: _smem_bytes(w, st, np_) + extra_smem(w, st, np_))
+  base = lambda w, st, np_: _smem_bytes(w, st, np_, kgroup)
+  smem = base if extra_smem is None else (
+      lambda w, st, np_: base(w, st, np_) + extra_smem(w, st, np_))
   p = ring.plan_ring(NAME, q_shape, cache_shape, warpgroups=warpgroups, stages=stages,
                      num_splits=num_splits, smem_bytes=smem)
-  return dict(p, group=2 if p["stages"] >= 2 * p["w"] else 1)
+  return dict(p, group=2 if p["stages"] >= 2 * p["w"] else 1, kgroup=kgroup)
 
 
 def _kernel(p, dtype, sm_scale, ext, q_ref, kc_ref, ks_ref, vc_ref, vs_ref, len_ref, ext_in,
@@ -140,13 +142,13 @@ def _kernel(p, dtype, sm_scale, ext, q_ref, kc_ref, ks_ref, vc_ref, vs_ref, len_
           [refs[per * j + 4:per * (j + 1)] for j in range(k)], state, const, extras, nt=nt,
           general=general)
       out = ws.block_step(slots, qb, acc, ml, zacc, list(valids), nt=nt, dtype=dtype,
-                          scale2=scale2, ext=hook)
+                          scale2=scale2, ext=hook, group=p["kgroup"])
       return out if hook is None else out + hook.state()
     return step
 
   @plgpu.inline_mgpu(arg_types=(layout, layout, layout, ref, ref))
   def publish(_, acc, ml, zacc, wo, wml):
-    ws.publish_partial(acc, ml, zacc, wo, wml, nt)
+    ws.publish_partial(acc, ml, zacc, wo, wml, nt, group=p["kgroup"])
 
   m_refs = () if x is None else x.merge_refs()
 
@@ -249,15 +251,16 @@ def launch(p, dtype, sm_scale, qt, cache: KiviMosaic, lengths, ext=None, ext_inp
   nw, stages, np_, ns = p["w"], p["stages"], p["np"], p["num_splits"]
   jdt = jnp.dtype(dtype)
   n_in = len(ext_inputs)
+  rows = 128 // p["kgroup"]   # scale rows per block
 
   def entry(q_ref, kc_ref, ks_ref, vc_ref, vs_ref, len_ref, *rest):
     ext_in, (o_ref, lse_ref) = rest[:n_in], rest[n_in:]
     scratch = [
         plgpu.SMEM((np_, HEAD_DIM), jdt),
         plgpu.SMEM((stages, 4, 256), jnp.uint32),
-        plgpu.SMEM((stages, 4, 256), jdt),
+        plgpu.SMEM((stages, rows, 256), jdt),
         plgpu.SMEM((stages, 4, 256), jnp.uint32),
-        plgpu.SMEM((stages, 4, 256), jdt),
+        plgpu.SMEM((stages, rows, 256), jdt),
         plgpu.SMEM((4 * nw, HEAD_DIM, np_), jnp.float32),
         plgpu.SMEM((4 * nw, 2, np_), jnp.float32),
         plgpu.SMEM((HEAD_DIM, np_), jnp.float32),
@@ -313,7 +316,7 @@ def kivi_attention_mosaic_warp(q, cache: KiviMosaic, k_win, v_win, q_len, w_len,
   """
   dtype = check_mosaic(cache)
   p = plan(q.shape, cache.kc.shape, warpgroups=warpgroups, stages=stages,
-           num_splits=num_splits)
+           num_splits=num_splits, kgroup=cache.group)
   sm_scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
   qt = ring.query_operand(q, p, dtype)
   o_t, lse_t = launch(p, dtype, sm_scale, qt, cache, q_len.astype(jnp.int32))

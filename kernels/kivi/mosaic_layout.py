@@ -52,9 +52,15 @@ from .planar import (KiviKeys, KiviValues, block_tokens, dequantize_keys, dequan
 
 BLOCK = 128   # tokens per block (one ring slot of the kernel)
 HEAD_DIM = 128
-GROUP = 32
+GROUP = 32    # tokens per warp in a block; the default key/value group
+GROUPS = (32, 64)
 BITS = 2
 SCALE_DTYPES = ("float16", "bfloat16")
+
+
+def scale_rows(group: int) -> int:
+  """Rows of 256 halves that a block's key (or value) scale/zero pairs take: 128 / group."""
+  return BLOCK // group
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,6 +78,11 @@ class KiviMosaic:
   @property
   def capacity(self) -> int:
     return self.kc.shape[2] * BLOCK
+
+  @property
+  def group(self) -> int:
+    """The key / value group (32 or 64), from the scale arrays' rows per block."""
+    return BLOCK // self.ks.shape[3]
 
 
 jax.tree_util.register_dataclass(KiviMosaic, data_fields=["kc", "ks", "vc", "vs"],
@@ -109,31 +120,35 @@ def code_maps():
 
 
 @functools.lru_cache(maxsize=None)
-def _scale_maps():
-  g, r, quad, jj, e = np.meshgrid(np.arange(4), np.arange(8), np.arange(4), np.arange(2),
+def _scale_maps(group=GROUP):
+  ng = BLOCK // group        # key groups per block = value groups per token (H = 128)
+  g, r, quad, jj, e = np.meshgrid(np.arange(ng), np.arange(8), np.arange(4), np.arange(2),
                                   np.arange(2), indexing="ij")
   keys = (g, 8 * (2 * r + jj) + 2 * quad + e)
-  # values: [warp w, chunk c = 4 kk + gq, quad, jh, (scale, zero), e]
-  w, c, jh = g, r, jj
-  return keys, (32 * w + 16 * (c // 4) + 8 * jh + 2 * quad + e, c % 4)
+  # values: [warp w, chunk c = ng kk + gq, quad, jh, (scale, zero), e]
+  w, c, quad, jh, e = np.meshgrid(np.arange(4), np.arange(2 * ng), np.arange(4), np.arange(2),
+                                  np.arange(2), indexing="ij")
+  return keys, (32 * w + 16 * (c // ng) + 8 * jh + 2 * quad + e, c % ng)
 
 
-def scale_maps():
+def scale_maps(group=GROUP):
   """((key group, key channel), (value token, value group)) of every stored scale/zero pair:
-  int arrays [4, 8, 4, 2, 2], the stored order without the (scale, zero) axis, which sits
-  before the last; tokens and key groups within the block."""
-  (kg, kx), (vx, vg) = _scale_maps()
+  int arrays ([128 / G, 8, 4, 2, 2] keys, [4, 256 / G, 4, 2, 2] values), the stored order
+  without the (scale, zero) axis, which sits before the last; tokens and key groups within
+  the block. Groups of 64: warps 2 i and 2 i + 1 share key scale row i, and a token's 2
+  value groups take chunks c = 2 kk + g."""
+  (kg, kx), (vx, vg) = _scale_maps(group)
   return (kg.copy(), kx.copy()), (vx.copy(), vg.copy())
 
 
 @functools.lru_cache(maxsize=None)
-def _inverses():
+def _inverses(group=GROUP):
   """Gathers that undo the relayout: for each planar element (key codes [token, channel],
   value codes [token, channel], key scales [group, channel], value scales [token, group],
   flattened), its position in the stored order (without the (scale, zero) axis)."""
   (kt, kd), (vt, vd) = _code_maps()
-  (kg, kx), (vx, vg) = _scale_maps()
-  flats = (kt * HEAD_DIM + kd, vt * HEAD_DIM + vd, kg * HEAD_DIM + kx, vx * 4 + vg)
+  (kg, kx), (vx, vg) = _scale_maps(group)
+  flats = (kt * HEAD_DIM + kd, vt * HEAD_DIM + vd, kg * HEAD_DIM + kx, vx * (BLOCK // group) + vg)
   return tuple(np.argsort(f.ravel()) for f in flats)
 
 
@@ -153,9 +168,9 @@ def _unpack_words(words):
 def check_planar(keys: KiviKeys, values: KiviValues):
   """ValueError (one line, naming the field) unless planar keys/values fit this layout."""
   for name, x in (("keys", keys), ("values", values)):
-    if x.bits != BITS or x.group != GROUP:
-      raise ValueError(f"mosaic KIVI layout: {name} must be {BITS}-bit with groups of {GROUP}, "
-                       f"got bits={x.bits}, group={x.group}")
+    if x.bits != BITS or x.group not in GROUPS or x.group != keys.group:
+      raise ValueError(f"mosaic KIVI layout: {name} must be {BITS}-bit with groups of 32 or 64 "
+                       f"(keys' and values' alike), got bits={x.bits}, group={x.group}")
     if x.head_dim != HEAD_DIM:
       raise ValueError(f"mosaic KIVI layout: {name} head dim must be {HEAD_DIM}, "
                        f"got {x.head_dim}")
@@ -180,10 +195,15 @@ def check_mosaic(cache: KiviMosaic) -> str:
   shape = cache.kc.shape
   if len(shape) != 5 or shape[3:] != (4, 256):
     raise ValueError(f"KiviMosaic.kc must be [B, K, S / {BLOCK}, 4, 256], got {shape}")
+  rows = cache.ks.shape[3] if cache.ks.ndim == 5 else -1
+  if rows not in tuple(scale_rows(g) for g in GROUPS):
+    raise ValueError(f"KiviMosaic.ks must be [B, K, S / {BLOCK}, 4 or 2, 256] (groups of 32 or "
+                     f"64), got {cache.ks.shape}")
   for name in ("kc", "ks", "vc", "vs"):
     x = getattr(cache, name)
-    if x.shape != shape:
-      raise ValueError(f"KiviMosaic.{name} shape {x.shape} != KiviMosaic.kc shape {shape}")
+    want = shape if name.endswith("c") else shape[:3] + (rows, 256)
+    if x.shape != want:
+      raise ValueError(f"KiviMosaic.{name} shape {x.shape} != {want}")
     if name in ("kc", "vc") and x.dtype != jnp.uint32:
       raise ValueError(f"KiviMosaic.{name} must be uint32, got {x.dtype}")
   dtype = jnp.dtype(cache.ks.dtype).name
@@ -198,23 +218,24 @@ def to_mosaic(keys: KiviKeys, values: KiviValues) -> KiviMosaic:
   check_planar(keys, values)
   (kt, kd), (vt, vd) = _code_maps()
   b, kh, s, _ = keys.codes.shape
-  nb = s // BLOCK
+  nb, g = s // BLOCK, keys.group
+  ng = BLOCK // g
   kcodes = key_codes(keys).reshape(b, kh, nb, BLOCK, HEAD_DIM)
   vcodes = value_codes(values).reshape(b, kh, nb, BLOCK, HEAD_DIM)
   kc = _pack_words(kcodes[:, :, :, kt, kd]).reshape(b, kh, nb, 4, 256)
   vc = _pack_words(vcodes[:, :, :, vt, vd]).reshape(b, kh, nb, 4, 256)
-  (kg, kx), (vx, vg) = _scale_maps()
+  (kg, kx), (vx, vg) = _scale_maps(g)
 
-  def key_scales(a):  # [B, K, S / 32, H] -> [B, K, nb, 4, 8, 4, 2, 2]
-    return a.reshape(b, kh, nb, 4, HEAD_DIM)[:, :, :, kg, kx]
+  def key_scales(a):  # [B, K, S / G, H] -> [B, K, nb, *kg.shape]
+    return a.reshape(b, kh, nb, ng, HEAD_DIM)[:, :, :, kg, kx]
 
-  def value_scales(a):  # [B, K, S, 4] -> [B, K, nb, 4, 8, 4, 2, 2]
-    return a.reshape(b, kh, nb, BLOCK, 4)[:, :, :, vx, vg]
+  def value_scales(a):  # [B, K, S, H / G] -> [B, K, nb, *vx.shape]
+    return a.reshape(b, kh, nb, BLOCK, ng)[:, :, :, vx, vg]
 
   ks = jnp.stack([key_scales(keys.scale), key_scales(keys.zero)], -2)
   vs = jnp.stack([value_scales(values.scale), value_scales(values.zero)], -2)
-  return KiviMosaic(kc=kc, ks=ks.reshape(b, kh, nb, 4, 256), vc=vc,
-                    vs=vs.reshape(b, kh, nb, 4, 256))
+  return KiviMosaic(kc=kc, ks=ks.reshape(b, kh, nb, ng, 256), vc=vc,
+                    vs=vs.reshape(b, kh, nb, ng, 256))
 
 
 def from_mosaic(cache: KiviMosaic) -> tuple[KiviKeys, KiviValues]:
@@ -222,27 +243,28 @@ def from_mosaic(cache: KiviMosaic) -> tuple[KiviKeys, KiviValues]:
   `cache`: its exact inverse (same codes bytes, same scale/zero numbers)."""
   check_mosaic(cache)
   b, kh, nb = cache.kc.shape[:3]
-  s = nb * BLOCK
-  inv_kc, inv_vc, inv_ks, inv_vs = _inverses()
+  s, g = nb * BLOCK, cache.group
+  ng = BLOCK // g
+  inv_kc, inv_vc, inv_ks, inv_vs = _inverses(g)
 
   def codes(words, inv):  # -> int32 [B, K, S, H]
     c = _unpack_words(words.reshape(b, kh, nb, 1024)).reshape(b, kh, nb, BLOCK * HEAD_DIM)
     return c[..., inv].reshape(b, kh, s, HEAD_DIM)
 
-  def scales(a, inv):  # [.., 4, 256] -> (scale, zero), each [B, K, nb, 512] in planar order
-    a = a.reshape(b, kh, nb, 4, 8, 4, 2, 2, 2)
-    return tuple(a[..., i, :].reshape(b, kh, nb, 512)[..., inv] for i in range(2))
+  def scales(a, inv):  # [.., ng, 256] -> (scale, zero), each [B, K, nb, 128 ng] planar order
+    a = a.reshape(b, kh, nb, 64 * ng, 2, 2)
+    return tuple(a[..., i, :].reshape(b, kh, nb, 128 * ng)[..., inv] for i in range(2))
 
   ks, kz = scales(cache.ks, inv_ks)
   vs, vz = scales(cache.vs, inv_vs)
   cw_k = packing.plane_width(HEAD_DIM, BITS)
-  cw_v = packing.plane_width(HEAD_DIM, BITS, GROUP)
+  cw_v = packing.plane_width(HEAD_DIM, BITS, g)
   keys = KiviKeys(codes=packing.pack(codes(cache.kc, inv_kc), BITS, cw_k),
-                  scale=ks.reshape(b, kh, s // GROUP, HEAD_DIM),
-                  zero=kz.reshape(b, kh, s // GROUP, HEAD_DIM), bits=BITS, group=GROUP)
+                  scale=ks.reshape(b, kh, s // g, HEAD_DIM),
+                  zero=kz.reshape(b, kh, s // g, HEAD_DIM), bits=BITS, group=g)
   values = KiviValues(codes=block_tokens(packing.pack(codes(cache.vc, inv_vc), BITS, cw_v)),
-                      scale=vs.reshape(b, kh, s, HEAD_DIM // GROUP),
-                      zero=vz.reshape(b, kh, s, HEAD_DIM // GROUP), bits=BITS, group=GROUP)
+                      scale=vs.reshape(b, kh, s, HEAD_DIM // g),
+                      zero=vz.reshape(b, kh, s, HEAD_DIM // g), bits=BITS, group=g)
   return keys, values
 
 

@@ -23,6 +23,12 @@ from .mosaic_layout import BLOCK, HEAD_DIM
 SLOT_BYTES = 2 * (256 * 4 * 4) + 2 * (128 * 8 * 2)   # codes + scales of keys and values
 
 
+def slot_bytes(group: int = 32) -> int:
+  """A ring slot's bytes: the block's key and value codes (4 KiB each) and scale/zero pairs
+  (2 KiB each at groups of 32, 1 KiB at 64)."""
+  return 2 * (256 * 4 * 4) + 2 * (128 // group) * 512
+
+
 def plan_ring(name, q_shape, cache_shape, *, warpgroups, stages, num_splits, smem_bytes):
   """The launch geometry (dict), with ValueErrors prefixed by `name` naming the bad
   argument. cache_shape: (B, K, S / 128, ...); smem_bytes(w, stages, np): the kernel's shared

@@ -107,7 +107,7 @@ def initial_state(nt: int):
   return as_array(acc, f32, None), as_array(ml, f32, None), as_array(acc[:4 * nt], f32, None)
 
 
-def _key_scores(kc, ks, qb, *, nt, dtype, init=None):
+def _key_scores(kc, ks, qb, *, nt, dtype, group=32, init=None):
   """{(m, n): 4 f32}: the scores of the warp's 32 tokens (D fragments of tokens
   32 warp + 16 m + r (+ 8)), unscaled. The key scales multiply q (B = q * s, one HMUL2 per B
   register), the key codes go into the products as exact small integers, and the zero
@@ -118,7 +118,9 @@ def _key_scores(kc, ks, qb, *, nt, dtype, init=None):
   _, _, _, _, arith, _ = _mlir()
   _, warp, _, _ = lane_parts()
   zero4 = [f32c(0.0)] * 4
-  srows = key_scale_rows(ks, warp, dtype)  # the warp's token group
+  # the warp's token group (groups of 64: warps 2 i and 2 i + 1 share row i)
+  srows = key_scale_rows(ks, warp if group == 32 else arith.divui(warp, const_i32(group // 32)),
+                         dtype)
   bq = [ptx.hmul2(qb[16 * n + 2 * kk + h], srows[kk][2 * h], dtype)
         for n in range(nt) for kk in range(8) for h in range(2)]
   beta = {}
@@ -195,7 +197,7 @@ def p_fragments(p, dtype):
   return pb
 
 
-def _value_products(vc, vs, pb, acc, zacc, *, nt, dtype):
+def _value_products(vc, vs, pb, acc, zacc, *, nt, dtype, group=32):
   """acc (o^T D fragments) += V^T @ p for the warp's tokens (pb: `p_fragments`); returns
   (acc, zacc). The value scales multiply p (B = p * s of the tile's channel group; 4
   groups, one HMUL2 per B register each) and the zero points go to zacc: per n the D
@@ -205,18 +207,19 @@ def _value_products(vc, vs, pb, acc, zacc, *, nt, dtype):
   _, _, _, ir, arith, _ = _mlir()
   ft = ir.F16Type.get() if dtype == "float16" else ir.BF16Type.get()
   tid, warp, r, q = lane_parts()
-  # 8 words (word u = 4 kk + channel group), 8 scale chunks (chunk u: [jh][s, z]).
-  sbase = arith.muli(arith.addi(arith.muli(warp, const_i32(32)), q), const_i32(8))
+  ng = 128 // group   # value groups per token
+  # 8 words (word u = 4 kk + channel quarter), 2 ng scale chunks (chunk ng kk + g: [jh][s, z])
+  sbase = arith.muli(arith.addi(arith.muli(warp, const_i32(8 * ng)), q), const_i32(8))
   words = load16(vc, arith.muli(tid, const_i32(8))) + load16(
       vc, arith.addi(arith.muli(tid, const_i32(8)), const_i32(4)))
-  chunks = [load16(vs, arith.addi(sbase, const_i32(32 * c)), ft) for c in range(8)]
+  chunks = [load16(vs, arith.addi(sbase, const_i32(32 * c)), ft) for c in range(2 * ng)]
   vp = word_codes(words, dtype)
-  bv = {(g, kk, n): [ptx.hmul2(pb[kk, n][jh], chunks[4 * kk + g][2 * jh], dtype)
+  bv = {(g, kk, n): [ptx.hmul2(pb[kk, n][jh], chunks[ng * kk + g][2 * jh], dtype)
                      for jh in range(2)]
-        for g in range(4) for kk in range(2) for n in range(nt)}
-  rg = arith.remui(r, const_i32(4))
+        for g in range(ng) for kk in range(2) for n in range(nt)}
+  rg = arith.remui(r, const_i32(ng))
   for kk in range(2):
-    chunk = load16(vs, arith.addi(sbase, arith.muli(arith.addi(rg, const_i32(4 * kk)),
+    chunk = load16(vs, arith.addi(sbase, arith.muli(arith.addi(rg, const_i32(ng * kk)),
                                                     const_i32(32))), ft)
     for n in range(nt):
       zacc[4 * n: 4 * n + 4] = ptx.mma_16816(chunk, pb[kk, n], zacc[4 * n: 4 * n + 4], dtype)
@@ -226,12 +229,12 @@ def _value_products(vc, vs, pb, acc, zacc, *, nt, dtype):
       a = [vp[(u, 4 * (t % 2) + reg)] for reg in range(4)]
       for n in range(nt):
         i = 32 * n + 4 * t
-        acc[i:i + 4] = ptx.mma_16816(a, bv[t // 2, kk, n], acc[i:i + 4], dtype)
+        acc[i:i + 4] = ptx.mma_16816(a, bv[t // (group // 16), kk, n], acc[i:i + 4], dtype)
   return acc, zacc
 
 
 def block_step(slots, qb_arr, acc_arr, ml_arr, z_arr, valids, *, nt: int, dtype: str,
-               scale2: float, ext=None):
+               scale2: float, ext=None, group: int = 32):
   """One step of this thread's warp over k 128-token blocks (its 32 tokens of each; k is the
   plan's group, 1 or 2): returns (acc, ml, zacc).
 
@@ -249,7 +252,7 @@ def block_step(slots, qb_arr, acc_arr, ml_arr, z_arr, valids, *, nt: int, dtype:
   _, _, _, ir, arith, _ = _mlir()
   f32 = ir.F32Type.get()
   qb, acc, ml, zacc = (scalars(a) for a in (qb_arr, acc_arr, ml_arr, z_arr))
-  blocks = [(_key_scores(kc, ks, qb, nt=nt, dtype=dtype,
+  blocks = [(_key_scores(kc, ks, qb, nt=nt, dtype=dtype, group=group,
                          init=None if ext is None else ext.scores(j, qb)), scalars(valid)[0])
             for j, ((kc, ks, _, _), valid) in enumerate(zip(slots, valids))]
   ps, alphas, ml_out = _softmax(blocks, ml, nt=nt, scale2=scale2)
@@ -259,13 +262,13 @@ def block_step(slots, qb_arr, acc_arr, ml_arr, z_arr, valids, *, nt: int, dtype:
     ext.rescale(alphas)
   for j, ((_, _, vc, vs), p) in enumerate(zip(slots, ps)):
     pb = p_fragments(p, dtype)
-    acc, zacc = _value_products(vc, vs, pb, acc, zacc, nt=nt, dtype=dtype)
+    acc, zacc = _value_products(vc, vs, pb, acc, zacc, nt=nt, dtype=dtype, group=group)
     if ext is not None:
       acc = ext.values(j, pb, acc)
   return as_array(acc, f32, None), as_array(ml_out, f32, None), as_array(zacc, f32, None)
 
 
-def publish_partial(acc_arr, ml_arr, z_arr, wo, wml, nt: int):
+def publish_partial(acc_arr, ml_arr, z_arr, wo, wml, nt: int, group: int = 32):
   """Writes the warp's unnormalised o^T (plus the zero-point sums Z of its channel group,
   `_value_products`) to wo [4 W, 128, NP] and its (max, sum) per query column to
   wml [4 W, 2, NP] (f32, shared memory; row: the warp's index in the CTA)."""
@@ -276,12 +279,12 @@ def publish_partial(acc_arr, ml_arr, z_arr, wo, wml, nt: int):
   gw = arith.index_cast(index, arith.divui(mgpu_utils.thread_idx(), const_i32(32)))
   idx = lambda v: arith.index_cast(index, v)
   acc, ml, zacc = scalars(acc_arr), scalars(ml_arr), scalars(z_arr)
-  # Z [g, 2 q + e]: lane 4 g + q, D row 8 + g; o^T rows 16 t + .. are group t // 2
+  # Z [g, 2 q + e]: lane 4 g + q, D row 8 + g; o^T rows 16 t + .. are group t // (G / 16)
   for n in range(nt):
     zg = [[ptx.shfl_idx(zacc[4 * n + 2 + e], arith.addi(q, const_i32(4 * g)))
-           for e in range(2)] for g in range(4)]
+           for e in range(2)] for g in range(128 // group)]
     for i in range(32 * n, 32 * n + 32):
-      acc[i] = arith.addf(acc[i], zg[(i % 32) // 8][i % 2])
+      acc[i] = arith.addf(acc[i], zg[(i % 32) // 4 // (group // 16)][i % 2])
   v2 = ir.VectorType.get([2], f32)
   for n in range(nt):
     col = idx(arith.addi(arith.muli(q, const_i32(2)), const_i32(8 * n)))

@@ -47,8 +47,8 @@ def warp_fit(*, k_bits: int, v_bits: int, group: int, head_dim: int, scale_dtype
   """None when the warp layout holds this configuration, else why not (one line)."""
   if (k_bits, v_bits) != (ml.BITS, ml.BITS):
     return f"{k_bits}/{v_bits}-bit keys/values (the warp layout is {ml.BITS}-bit)"
-  if group != ml.GROUP:
-    return f"group size {group} (the warp layout takes {ml.GROUP})"
+  if group not in ml.GROUPS:
+    return f"group size {group} (the warp layout takes {ml.GROUPS})"
   if head_dim != ml.HEAD_DIM:
     return f"head dim {head_dim} (the warp layout takes {ml.HEAD_DIM})"
   if jnp.dtype(scale_dtype) not in (jnp.float16, jnp.bfloat16):
@@ -61,6 +61,8 @@ def fused_update_fit(store, k_res, residual: int) -> str | None:
   (one line): the warp layout, a ring of R > 0 tokens in bf16/fp16."""
   if not isinstance(store, ml.KiviMosaic):
     return "the store is in the planar layout (the fused update writes the warp layout)"
+  if store.group != ml.GROUP:
+    return f"groups of {store.group} (the fused update writes groups of {ml.GROUP})"
   if residual <= 0 or residual != k_res.shape[1]:
     return f"residual {residual} (the fused update needs R > 0: the ring of R tokens)"
   if k_res.dtype not in (jnp.bfloat16, jnp.float16):
@@ -92,8 +94,9 @@ def empty(layout: str, *, batch: int, kv_heads: int, capacity: int, head_dim: in
     if why is not None:
       raise ValueError(f"KIVI warp layout: {why}")
     shape = (batch, kv_heads, capacity // ml.BLOCK, 4, 256)
-    return ml.KiviMosaic(kc=z(shape, jnp.uint32), ks=z(shape, sd), vc=z(shape, jnp.uint32),
-                         vs=z(shape, sd))
+    sshape = shape[:3] + (ml.scale_rows(group), 256)
+    return ml.KiviMosaic(kc=z(shape, jnp.uint32), ks=z(sshape, sd), vc=z(shape, jnp.uint32),
+                         vs=z(sshape, sd))
   h, b, k, s = head_dim, batch, kv_heads, capacity
   hv = h if v_head_dim is None else v_head_dim
   kw = packing.packed_bytes(h, k_bits, packing.plane_width(h, k_bits))
@@ -161,7 +164,7 @@ def _planar_values(values: KiviValues, pos, ok, codes, scale, zero):
 # ---------------------------------------------------------------------------- warp
 
 @functools.lru_cache(maxsize=None)
-def _warp_tables():
+def _warp_tables(group=ml.GROUP):
   """Static index tables of the warp layout, derived from `mosaic_layout`'s maps.
 
   Returns a dict of numpy arrays:
@@ -175,11 +178,14 @@ def _warp_tables():
       entries: key_scale_sz [256]);
     val_words [128, 32]: the words holding token t's value codes; val_ch, val_shift
       [128, 32, 4]: channel and bit offset of t's 4 codes in each;
-    val_scale_idx [128, 4, 2]: flat index (of the block's 1024 halves) of token t's scale
-      (0) and zero (1) of channel group gv.
+    val_scale_idx [128, 128 / G, 2]: flat index (of the block's 512 or 1024 scale halves)
+      of token t's scale (0) and zero (1) of channel group gv.
+  Key codes are tabled per warp (32 tokens); a key group of 64 is two warps' words and one
+  scale row (`mosaic_layout.scale_maps`).
   """
   (kt, kd), (vt, vd) = ml.code_maps()
-  (kg, kx), (vx, vg) = ml.scale_maps()
+  (kg, kx), (vx, vg) = ml.scale_maps(group)
+  ng = ml.BLOCK // group
   words = np.arange(1024)
   owner = kt[:, 0, 0] // ml.GROUP
   if not all(np.all(kt[w] // ml.GROUP == owner[w]) for w in words):
@@ -211,10 +217,10 @@ def _warp_tables():
       raise AssertionError("warp layout: a value token's codes are not 4 per word")
     val_ch[t] = vd[w_idx, k_idx, e_idx].reshape(32, 4)
     val_shift[t] = shift[k_idx, e_idx].reshape(32, 4)
-  flat = np.arange(1024).reshape(4, 8, 4, 2, 2, 2)        # [w, c, quad, jh, (s, z), e]
-  val_scale_idx = np.zeros((128, 4, 2), np.int64)
+  flat = np.arange(256 * ng).reshape(4, 2 * ng, 4, 2, 2, 2)  # [w, c, quad, jh, (s, z), e]
+  val_scale_idx = np.zeros((128, ng, 2), np.int64)
   for t in range(128):
-    for gv in range(4):
+    for gv in range(ng):
       hit = np.argwhere((vx == t) & (vg == gv))
       if len(hit) != 1:
         raise AssertionError("warp layout: a value scale is not stored exactly once")
@@ -248,14 +254,30 @@ def _bit_transpose(key_tok, key_ch):
 
 
 def _flat(a):
-  """[B, K, nb, 4, 256] -> [B, K, nb * 1024]."""
+  """[B, K, nb, rows, 256] -> [B, K, nb * rows * 256]."""
   b, k, nb = a.shape[:3]
-  return a.reshape(b, k, nb * 1024)
+  return a.reshape(b, k, -1)
 
 
 def _warp_keys(store: ml.KiviMosaic, groups, ok, codes, scale, zero):
-  t = _warp_tables()
+  g = store.group
+  t = _warp_tables(g)
   b, k, nb = store.kc.shape[:3]
+  ng, per = ml.BLOCK // g, g // ml.GROUP          # key groups per block, warps per group
+  rows = ml.scale_rows(g) * 256                   # a block's key scale halves
+  # the scale rows: group j of block j // ng is row j % ng
+  sz = jnp.stack([scale, zero], axis=0).astype(store.ks.dtype)        # [2, B, Gc, K, H]
+  srows = sz[t["key_scale_sz"], :, :, :, t["key_scale_ch"]]          # [256, B, Gc, K]
+  gc0 = groups.shape[1]
+  sidx = _drop((groups // ng) * rows + (groups % ng) * 256, ok, nb * rows)[:, :, None] + \
+      jnp.arange(256)
+  bi = jnp.arange(b)[:, None]
+  ks = _flat(store.ks).at[bi, :, sidx.reshape(b, gc0 * 256)].set(
+      jnp.moveaxis(srows, 0, 2).reshape(b, gc0 * 256, k), mode="drop")
+  store = dataclasses.replace(store, ks=ks.reshape(store.ks.shape))
+  # the codes, per warp (32 tokens): a group of 64 is two warps' words
+  groups = (groups[:, :, None] * per + jnp.arange(per)).reshape(b, -1)
+  ok = jnp.repeat(ok, per, axis=1)
   gc = groups.shape[1]
   blk, w = groups // 4, groups % 4                                   # [B, Gc]
   c = codes.reshape(b, gc, ml.GROUP, k, ml.HEAD_DIM)
@@ -272,17 +294,13 @@ def _warp_keys(store: ml.KiviMosaic, groups, ok, codes, scale, zero):
   bi = jnp.arange(b)[:, None]
   kc = _flat(store.kc).at[bi, :, idx].set(
       jnp.moveaxis(words, 2, 3).reshape(b, gc * 256, k), mode="drop")
-  sz = jnp.stack([scale, zero], axis=0).astype(store.ks.dtype)        # [2, B, Gc, K, H]
-  rows = sz[t["key_scale_sz"], :, :, :, t["key_scale_ch"]]          # [256, B, Gc, K]
-  sidx = _drop(blk * 1024 + w * 256, ok, nb * 1024)[:, :, None] + jnp.arange(256)
-  ks = _flat(store.ks).at[bi, :, sidx.reshape(b, gc * 256)].set(
-      jnp.moveaxis(rows, 0, 2).reshape(b, gc * 256, k), mode="drop")
-  shape = store.kc.shape
-  return dataclasses.replace(store, kc=kc.reshape(shape), ks=ks.reshape(shape))
+  return dataclasses.replace(store, kc=kc.reshape(store.kc.shape))
 
 
 def _warp_values(store: ml.KiviMosaic, pos, ok, codes, scale, zero):
-  t = _warp_tables()
+  t = _warp_tables(store.group)
+  ng = ml.BLOCK // store.group
+  rows = ml.scale_rows(store.group) * 256         # a block's value scale halves
   b, k, nb = store.kc.shape[:3]
   n_tok = pos.shape[1]
   tb = pos % ml.BLOCK                                               # [B, T]
@@ -304,13 +322,14 @@ def _warp_values(store: ml.KiviMosaic, pos, ok, codes, scale, zero):
   delta = new - (old & mask[:, :, None, :])                          # mod 2^32
   vc = vc.at[bi, :, flat_idx].add(jnp.moveaxis(delta, 2, 3).reshape(b, n_tok * 32, k),
                                   mode="drop")
-  sz = jnp.stack([scale, zero], axis=-1).astype(store.vs.dtype)      # [B, T, K, 4, 2]
-  sidx = _drop(base[:, :, None, None] + jnp.asarray(t["val_scale_idx"])[tb],
-               ok[:, :, None, None], nb * 1024)                     # [B, T, 4, 2]
-  vs = _flat(store.vs).at[bi, :, sidx.reshape(b, n_tok * 8)].set(
-      jnp.moveaxis(sz, 2, 4).reshape(b, n_tok * 8, k), mode="drop")
-  shape = store.vc.shape
-  return dataclasses.replace(store, vc=vc.reshape(shape), vs=vs.reshape(shape))
+  sz = jnp.stack([scale, zero], axis=-1).astype(store.vs.dtype)      # [B, T, K, ng, 2]
+  sbase = (pos // ml.BLOCK) * rows
+  sidx = _drop(sbase[:, :, None, None] + jnp.asarray(t["val_scale_idx"])[tb],
+               ok[:, :, None, None], nb * rows)                     # [B, T, ng, 2]
+  vs = _flat(store.vs).at[bi, :, sidx.reshape(b, n_tok * 2 * ng)].set(
+      jnp.moveaxis(sz, 2, 4).reshape(b, n_tok * 2 * ng, k), mode="drop")
+  return dataclasses.replace(store, vc=vc.reshape(store.vc.shape),
+                             vs=vs.reshape(store.vs.shape))
 
 
 # ---------------------------------------------------------------------------- writes

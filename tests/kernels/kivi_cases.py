@@ -9,12 +9,16 @@ from kvlowrank_kernels.kivi import shapes
 
 KS = shapes.KiviShape
 
-# Llama-3-like GQA 4, MHA, GQA 8 and GQA 16; fp16 (KIVI's format) and bf16 scale/zero.
+# Llama-3-like GQA 4, MHA, GQA 8 and GQA 16; fp16 (KIVI's format) and bf16 scale/zero;
+# groups of 32, and one shape with groups of 64.
 SHAPES = (
     KS(batch=3, capacity=640, window=128, n_heads=8, n_kv_heads=2, scale_dtype="float16"),
     KS(batch=2, capacity=384, window=37, n_heads=4, n_kv_heads=4, scale_dtype="float16"),
     KS(batch=2, capacity=512, window=128, n_heads=16, n_kv_heads=2, scale_dtype="bfloat16"),
     KS(batch=2, capacity=256, window=5, n_heads=16, n_kv_heads=1, scale_dtype="float16"),
+    # groups of 64 (GEAR's backbone): warps 2 i, 2 i + 1 share a key scale row
+    KS(batch=3, capacity=640, window=64, n_heads=8, n_kv_heads=2, k_group=64, v_group=64,
+       scale_dtype="float16"),
 )
 
 

@@ -30,13 +30,13 @@ GS = shapes.GearShape
 ATOL = 2e-3
 
 
-def _shape(batch, capacity, n_heads=32, n_kv_heads=8, scale_dtype="float16", **kw):
+def _shape(batch, capacity, n_heads=32, n_kv_heads=8, scale_dtype="float16", group=32, **kw):
   return GS(shapes.backbone(batch=batch, capacity=capacity, window=64, n_heads=n_heads,
-                            n_kv_heads=n_kv_heads, k_group=32, v_group=32,
+                            n_kv_heads=n_kv_heads, k_group=group, v_group=group,
                             scale_dtype=scale_dtype), **kw)
 
 
-SHAPES = (_shape(4, 2048), _shape(6, 4096, n_heads=8, n_kv_heads=8))
+SHAPES = (_shape(4, 2048), _shape(6, 4096, n_heads=8, n_kv_heads=8), _shape(4, 2048, group=64))
 LENGTHS = {  # (q_len, w_len, n_pchunks) per batch row (chunks of 64 tokens)
     4: ([2048, 64, 1344, 0], [64, 1, 0, 37], [31, 1, 7, 0]),
     6: ([4096, 4096, 640, 2944, 128, 3072], [3, 64, 0, 17, 9, 33], [64, 1, 10, 3, 0, 47]),
@@ -67,8 +67,8 @@ def test_fit_names_what_the_kernel_refuses():
   assert "RA=5" in mosaic_plan.config_fit(bits=2, group=32, head_dim=128, scale_dtype="float16",
                                           sparse=False, rank_prefill=5, rank_chunk=2,
                                           chunk=64)
-  assert "group size 64" in mosaic_plan.config_fit(
-      bits=2, group=64, head_dim=128, scale_dtype="float16", sparse=False, rank_prefill=4,
+  assert "group size 16" in mosaic_plan.config_fit(
+      bits=2, group=16, head_dim=128, scale_dtype="float16", sparse=False, rank_prefill=4,
       rank_chunk=2, chunk=64)
   assert mosaic_plan.config_fit(bits=2, group=32, head_dim=128, scale_dtype="float16",
                                 sparse=False, rank_prefill=4, rank_chunk=2, chunk=64) is None
