@@ -40,7 +40,8 @@ that becomes whole is compressed:
      each): evaluate with prefill_chunk = 0 for the paper's single prefill factor.
      Padding (position -1) may sit anywhere in a row: the eviction wrapper
      (`methods.evict`) hands every candidate, admitted ones at consecutive slots.
-  Decode steps that complete no chunk skip the compression (`lax.cond`). KIVI's decode
+  Decode steps that complete no chunk skip the compression and write their token into its
+  window slot in place (`lax.cond`; E is built only where a chunk completes). KIVI's decode
   flush needs none (it quantizes one group per step, `methods.kivi.cache`); GEAR's chunk
   factor depends on the whole chunk, and compressing it every step with masked writes was
   slower (`results/decode_ablations.md`): the power iteration is not small.
@@ -215,15 +216,24 @@ class GearCache(base.KVCache):
       e = jnp.zeros((b, ec) + win.shape[2:], win.dtype).at[:, :nb].set(win)
       return _scatter_rows(e, slot, pos >= 0, new)
 
-    ek, ev = window(self.k_win, inputs.k), window(self.v_win, inputs.v)
     # A row's prefill: its first call that brings it > 1 token and compresses a chunk
     # (counted per row: a one-token step padded to T > 1 is a decode step).
     n_new = jnp.sum(pos >= 0, axis=1)
     prefill_row = (q0 == 0) & (q1 > 0) & (n_new > 1) if t > 1 else jnp.zeros((b,), bool)
-    new = jax.lax.cond(jnp.any(q1 > q0), lambda c: c._compress(ek, ev, q0, q1, prefill_row, t > 1),
-                       lambda c: c, self)
-    idx = (q1 - q0)[:, None] + jnp.arange(nb)[None, :]
-    return dataclasses.replace(new, k_win=_rows(ek, idx), v_win=_rows(ev, idx), lens=l1)
+
+    def compress(c):  # E = [window; new tokens], its whole chunks compressed, the rest kept
+      ek, ev = window(c.k_win, inputs.k), window(c.v_win, inputs.v)
+      c = c._compress(ek, ev, q0, q1, prefill_row, t > 1)
+      idx = (q1 - q0)[:, None] + jnp.arange(nb)[None, :]
+      return dataclasses.replace(c, k_win=_rows(ek, idx), v_win=_rows(ev, idx))
+
+    def append(c):  # no row completes a chunk: each new token goes to its window slot
+      return dataclasses.replace(c, k_win=_scatter_rows(c.k_win, slot, pos >= 0, inputs.k),
+                                 v_win=_scatter_rows(c.v_win, slot, pos >= 0, inputs.v))
+
+    # Most decode steps complete no chunk: they write one token in place, without E.
+    new = jax.lax.cond(jnp.any(q1 > q0), compress, append, self)
+    return dataclasses.replace(new, lens=l1)
 
   def _compress(self, ek, ev, q0, q1, prefill_row, multi: bool):
     """Compresses the chunks of E = positions [q0, q0 + Ec) that lie below q1; `multi`
