@@ -9,6 +9,8 @@ Times (`kvlowrank.bench.time_op`: chained executables, median of 50) at one cont
                      --stream_chunks chunks of 64);
   kivi2-g32-triton   the same cache, the Triton planar kernel (bench_kernels' options);
   kivi2-g64-triton   KIVI-2, G = 64, 64-token window (GEAR's backbone), Triton planar;
+  kivi2-g64-mosaic, gear-l-2-g64-mosaic   that cache in the warp layout: the Mosaic kernels
+                     (what the default GEAR-L runs end to end on Hopper);
   gear-l-2, gear-2, outlier-2   GEAR's backbone + low rank (RP 4 / RG 2) and/or outliers
                      (NK = 2, NV = 3), chunks of 64, the prefill factor covering all but
                      --stream_chunks chunks: the Triton kernel with its GEAR flags on.
@@ -83,7 +85,19 @@ def main(argv=None):
       print(f"{name}: FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
       t = None
     rows.append(dict(kernel=name, us=t, **extra))
+    write()  # after every row: a cut run keeps what it timed
     print(f"{name:18s} {extra.get('opts', '')} {t if t is None else round(t, 1)} us", flush=True)
+
+  def write(complete=False):
+    best = {}
+    for r in rows:
+      if r["us"] is not None and (r["kernel"] not in best or r["us"] < best[r["kernel"]]["us"]):
+        best[r["kernel"]] = r
+    with open(args.out, "w", encoding="utf-8") as f:
+      json.dump(dict(info=environment(), context=s, batch=b, stream_chunks=args.stream_chunks,
+                     rows=rows, best={k: v["us"] for k, v in best.items()}, complete=complete),
+                f, indent=1)
+    return best
 
   key = jax.random.key(0)
   q, k, v = (rand(x, shp) for x, shp in zip(jax.random.split(key, 3),
@@ -110,6 +124,12 @@ def main(argv=None):
                                                             **KIVI_OPTS)), kv, opts=KIVI_OPTS)
   shape = GearShape(gear_shapes.backbone(batch=b, capacity=s, window=64, n_heads=N,
                                          n_kv_heads=KH))
+  cache = jax.jit(to_mosaic)(kv[1], kv[2])
+  add("kivi2-g64-mosaic", jax.jit(kivi_attention_mosaic_warp), (kv[0], cache, *kv[3:]))
+  lr64, _, _ = residual_operands(shape, jax.random.key(3), npc, "gear-l")
+  add("gear-l-2-g64-mosaic", jax.jit(lambda *a: gear_attention_mosaic(*a, chunk=64)),
+      (kv[0], cache, *kv[3:], lr64))
+  del cache, lr64
   for name, variant in (("gear-l-2", "gear-l"), ("gear-2", "gear"), ("outlier-2", "outlier")):
     lr, sk, sv = residual_operands(shape, jax.random.key(3), npc, variant)
     for opts in GEAR_SWEEP if args.sweep else [DEFAULT[variant]]:
@@ -117,19 +137,13 @@ def main(argv=None):
                                                     sparse_v=a[9], implementation="triton",
                                                     **o))
       add(name, f, (*kv, lr, sk, sv), opts=opts)
-  best = {}
-  for r in rows:
-    if r["us"] is not None and (r["kernel"] not in best or r["us"] < best[r["kernel"]]["us"]):
-      best[r["kernel"]] = r
+  best = write(complete=True)
   print(f"\nLlama-3-8B layer, context {s}, batch {b} ({jax.devices()[0].device_kind})")
   print(f"{'kernel':18s} {'us':>8s} {'x g64-tri':>9s} {'x g32-mos':>9s} {'x g32-tri':>9s}")
   for name, r in best.items():
     ratio = lambda ref: (f"{r['us'] / best[ref]['us']:9.2f}" if ref in best else f"{'-':>9s}")
     print(f"{name:18s} {r['us']:8.1f} {ratio('kivi2-g64-triton')} {ratio('kivi2-g32-mosaic')} "
           f"{ratio('kivi2-g32-triton')}  {r.get('opts', '')}")
-  with open(args.out, "w", encoding="utf-8") as f:
-    json.dump(dict(info=environment(), context=s, batch=b, stream_chunks=args.stream_chunks,
-                   rows=rows, best={k: v["us"] for k, v in best.items()}), f, indent=1)
 
 
 if __name__ == "__main__":

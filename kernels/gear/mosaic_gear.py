@@ -24,7 +24,7 @@ Choices: the MMAs run in fp16 (GEAR's factors are fp16; the backbone's scales mu
 too); q B is rounded to fp16 (as the Triton kernel rounds q to the key dtype); a's columns
 beyond a segment's rank meet zero rows of B (the contract's zeros are not relied on: the
 B operands are zero-padded and the lanes past the rank masked).
-Restrictions (`mosaic_plan.fit`): the warp layout's (2-bit, groups of 32, H = 128, QPK <= 16),
+Restrictions (`mosaic_plan.fit`): the warp layout's (2-bit, groups of 32 or 64, H = 128, QPK <= 16),
 fp16 scales, RA and r_g in {2, 4, 8}, r_p <= 8, chunks of 32, 64 or 128 tokens; no outliers.
 """
 

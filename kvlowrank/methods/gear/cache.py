@@ -3,7 +3,7 @@
 Storage (per layer; the arrays GEAR's decode kernel reads, `kvlowrank_kernels.gear`):
   * store: the backbone's codes D^ = Q(X - S) in a KIVI store (`backbone.py`,
     `GearSpec.layout`): the Mosaic kernel's warp layout (`kivi.mosaic_layout.KiviMosaic`,
-    2-bit, g = 32) where GEAR-L's Mosaic kernel takes the configuration, else the planar
+    2-bit, g = 32 or 64) where GEAR-L's Mosaic kernel takes the configuration, else the planar
     store (`kvlowrank_kernels.kivi.planar`: keys [B, K, S, R] + scale/zero [B, K, S/Gk, H],
     values token-blocked [B, K, S, R] + scale/zero [B, K, S, H/Gv]);
   * k_win, v_win [B, W, K, H] (cache dtype), W = n_b: GEAR's streaming buffer. Both K and V

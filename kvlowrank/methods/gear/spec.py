@@ -67,7 +67,7 @@ class GearSpec:
     "zero" (the paper's X - S read literally); `outliers.py`;
   scale_dtype: scales and zero points (float16 as KIVI/GEAR);
   layout: the backbone store's layout: "auto" (the warp layout where the Mosaic GEAR-L
-    kernel takes the configuration -- 2-bit KIVI, g = 32, head dim 128, fp16 scales, no
+    kernel takes the configuration -- 2-bit KIVI, g = 32 or 64, head dim 128, fp16 scales, no
     outliers, ranks and buffer its plan takes, `kvlowrank_kernels.gear.mosaic_plan.
     config_fit` -- else planar), "warp" (an error where it does not apply) or "planar";
   implementation: None (fastest that fits: `cache.dispatch`), "reference", "mosaic" (the
