@@ -48,7 +48,7 @@ from jax import lax
 from ..common import splitk
 from . import mosaic_ring as ring
 from . import mosaic_warp_step as ws
-from .mosaic_layout import BLOCK, HEAD_DIM, KiviMosaic, check_mosaic
+from .mosaic_layout import BLOCK, HEAD_DIM, KiviMosaic, check_mosaic, scale_rows
 
 LOG2E = 1.4426950408889634
 
@@ -251,7 +251,7 @@ def launch(p, dtype, sm_scale, qt, cache: KiviMosaic, lengths, ext=None, ext_inp
   nw, stages, np_, ns = p["w"], p["stages"], p["np"], p["num_splits"]
   jdt = jnp.dtype(dtype)
   n_in = len(ext_inputs)
-  rows = 128 // p["kgroup"]   # scale rows per block
+  rows = scale_rows(p["kgroup"])
 
   def entry(q_ref, kc_ref, ks_ref, vc_ref, vs_ref, len_ref, *rest):
     ext_in, (o_ref, lse_ref) = rest[:n_in], rest[n_in:]

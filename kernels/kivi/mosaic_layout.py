@@ -121,7 +121,7 @@ def code_maps():
 
 @functools.lru_cache(maxsize=None)
 def _scale_maps(group=GROUP):
-  ng = BLOCK // group        # key groups per block = value groups per token (H = 128)
+  ng = scale_rows(group)     # key groups per block = value groups per token (H = 128)
   g, r, quad, jj, e = np.meshgrid(np.arange(ng), np.arange(8), np.arange(4), np.arange(2),
                                   np.arange(2), indexing="ij")
   keys = (g, 8 * (2 * r + jj) + 2 * quad + e)
@@ -148,7 +148,7 @@ def _inverses(group=GROUP):
   flattened), its position in the stored order (without the (scale, zero) axis)."""
   (kt, kd), (vt, vd) = _code_maps()
   (kg, kx), (vx, vg) = _scale_maps(group)
-  flats = (kt * HEAD_DIM + kd, vt * HEAD_DIM + vd, kg * HEAD_DIM + kx, vx * (BLOCK // group) + vg)
+  flats = (kt * HEAD_DIM + kd, vt * HEAD_DIM + vd, kg * HEAD_DIM + kx, vx * scale_rows(group) + vg)
   return tuple(np.argsort(f.ravel()) for f in flats)
 
 
@@ -219,7 +219,7 @@ def to_mosaic(keys: KiviKeys, values: KiviValues) -> KiviMosaic:
   (kt, kd), (vt, vd) = _code_maps()
   b, kh, s, _ = keys.codes.shape
   nb, g = s // BLOCK, keys.group
-  ng = BLOCK // g
+  ng = scale_rows(g)
   kcodes = key_codes(keys).reshape(b, kh, nb, BLOCK, HEAD_DIM)
   vcodes = value_codes(values).reshape(b, kh, nb, BLOCK, HEAD_DIM)
   kc = _pack_words(kcodes[:, :, :, kt, kd]).reshape(b, kh, nb, 4, 256)
@@ -244,7 +244,7 @@ def from_mosaic(cache: KiviMosaic) -> tuple[KiviKeys, KiviValues]:
   check_mosaic(cache)
   b, kh, nb = cache.kc.shape[:3]
   s, g = nb * BLOCK, cache.group
-  ng = BLOCK // g
+  ng = scale_rows(g)
   inv_kc, inv_vc, inv_ks, inv_vs = _inverses(g)
 
   def codes(words, inv):  # -> int32 [B, K, S, H]

@@ -18,15 +18,13 @@ from jax import lax
 from ..common import splitk, triton_backend
 from ..dense.xla import decode_attention_xla
 from ..palu.mosaic_plan import SMEM_LIMIT, num_sms, query_columns
-from .mosaic_layout import BLOCK, HEAD_DIM
-
-SLOT_BYTES = 2 * (256 * 4 * 4) + 2 * (128 * 8 * 2)   # codes + scales of keys and values
+from .mosaic_layout import BLOCK, HEAD_DIM, scale_rows
 
 
 def slot_bytes(group: int = 32) -> int:
   """A ring slot's bytes: the block's key and value codes (4 KiB each) and scale/zero pairs
   (2 KiB each at groups of 32, 1 KiB at 64)."""
-  return 2 * (256 * 4 * 4) + 2 * (128 // group) * 512
+  return 2 * (256 * 4 * 4) + 2 * scale_rows(group) * 512
 
 
 def plan_ring(name, q_shape, cache_shape, *, warpgroups, stages, num_splits, smem_bytes):

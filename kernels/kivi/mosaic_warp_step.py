@@ -246,8 +246,9 @@ def block_step(slots, qb_arr, acc_arr, ml_arr, z_arr, valids, *, nt: int, dtype:
   ext: None (KIVI), or a caller's extra terms with three hooks, all in place on this
   thread's scalars: `scores(j, qb)` returns its terms of block j's unscaled scores {(m, n):
   4 f32}, added before the mask and the softmax (qb: q's B fragments, as `qb` above),
-  `rescale(alphas)` rescales its own running sums by the step's {(n, e): alpha}, and `values(j, pb, acc)` returns acc plus its terms of block j given p's
-  B fragments (`p_fragments`) -- GEAR's low-rank residual (`kvlowrank_kernels.gear`).
+  `rescale(alphas)` rescales its own running sums by the step's {(n, e): alpha}, and
+  `values(j, pb, acc)` returns acc plus its terms of block j given p's B fragments
+  (`p_fragments`) -- GEAR's low-rank residual (`kvlowrank_kernels.gear`).
   """
   _, _, _, ir, arith, _ = _mlir()
   f32 = ir.F32Type.get()

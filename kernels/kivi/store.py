@@ -185,7 +185,7 @@ def _warp_tables(group=ml.GROUP):
   """
   (kt, kd), (vt, vd) = ml.code_maps()
   (kg, kx), (vx, vg) = ml.scale_maps(group)
-  ng = ml.BLOCK // group
+  ng = ml.scale_rows(group)
   words = np.arange(1024)
   owner = kt[:, 0, 0] // ml.GROUP
   if not all(np.all(kt[w] // ml.GROUP == owner[w]) for w in words):
@@ -263,8 +263,8 @@ def _warp_keys(store: ml.KiviMosaic, groups, ok, codes, scale, zero):
   g = store.group
   t = _warp_tables(g)
   b, k, nb = store.kc.shape[:3]
-  ng, per = ml.BLOCK // g, g // ml.GROUP          # key groups per block, warps per group
-  rows = ml.scale_rows(g) * 256                   # a block's key scale halves
+  ng, per = ml.scale_rows(g), g // ml.GROUP       # key groups per block, warps per group
+  rows = ng * 256                                 # a block's key scale halves
   # the scale rows: group j of block j // ng is row j % ng
   sz = jnp.stack([scale, zero], axis=0).astype(store.ks.dtype)        # [2, B, Gc, K, H]
   srows = sz[t["key_scale_sz"], :, :, :, t["key_scale_ch"]]          # [256, B, Gc, K]
@@ -299,8 +299,8 @@ def _warp_keys(store: ml.KiviMosaic, groups, ok, codes, scale, zero):
 
 def _warp_values(store: ml.KiviMosaic, pos, ok, codes, scale, zero):
   t = _warp_tables(store.group)
-  ng = ml.BLOCK // store.group
-  rows = ml.scale_rows(store.group) * 256         # a block's value scale halves
+  ng = ml.scale_rows(store.group)                 # value groups per token
+  rows = ng * 256                                 # a block's value scale halves
   b, k, nb = store.kc.shape[:3]
   n_tok = pos.shape[1]
   tb = pos % ml.BLOCK                                               # [B, T]
