@@ -148,7 +148,8 @@ def _inverses(group=GROUP):
   flattened), its position in the stored order (without the (scale, zero) axis)."""
   (kt, kd), (vt, vd) = _code_maps()
   (kg, kx), (vx, vg) = _scale_maps(group)
-  flats = (kt * HEAD_DIM + kd, vt * HEAD_DIM + vd, kg * HEAD_DIM + kx, vx * scale_rows(group) + vg)
+  flats = (kt * HEAD_DIM + kd, vt * HEAD_DIM + vd, kg * HEAD_DIM + kx,
+           vx * scale_rows(group) + vg)
   return tuple(np.argsort(f.ravel()) for f in flats)
 
 
