@@ -457,7 +457,7 @@ def test_nbytes_equals_arithmetic():
       "low_rank_right": 2 * b * kh * ch * h * 2 * 2 + 2 * b * kh * h * 4 * 2,
       "sparse_values": b * kh * ch * nk * h * 2 + b * kh * s * nv * 2,
       "sparse_indices": b * kh * ch * nk * h + b * kh * s * nv,
-      "lengths": 2 * 4 * b,
+      "lengths": 3 * 4 * b,
   }
   assert c.nbytes_breakdown() == expect
   assert c.nbytes() == sum(expect.values())

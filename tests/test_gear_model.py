@@ -2,6 +2,7 @@
 
 
 import jax
+import numpy as np
 import jax.numpy as jnp
 import pytest
 
@@ -61,3 +62,96 @@ def test_stories260k_prefill_then_decode_gear_beats_its_backbone():
     agree[name] = float(jnp.mean(out.argmax(-1) == ref.argmax(-1)))
   assert errs["gear"] < 0.7 * errs["backbone"], errs
   assert agree["gear"] >= 0.85, agree
+
+
+def _outer_conds(jaxpr) -> int:
+  """`lax.cond`s of a jaxpr outside any cond (inside jitted calls too; not their branches)."""
+  n = 0
+  for e in jaxpr.eqns:
+    if e.primitive.name == "cond":
+      n += 1
+      continue
+    for v in e.params.values():
+      for sub in (v if isinstance(v, (tuple, list)) else (v,)):
+        inner = getattr(sub, "jaxpr", None)
+        if inner is not None:
+          n += _outer_conds(getattr(inner, "jaxpr", inner))
+  return n
+
+
+def test_decode_step_defers_the_chunk_compression_to_one_conditional(monkeypatch):
+  """`forward` at T = 1 leaves a chunk that the step completes in the exact window and
+  compresses it after the layers, under one `lax.cond` for every layer
+  (`cache.base.settle_step`), as Algorithm 1 compresses a full buffer before the next token:
+  the token that fills the buffer is generated with the buffer exact. The per-layer decision
+  (deferral off) compresses it inside the step, before the layers above attend. Over a
+  6-token prefill (no chunk) and 30 decode steps (chunks completed at positions 7, 15, 23,
+  31) of 2 rows, one finishing early (padding):
+  * the decode step's program holds 1 conditional, the per-layer one n_layers;
+  * every step ends settled (each window holds less than a chunk) with whole chunks
+    compressed, and layer 0 (whose K/V do not depend on attention) holds the per-layer
+    run's codes, outliers and factors after every step; the layers above compress the
+    completing token's K/V as computed over the exact buffer, so they differ;
+  * the logits equal the per-layer run's up to the first completing step, and at that step
+    are closer to the uncached forward's (the chunk still exact);
+  * negative control: without the settle the next step's token finds no window slot
+    (a row then holds more than a chunk uncompressed) and the logits go wrong."""
+  from kvlowrank.cache import base  # pylint: disable=import-outside-toplevel
+  from kvlowrank.methods import GearCache  # pylint: disable=import-outside-toplevel
+  from kvlowrank.model.params import init_params  # pylint: disable=import-outside-toplevel
+  from kvlowrank.spec import ModelSpec  # pylint: disable=import-outside-toplevel
+  spec = ModelSpec(vocab_size=64, dim=32, n_layers=3, n_heads=4, n_kv_heads=2,
+                   head_dim=16, ffn_dim=48, max_seq_len=64)
+  params = init_params(spec, jax.random.PRNGKey(0), scale=0.3)
+  gs = GearSpec(bits=2, group_size=4, buffer=8, sparsity=20.0, rank_prefill=4,
+                rank_chunk=2)
+  b, t, prompt, nb = 2, 36, 6, 8
+  tokens = jax.random.randint(jax.random.PRNGKey(1), (b, t), 0, spec.vocab_size)
+  pos = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+  pos = pos.at[1, 34:].set(-1)     # row 1 stops early (a finished row: padding)
+  exact, _ = jax.jit(lambda tk, p: forward(params, tk, p, None, spec))(tokens, pos)
+
+  def run():
+    f = jax.jit(lambda c, tk, p: forward(params, tk, p, c, spec))
+    caches = init_caches("gear", gs, spec, params, batch=b, capacity=40, dtype=jnp.float32)
+    lg, caches = f(caches, tokens[:, :prompt], pos[:, :prompt])
+    outs, states = [lg], [caches]
+    for i in range(prompt, t):
+      lg, caches = f(caches, tokens[:, i:i + 1], pos[:, i:i + 1])
+      outs.append(lg)
+      states.append(caches)
+    step = jax.make_jaxpr(lambda c: forward(params, tokens[:, :1], pos[:, :1], c, spec))
+    return np.asarray(jnp.concatenate(outs, axis=1)), states, _outer_conds(step(caches).jaxpr)
+
+  got, got_states, got_conds = run()
+  with monkeypatch.context() as m:
+    m.setattr(GearCache, "deferring", lambda self, on: self)
+    m.setattr(GearCache, "pending", lambda self: None)
+    ref, ref_states, ref_conds = run()
+  assert (got_conds, ref_conds) == (1, spec.n_layers)
+  for g, r in zip(got_states, ref_states):
+    for c in g:
+      w = np.asarray(c.lens - c.q_lens)
+      assert (w >= 0).all() and (w < nb).all() and (np.asarray(c.q_lens) % nb == 0).all()
+    gc, rc = g[0], r[0]
+    assert np.array_equal(gc.q_lens, rc.q_lens) and np.array_equal(gc.lens, rc.lens)
+    for x, y in zip(jax.tree.leaves(gc.store), jax.tree.leaves(rc.store)):
+      np.testing.assert_array_equal(x, y)
+    for name in ("sk_idx", "sk_val", "sv_idx", "sv_val"):
+      np.testing.assert_array_equal(getattr(gc, name), getattr(rc, name), err_msg=name)
+    for name in ("a_k", "a_v", "b_k", "b_v"):
+      np.testing.assert_allclose(getattr(gc, name), getattr(rc, name), atol=2e-3,
+                                 err_msg=name)
+  assert [int(x) for x in got_states[-1][0].q_lens] == [32, 32]
+  assert not np.array_equal(got_states[-1][1].store.keys.codes,
+                            ref_states[-1][1].store.keys.codes)
+  first = 7                                            # position 7 completes chunk 0
+  np.testing.assert_allclose(got[:, :first], ref[:, :first], atol=1e-5)
+  err = lambda x: float(np.abs(x[:, first] - np.asarray(exact)[:, first]).mean())
+  assert np.abs(got[:, first] - ref[:, first]).max() > 1e-3 and err(got) < err(ref)
+  # Negative control: the decode steps without their settle.
+  with monkeypatch.context() as m:
+    m.setattr(base, "settle_step", lambda caches: tuple(c.deferring(False) for c in caches))
+    bad, bad_states, _ = run()
+  w = np.asarray(bad_states[-1][0].lens - bad_states[-1][0].q_lens)
+  assert w.max() > nb and np.abs(bad - got).max() > 1e-2

@@ -103,14 +103,15 @@ def test_bench_sharded_params_equal_random_params(cases):
 @pytest.mark.slow
 def test_bench_decode_on_a_mesh(cases):
   """Head-split caches: each of 2 devices holds half of one device's cache bytes (but the
-  lengths [B] int32, which every device keeps, and GEAR's prefill-chunk counts [B] int32);
+  lengths [B] int32, which every device keeps, and GEAR's compressed lengths and
+  prefill-chunk counts [B] int32);
   FDC's random ragged widths, balanced for the 2 devices, hold half of one device's bytes
   times 1 + `rotated.padding_fraction`."""
   got = {c["method"]: c for c in cases if c["case"] == "bench"}
   assert set(got) == {"dense", "KIVI-2", "Palu-50%", "FDC-50%", "GEAR-L-2"}
   for name, c in got.items():
     pad = c["padding"] if name == "FDC-50%" else 0.0
-    whole = 16 if name == "GEAR-L-2" else 8     # bytes of the [B] arrays every device keeps
+    whole = 24 if name == "GEAR-L-2" else 8     # bytes of the [B] arrays every device keeps
     assert c["mesh"] == [1, 2], c
     assert c["per_device"] * 2 - 2 * whole == round((c["one_device"] - whole) * (1 + pad)), c
     assert "[1x2]" in c["table"] and "per device" in c["table"]

@@ -255,6 +255,24 @@ class KVCache(abc.ABC):
     del spec
     return self
 
+  def deferring(self, on: bool) -> "KVCache":
+    """This cache with its one-token updates leaving periodic work for `settle` (on) or
+    doing it themselves (off). `kvlowrank.model.forward` turns it on for the layers of a
+    decode step (T = 1) and runs `settle_step` after them: one `lax.cond` per step for every
+    layer, where a conditional in each layer's update would stop the GPU stream while the
+    host reads its predicate, once per layer (GEAR's chunk compression: measured,
+    `results/decode_ablations.md`). Default: no deferred work (this cache unchanged)."""
+    del on
+    return self
+
+  def pending(self) -> Optional[jax.Array]:
+    """A scalar bool: `settle` has work (a deferred update left it), or None (never)."""
+    return None
+
+  def settle(self) -> "KVCache":
+    """Does the deferred work (run under `settle_step`'s conditional where `pending`)."""
+    return self
+
   def nbytes(self) -> int:
     """Bytes of cache storage actually allocated (all array leaves)."""
     return int(sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(self)))
@@ -315,6 +333,23 @@ def leaf_axes(cache) -> tuple[list, Any]:
                        f"say how this array splits")
     out.append((key, leaf, axes[max(hits, key=len)]))
   return out, treedef
+
+
+def settle_step(caches) -> tuple:
+  """After a decode step's layers (`KVCache.deferring`): the caches' deferred work under one
+  `lax.cond` on the OR of their `pending` flags, deferring turned off again."""
+  caches = tuple(c.deferring(False) for c in caches)
+  flags = [c.pending() for c in caches]
+  idx = [i for i, f in enumerate(flags) if f is not None]
+  if not idx:
+    return caches
+  sub = tuple(caches[i] for i in idx)
+  sub = jax.lax.cond(functools.reduce(jnp.logical_or, [flags[i] for i in idx]),
+                     lambda s: tuple(c.settle() for c in s), lambda s: s, sub)
+  out = list(caches)
+  for i, c in zip(idx, sub):
+    out[i] = c
+  return tuple(out)
 
 
 def caches_nbytes(caches) -> int:

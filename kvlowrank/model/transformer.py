@@ -196,6 +196,11 @@ def forward(params, tokens, positions, caches: Optional[tuple], spec: ModelSpec,
                                    (0, 1) if capture_inputs else (0,))
     return (outs[0], caches, outs[1]) if capture_inputs else (outs[0], caches)
   x = embed(params, tokens, axis_name)
+  # A decode step defers the caches' periodic work (GEAR's chunk compression) to one
+  # conditional after all layers (`cache_base.settle_step`).
+  decode = caches is not None and tokens.shape[1] == 1
+  if decode:
+    caches = tuple(c.deferring(True) for c in caches)
   new_caches = []
   captured = []
   carry: Any = None
@@ -214,6 +219,8 @@ def forward(params, tokens, positions, caches: Optional[tuple], spec: ModelSpec,
   if limit is not None and cache_base.concrete(positions) is None:
     logits = cache_base.poison_rows(logits, positions, limit)
   out_caches = None if caches is None else tuple(new_caches)
+  if decode:
+    out_caches = cache_base.settle_step(out_caches)
   if capture_inputs:
     return logits, out_caches, jnp.stack(captured)
   return logits, out_caches

@@ -158,6 +158,16 @@ class EvictCache(base.KVCache):
   def lengths(self):
     return self.lens
 
+  # A decode step's deferred work (`base.KVCache.deferring`) is the inner cache's.
+  def deferring(self, on: bool) -> "EvictCache":
+    return dataclasses.replace(self, inner=self.inner.deferring(on))
+
+  def pending(self):
+    return self.inner.pending()
+
+  def settle(self) -> "EvictCache":
+    return dataclasses.replace(self, inner=self.inner.settle())
+
   def choose_implementation(self, q_shape, implementation=None, platform=None):
     """The inner cache's choice: `attend` hands the request to the inner cache, whose
     decode kernel runs on its arrays; the window (at most W tokens) is attended by the jnp

@@ -8,9 +8,11 @@ Storage (per layer; the arrays GEAR's decode kernel reads, `kvlowrank_kernels.ge
     values token-blocked [B, K, S, R] + scale/zero [B, K, S, H/Gv]);
   * k_win, v_win [B, W, K, H] (cache dtype), W = n_b: GEAR's streaming buffer. Both K and V
     stay exact until n_b tokens accumulate; then the whole chunk is compressed at once
-    (outliers, quantization, low-rank), so the compressed prefix q_len = (len // n_b) n_b
-    is a whole number of chunks aligned at multiples of n_b, and window slot i holds
-    position q_len + i (i < w_len = len - q_len); `lens` [B] int32;
+    (outliers, quantization, low-rank), so the compressed prefix `q_lens` [B] int32 is a
+    whole number of chunks aligned at multiples of n_b, and window slot i holds position
+    q_len + i (i < w_len = len - q_len <= n_b); `lens` [B] int32. Between a model decode
+    step's layers and its `settle` a full window (w_len = n_b) waits to be compressed;
+    otherwise q_len = (len // n_b) n_b;
   * low-rank factors (fp16), left per token, right per chunk:
       a_k, a_v [B, K, S, RA] (RA = max(r_p, r_g); row t = the left factor row of the
       segment that compressed t, zero beyond that segment's rank),
@@ -45,6 +47,16 @@ that becomes whole is compressed:
   flush needs none (it quantizes one group per step, `methods.kivi.cache`); GEAR's chunk
   factor depends on the whole chunk, and compressing it every step with masked writes was
   slower (`results/decode_ablations.md`): the power iteration is not small.
+  The model's decode steps (`kvlowrank.model.forward` at T = 1, so `generate` and
+  decode-mode evaluation) defer it instead (`deferring`): each layer writes its token into
+  the window, no conditional, and after the last layer one `lax.cond` (`settle`, via
+  `cache.base.settle_step`) compresses every layer's full window. A per-layer conditional
+  stops the GPU stream while the host reads its predicate: 1.34 ms of a 9.58 ms GEAR-L-2
+  step at Llama-3 32K x 8 (H200, `results/gear_kernel.md`). Choice: the token that completes
+  a chunk is attended with its chunk still exact, and the layers above compute its K/V over
+  that exact buffer -- Algorithm 1 as written (the full buffer is compressed before the next
+  token); the per-layer path (direct `update` calls, multi-token calls) compresses it within
+  the step, before attention.
 GQA: compressed per KV head. Attention (prefill and decode) follows the update, so a
 query sees the tokens of its own call compressed once their chunk is whole (GEAR prefill
 attends exact K/V; here prompt queries see the compressed cache, as the KIVI cache does:
@@ -105,6 +117,7 @@ class GearCache(base.KVCache):
   k_win: jax.Array           # [B, W, K, H] exact streaming buffer (slot i = q_len + i)
   v_win: jax.Array
   lens: jax.Array            # [B] int32
+  q_lens: jax.Array          # [B] int32: the compressed prefix (whole chunks)
   n_pchunks: jax.Array       # [B] int32
   a_k: Optional[jax.Array]   # [B, K, S, RA] fp16
   a_v: Optional[jax.Array]
@@ -126,6 +139,7 @@ class GearCache(base.KVCache):
   outlier_fill: str = base.static_field(default="mean")
   sliding_window: Optional[int] = base.static_field(default=None)
   implementation: Optional[str] = base.static_field(default=None)
+  defer: bool = base.static_field(default=False)   # `deferring`: set by the model's decode step
 
   name = "gear"
 
@@ -135,7 +149,7 @@ class GearCache(base.KVCache):
     power iteration's seeded start B0 is shared by every (batch row, head), so a device's
     factors of its heads are the single device's."""
     return {".store": (0, 1), ".k_win": (0, 2), ".v_win": (0, 2), ".lens": (0, None),
-            ".n_pchunks": (0, None), ".a_k": (0, 1), ".a_v": (0, 1), ".b_k": (0, 1),
+            ".q_lens": (0, None), ".n_pchunks": (0, None), ".a_k": (0, 1), ".a_v": (0, 1), ".b_k": (0, 1),
             ".b_v": (0, 1), ".bp_k": (0, 1), ".bp_v": (0, 1), ".sk_idx": (0, 1),
             ".sk_val": (0, 1), ".sv_idx": (0, 1), ".sv_val": (0, 1)}
 
@@ -162,7 +176,8 @@ class GearCache(base.KVCache):
     return cls(
         store=bb.empty(batch=batch, kv_heads=kh, capacity=s, head_dim=h),
         k_win=z((batch, nb, kh, h), dtype), v_win=z((batch, nb, kh, h), dtype),
-        lens=z((batch,), jnp.int32), n_pchunks=z((batch,), jnp.int32),
+        lens=z((batch,), jnp.int32), q_lens=z((batch,), jnp.int32),
+        n_pchunks=z((batch,), jnp.int32),
         a_k=a_k, a_v=a_v, b_k=b_k, b_v=b_v, bp_k=bp_k, bp_v=bp_v,
         sk_idx=z((batch, kh, c, nk, h), jnp.uint8) if sparse else None,
         sk_val=z((batch, kh, c, nk, h), F16) if sparse else None,
@@ -197,8 +212,7 @@ class GearCache(base.KVCache):
   def segments(self):
     """(q_len [B], w_len [B]): the compressed prefix [0, q_len) (whole chunks) and the live
     window slots [0, w_len) holding positions [q_len, len)."""
-    q = (self.lens // self.buffer) * self.buffer
-    return q, self.lens - q
+    return self.q_lens, self.lens - self.q_lens
 
   # ------------------------------------------------------------------ update
   def update(self, inputs: base.AttnInputs, lp):
@@ -206,9 +220,12 @@ class GearCache(base.KVCache):
     nb, cap = self.buffer, self.capacity
     b, t = inputs.positions.shape
     pos = jnp.where((inputs.positions >= 0) & (inputs.positions < cap), inputs.positions, -1)
-    l0 = self.lens
+    l0, q0 = self.lens, self.q_lens
     l1 = base.new_lengths(l0, pos)
-    q0, q1 = (l0 // nb) * nb, (l1 // nb) * nb
+    if self.defer:   # compress only what the window cannot hold; `settle` does the rest
+      q1 = jnp.maximum(q0, -(-(l1 - nb) // nb) * nb)
+    else:
+      q1 = (l1 // nb) * nb
     ec = -(-(nb + t) // nb) * nb       # E: positions [q0, q0 + ec)
     slot = pos - q0[:, None]
 
@@ -231,9 +248,30 @@ class GearCache(base.KVCache):
       return dataclasses.replace(c, k_win=_scatter_rows(c.k_win, slot, pos >= 0, inputs.k),
                                  v_win=_scatter_rows(c.v_win, slot, pos >= 0, inputs.v))
 
+    if self.defer and t == 1:
+      # The model's decode step (`deferring`): the window, settled after every step, has room
+      # for the token; a chunk it completes waits there, exact, for `settle`.
+      return dataclasses.replace(append(self), lens=l1)
     # Most decode steps complete no chunk: they write one token in place, without E.
     new = jax.lax.cond(jnp.any(q1 > q0), compress, append, self)
-    return dataclasses.replace(new, lens=l1)
+    return dataclasses.replace(new, lens=l1, q_lens=q1)
+
+  def deferring(self, on: bool) -> "GearCache":
+    return dataclasses.replace(self, defer=on)
+
+  def pending(self):
+    """A row's window holds a whole chunk, left by a deferred update."""
+    return jnp.any(self.lens - self.q_lens >= self.buffer)
+
+  def settle(self) -> "GearCache":
+    """Compresses each full window (a whole chunk, positions [q_len, q_len + n_b)) as the
+    update would have: a streaming chunk (rank r_g), never a prefill segment."""
+    nb, b = self.buffer, self.lens.shape[0]
+    full = self.lens - self.q_lens >= nb
+    q1 = self.q_lens + jnp.where(full, nb, 0)
+    c = self._compress(self.k_win, self.v_win, self.q_lens, q1, jnp.zeros((b,), bool),
+                       multi=False)
+    return dataclasses.replace(c, q_lens=q1)
 
   def _compress(self, ek, ev, q0, q1, prefill_row, multi: bool):
     """Compresses the chunks of E = positions [q0, q0 + Ec) that lie below q1; `multi`
@@ -511,7 +549,7 @@ class GearCache(base.KVCache):
             "low_rank_right": size(self.b_k, self.b_v, self.bp_k, self.bp_v),
             "sparse_values": size(self.sk_val, self.sv_val),
             "sparse_indices": size(self.sk_idx, self.sv_idx),
-            "lengths": size(self.lens, self.n_pchunks)}
+            "lengths": size(self.lens, self.q_lens, self.n_pchunks)}
 
   def bytes_per_token(self) -> float:
     """Asymptotic bytes per cached token (this layer): everything that grows with the
