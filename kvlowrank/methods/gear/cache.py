@@ -149,9 +149,9 @@ class GearCache(base.KVCache):
     power iteration's seeded start B0 is shared by every (batch row, head), so a device's
     factors of its heads are the single device's."""
     return {".store": (0, 1), ".k_win": (0, 2), ".v_win": (0, 2), ".lens": (0, None),
-            ".q_lens": (0, None), ".n_pchunks": (0, None), ".a_k": (0, 1), ".a_v": (0, 1), ".b_k": (0, 1),
-            ".b_v": (0, 1), ".bp_k": (0, 1), ".bp_v": (0, 1), ".sk_idx": (0, 1),
-            ".sk_val": (0, 1), ".sv_idx": (0, 1), ".sv_val": (0, 1)}
+            ".q_lens": (0, None), ".n_pchunks": (0, None), ".a_k": (0, 1), ".a_v": (0, 1),
+            ".b_k": (0, 1), ".b_v": (0, 1), ".bp_k": (0, 1), ".bp_v": (0, 1),
+            ".sk_idx": (0, 1), ".sk_val": (0, 1), ".sv_idx": (0, 1), ".sv_val": (0, 1)}
 
   @classmethod
   def init(cls, gspec: GearSpec, spec: ModelSpec, *, batch: int, capacity: int,
