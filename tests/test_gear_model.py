@@ -1,6 +1,8 @@
 """GEAR caches streaming through the model: prefill + decode on stories260K (../shared)."""
 
 
+import dataclasses
+
 import jax
 import numpy as np
 import jax.numpy as jnp
@@ -81,17 +83,18 @@ def _outer_conds(jaxpr) -> int:
 
 def test_decode_step_defers_the_chunk_compression_to_one_conditional(monkeypatch):
   """`forward` at T = 1 leaves a chunk that the step completes in the exact window and
-  compresses it after the layers, under one `lax.cond` for every layer
+  the next step compresses it before its layers, under one `lax.cond` for every layer
   (`cache.base.settle_step`), as Algorithm 1 compresses a full buffer before the next token:
   the token that fills the buffer is generated with the buffer exact. The per-layer decision
   (deferral off) compresses it inside the step, before the layers above attend. Over a
   6-token prefill (no chunk) and 30 decode steps (chunks completed at positions 7, 15, 23,
   31) of 2 rows, one finishing early (padding):
   * the decode step's program holds 1 conditional, the per-layer one n_layers;
-  * every step ends settled (each window holds less than a chunk) with whole chunks
-    compressed, and layer 0 (whose K/V do not depend on attention) holds the per-layer
-    run's codes, outliers and factors after every step; the layers above compress the
-    completing token's K/V as computed over the exact buffer, so they differ;
+  * a step ends with at most one whole chunk waiting in each window, whole chunks
+    compressed below it; settled (`settle_step`), layer 0 (whose K/V do not depend on
+    attention) holds the per-layer run's codes, outliers and factors after every step; the
+    layers above compress the completing token's K/V as computed over the exact buffer, so
+    they differ;
   * the logits equal the per-layer run's up to the first completing step, and at that step
     are closer to the uncached forward's (the chunk still exact);
   * negative control: without the settle the next step's token finds no window slot
@@ -132,7 +135,9 @@ def test_decode_step_defers_the_chunk_compression_to_one_conditional(monkeypatch
   for g, r in zip(got_states, ref_states):
     for c in g:
       w = np.asarray(c.lens - c.q_lens)
-      assert (w >= 0).all() and (w < nb).all() and (np.asarray(c.q_lens) % nb == 0).all()
+      assert (w >= 0).all() and (w <= nb).all() and (np.asarray(c.q_lens) % nb == 0).all()
+    g = base.settle_step(g)
+    assert all((np.asarray(c.lens - c.q_lens) < nb).all() for c in g)
     gc, rc = g[0], r[0]
     assert np.array_equal(gc.q_lens, rc.q_lens) and np.array_equal(gc.lens, rc.lens)
     for x, y in zip(jax.tree.leaves(gc.store), jax.tree.leaves(rc.store)):
@@ -155,3 +160,40 @@ def test_decode_step_defers_the_chunk_compression_to_one_conditional(monkeypatch
     bad, bad_states, _ = run()
   w = np.asarray(bad_states[-1][0].lens - bad_states[-1][0].q_lens)
   assert w.max() > nb and np.abs(bad - got).max() > 1e-2
+
+
+def test_multi_token_call_after_a_deferred_chunk_equals_it_settled():
+  """A decode step that completes a chunk leaves it in the window for the next step's
+  `settle`. A multi-token call on that cache (a prompt after decoding; prompt 6 < n_b, so
+  q_len = 0) compresses it as a streaming chunk, as `settle` would have, not as the row's
+  prefill segment: its logits and caches (as attention reads them) equal those of the call on
+  the settled cache.
+  Negative control: the same call with the waiting chunk's keys perturbed changes the logits."""
+  from kvlowrank.cache import base  # pylint: disable=import-outside-toplevel
+  from kvlowrank.model.params import init_params  # pylint: disable=import-outside-toplevel
+  from kvlowrank.spec import ModelSpec  # pylint: disable=import-outside-toplevel
+  spec = ModelSpec(vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2,
+                   head_dim=16, ffn_dim=48, max_seq_len=64)
+  params = init_params(spec, jax.random.PRNGKey(0), scale=0.3)
+  gs = GearSpec(bits=2, group_size=4, buffer=8, sparsity=20.0, rank_prefill=4,
+                rank_chunk=2)
+  b, nb = 2, 8
+  tokens = jax.random.randint(jax.random.PRNGKey(1), (b, 11), 0, spec.vocab_size)
+  pos = jnp.broadcast_to(jnp.arange(11, dtype=jnp.int32), (b, 11))
+  f = jax.jit(lambda c, tk, p: forward(params, tk, p, c, spec))
+  caches = init_caches("gear", gs, spec, params, batch=b, capacity=32, dtype=jnp.float32)
+  _, caches = f(caches, tokens[:, :6], pos[:, :6])
+  for i in (6, 7):
+    _, caches = f(caches, tokens[:, i:i + 1], pos[:, i:i + 1])
+  assert [int(x) for x in caches[0].lens - caches[0].q_lens] == [nb, nb]   # waiting
+  got, got_c = f(caches, tokens[:, 8:], pos[:, 8:])
+  ref, ref_c = f(base.settle_step(caches), tokens[:, 8:], pos[:, 8:])
+  np.testing.assert_array_equal(np.asarray(got), np.asarray(ref))
+  for g, r in zip(got_c, ref_c):   # the caches as attention reads them (valid slots)
+    (gk, gv, gm), (rk, rv, rm) = g.materialize(), r.materialize()
+    np.testing.assert_array_equal(np.asarray(gm), np.asarray(rm))
+    for x, y in ((gk, rk), (gv, rv), (g.q_lens, r.q_lens)):
+      np.testing.assert_array_equal(np.where(gm[..., None, None], x, 0) if x.ndim > 1 else x,
+                                    np.where(gm[..., None, None], y, 0) if y.ndim > 1 else y)
+  bad = tuple(dataclasses.replace(c, k_win=c.k_win.at[:, 3].add(1.0)) for c in caches)
+  assert np.abs(np.asarray(f(bad, tokens[:, 8:], pos[:, 8:])[0]) - np.asarray(ref)).max() > 1e-2

@@ -317,7 +317,11 @@ def _warp_values(store: ml.KiviMosaic, pos, ok, codes, scale, zero):
   vc = _flat(store.vc)
   bi = jnp.arange(b)[:, None]
   flat_idx = idx.reshape(b, n_tok * 32)
-  old = vc.at[bi, :, flat_idx].get(mode="fill", fill_value=0)        # [B, T*32, K]
+  # The barrier keeps this gather out of the scatter's fusion: a scatter fusion that also
+  # reads its operand cannot run in place, and XLA copies the whole code array (measured:
+  # GEAR's chunk write under a conditional copied 2 x 67 MB per layer and step, H200).
+  old = jax.lax.optimization_barrier(
+      vc.at[bi, :, flat_idx].get(mode="fill", fill_value=0))          # [B, T*32, K]
   old = jnp.moveaxis(old.reshape(b, n_tok, 32, k), 3, 2)             # [B, T, K, 32]
   delta = new - (old & mask[:, :, None, :])                          # mod 2^32
   vc = vc.at[bi, :, flat_idx].add(jnp.moveaxis(delta, 2, 3).reshape(b, n_tok * 32, k),

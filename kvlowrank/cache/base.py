@@ -257,11 +257,13 @@ class KVCache(abc.ABC):
 
   def deferring(self, on: bool) -> "KVCache":
     """This cache with its one-token updates leaving periodic work for `settle` (on) or
-    doing it themselves (off). `kvlowrank.model.forward` turns it on for the layers of a
-    decode step (T = 1) and runs `settle_step` after them: one `lax.cond` per step for every
-    layer, where a conditional in each layer's update would stop the GPU stream while the
-    host reads its predicate, once per layer (GEAR's chunk compression: measured,
-    `results/decode_ablations.md`). Default: no deferred work (this cache unchanged)."""
+    doing it themselves (off). `kvlowrank.model.forward` runs `settle_step` at the start of a
+    decode step (T = 1: the work the previous step left) and turns deferring on for its
+    layers: one `lax.cond` per step for every layer, where a conditional in each layer's
+    update costs 42 us per layer (GEAR's chunk compression, H200: `results/gear_kernel.md`).
+    So a decode step's result may hold deferred work; every reader (`attend`, `segments`,
+    `materialize`, a later update) accepts it. Default: no deferred work (this cache
+    unchanged)."""
     del on
     return self
 
@@ -336,8 +338,10 @@ def leaf_axes(cache) -> tuple[list, Any]:
 
 
 def settle_step(caches) -> tuple:
-  """After a decode step's layers (`KVCache.deferring`): the caches' deferred work under one
-  `lax.cond` on the OR of their `pending` flags, deferring turned off again."""
+  """The caches' deferred work (`KVCache.deferring`) under one `lax.cond` on the OR of their
+  `pending` flags, deferring turned off. `forward` runs it before a decode step's layers, not
+  after them: after them, the conditional writes arrays that the step's attention kernels
+  have read, and XLA copied them through it (2.06 ms of a GEAR-L-2 step, H200)."""
   caches = tuple(c.deferring(False) for c in caches)
   flags = [c.pending() for c in caches]
   idx = [i for i, f in enumerate(flags) if f is not None]

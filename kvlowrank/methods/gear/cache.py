@@ -10,9 +10,9 @@ Storage (per layer; the arrays GEAR's decode kernel reads, `kvlowrank_kernels.ge
     stay exact until n_b tokens accumulate; then the whole chunk is compressed at once
     (outliers, quantization, low-rank), so the compressed prefix `q_lens` [B] int32 is a
     whole number of chunks aligned at multiples of n_b, and window slot i holds position
-    q_len + i (i < w_len = len - q_len <= n_b); `lens` [B] int32. Between a model decode
-    step's layers and its `settle` a full window (w_len = n_b) waits to be compressed;
-    otherwise q_len = (len // n_b) n_b;
+    q_len + i (i < w_len = len - q_len <= n_b); `lens` [B] int32. After a model decode
+    step that completed a chunk, its full window (w_len = n_b) waits for the next step's
+    `settle`; otherwise q_len = (len // n_b) n_b;
   * low-rank factors (fp16), left per token, right per chunk:
       a_k, a_v [B, K, S, RA] (RA = max(r_p, r_g); row t = the left factor row of the
       segment that compressed t, zero beyond that segment's rank),
@@ -49,10 +49,10 @@ that becomes whole is compressed:
   slower (`results/decode_ablations.md`): the power iteration is not small.
   The model's decode steps (`kvlowrank.model.forward` at T = 1, so `generate` and
   decode-mode evaluation) defer it instead (`deferring`): each layer writes its token into
-  the window, no conditional, and after the last layer one `lax.cond` (`settle`, via
-  `cache.base.settle_step`) compresses every layer's full window. A per-layer conditional
-  stops the GPU stream while the host reads its predicate: 1.34 ms of a 9.58 ms GEAR-L-2
-  step at Llama-3 32K x 8 (H200, `results/gear_kernel.md`). Choice: the token that completes
+  the window, no conditional, and the next decode step starts with one `lax.cond` (`settle`,
+  via `cache.base.settle_step`) that compresses every layer's full window. The per-layer
+  conditionals cost 1.34 ms of a 9.58 ms GEAR-L-2 step at Llama-3 32K x 8; with one per
+  step it takes 8.66 ms (H200, `results/gear_kernel.md`). Choice: the token that completes
   a chunk is attended with its chunk still exact, and the layers above compute its K/V over
   that exact buffer -- Algorithm 1 as written (the full buffer is compressed before the next
   token); the per-layer path (direct `update` calls, multi-token calls) compresses it within
@@ -234,9 +234,12 @@ class GearCache(base.KVCache):
       return _scatter_rows(e, slot, pos >= 0, new)
 
     # A row's prefill: its first call that brings it > 1 token and compresses a chunk
-    # (counted per row: a one-token step padded to T > 1 is a decode step).
+    # (counted per row: a one-token step padded to T > 1 is a decode step), unless its
+    # window holds a whole chunk that decode steps completed (left for `settle`): that chunk
+    # is a streaming chunk, as `settle` would have compressed it.
     n_new = jnp.sum(pos >= 0, axis=1)
-    prefill_row = (q0 == 0) & (q1 > 0) & (n_new > 1) if t > 1 else jnp.zeros((b,), bool)
+    prefill_row = ((q0 == 0) & (q1 > 0) & (n_new > 1) & (l0 - q0 < nb) if t > 1
+                   else jnp.zeros((b,), bool))
 
     def compress(c):  # E = [window; new tokens], its whole chunks compressed, the rest kept
       ek, ev = window(c.k_win, inputs.k), window(c.v_win, inputs.v)
@@ -249,8 +252,8 @@ class GearCache(base.KVCache):
                                  v_win=_scatter_rows(c.v_win, slot, pos >= 0, inputs.v))
 
     if self.defer and t == 1:
-      # The model's decode step (`deferring`): the window, settled after every step, has room
-      # for the token; a chunk it completes waits there, exact, for `settle`.
+      # The model's decode step (`deferring`): the window, settled at the step's start, has
+      # room for the token; a chunk it completes waits there, exact, for the next `settle`.
       return dataclasses.replace(append(self), lens=l1)
     # Most decode steps complete no chunk: they write one token in place, without E.
     new = jax.lax.cond(jnp.any(q1 > q0), compress, append, self)
