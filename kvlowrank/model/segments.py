@@ -17,7 +17,9 @@ chunks, then one token per call. Runs of equal-length segments go through `lax.s
   norms, projections, RoPE and MLP run once over all tokens (matrix-matrix products
   that stream each weight once instead of once per call: a decode step of a small
   model is bound by reading its weights), and only the cache calls (`step` = update
-  then attend) run segment by segment, in schedule order. With `scan_layers`, a
+  then attend) run segment by segment, in schedule order; a one-token call as
+  `forward`'s decode step makes it (the previous decode call's deferred work first,
+  `KVCache.deferring`). With `scan_layers`, a
   homogeneous stack (every layer's params and cache of one pytree structure, shapes
   and dtypes) also scans over layers: one compiled layer body instead of n_layers
   unrolled copies, which is most of the compile time of a 30-layer model.
@@ -39,7 +41,7 @@ from typing import Sequence
 import jax
 import jax.numpy as jnp
 
-from kvlowrank.cache.base import KVCache, concrete, poison_rows
+from kvlowrank.cache.base import KVCache, concrete, poison_rows, settle_step
 from kvlowrank.model.transformer import check_context, decoder_layer, forward, lm_head
 from kvlowrank.spec import ModelSpec
 
@@ -86,6 +88,18 @@ def _merge(a):
   return a.reshape(a.shape[0], a.shape[1] * a.shape[2], *a.shape[3:])
 
 
+def _cache_call(cache: KVCache, inputs, q, lp, spec, length: int):
+  """One segment's cache call as `forward` makes it: a one-token (decode) call first does
+  the work the previous decode step deferred (`settle_step`), then runs with deferring on
+  (GEAR's chunk compression waits for the next decode call); longer calls run as they are."""
+  if length != 1:
+    out, _, cache, _ = cache.step(inputs, q, lp, None, spec=spec)
+    return out, cache
+  cache = settle_step((cache,))[0].deferring(True)
+  out, _, cache, _ = cache.step(inputs, q, lp, None, spec=spec)
+  return out, cache.deferring(False)
+
+
 def _segmentwise_step(runs):
   """A `step` for kvlowrank.model.transformer.attention_block that feeds a per-layer
   cache the segments of `runs` in order (layer-major; no cross-layer carry)."""
@@ -96,13 +110,13 @@ def _segmentwise_step(runs):
     for start, length, count in runs:
       if count == 1:
         sl = lambda a, s=start, e=start + length: a[:, s:e]
-        out, _, cache, _ = cache.step(jax.tree.map(sl, inputs), sl(q), lp, None, spec=spec)
+        out, cache = _cache_call(cache, jax.tree.map(sl, inputs), sl(q), lp, spec, length)
         outs.append(out)
       else:
         split = lambda a, s=start, n=length, c=count: _split(a, s, n, c)
 
-        def body(c, xs):
-          out, _, c, _ = c.step(xs[0], xs[1], lp, None, spec=spec)
+        def body(c, xs, n=length):
+          out, c = _cache_call(c, xs[0], xs[1], lp, spec, n)
           return c, out
 
         cache, out = jax.lax.scan(body, cache, (jax.tree.map(split, inputs), split(q)))
