@@ -339,9 +339,11 @@ def leaf_axes(cache) -> tuple[list, Any]:
 
 def settle_step(caches) -> tuple:
   """The caches' deferred work (`KVCache.deferring`) under one `lax.cond` on the OR of their
-  `pending` flags, deferring turned off. `forward` runs it before a decode step's layers, not
-  after them: after them, the conditional writes arrays that the step's attention kernels
-  have read, and XLA copied them through it (2.06 ms of a GEAR-L-2 step, H200)."""
+  `pending` flags, deferring turned off. `forward` runs it before a decode step's layers
+  (the previous step's work), so the step's attention reads what the conditional wrote. The
+  work's array writes must be able to run in place: XLA copied two code arrays per layer
+  through the conditional while KIVI's value write could not (2.06 ms of a GEAR-L-2 step,
+  H200; `kernels/kivi/store.py`, `_warp_values`)."""
   caches = tuple(c.deferring(False) for c in caches)
   flags = [c.pending() for c in caches]
   idx = [i for i, f in enumerate(flags) if f is not None]

@@ -198,8 +198,7 @@ def forward(params, tokens, positions, caches: Optional[tuple], spec: ModelSpec,
   x = embed(params, tokens, axis_name)
   # A decode step defers the caches' periodic work (GEAR's chunk compression) to one
   # conditional before all layers (`cache_base.settle_step`): the work the previous step
-  # left. Before, not after: a conditional after the layers writes arrays the attention
-  # kernels have read in this step, and XLA copies them through it (measured, H200).
+  # left, done before this step's attention reads the caches.
   decode = caches is not None and tokens.shape[1] == 1
   if decode:
     caches = tuple(c.deferring(True) for c in cache_base.settle_step(caches))
