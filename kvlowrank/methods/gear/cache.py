@@ -47,8 +47,9 @@ that becomes whole is compressed:
   flush needs none (it quantizes one group per step, `methods.kivi.cache`); GEAR's chunk
   factor depends on the whole chunk, and compressing it every step with masked writes was
   slower (`results/decode_ablations.md`): the power iteration is not small.
-  The model's decode steps (`kvlowrank.model.forward` at T = 1, so `generate` and
-  decode-mode evaluation) defer it instead (`deferring`): each layer writes its token into
+  The model's decode steps (`kvlowrank.model.forward` at T = 1, so `generate`; and
+  `model.segments`' one-token calls, so decode-mode perplexity and the drift metric) defer
+  it instead (`deferring`): each layer writes its token into
   the window, no conditional, and the next decode step starts with one `lax.cond` (`settle`,
   via `cache.base.settle_step`) that compresses every layer's full window. The per-layer
   conditionals cost 1.34 ms of a 9.58 ms GEAR-L-2 step at Llama-3 32K x 8; with one per
@@ -56,7 +57,8 @@ that becomes whole is compressed:
   a chunk is attended with its chunk still exact, and the layers above compute its K/V over
   that exact buffer -- Algorithm 1 as written (the full buffer is compressed before the next
   token); the per-layer path (direct `update` calls, multi-token calls) compresses it within
-  the step, before attention.
+  the step, before attention, and compresses a chunk left waiting by a decode step as the
+  streaming chunk `settle` would have made of it.
 GQA: compressed per KV head. Attention (prefill and decode) follows the update, so a
 query sees the tokens of its own call compressed once their chunk is whole (GEAR prefill
 attends exact K/V; here prompt queries see the compressed cache, as the KIVI cache does:
