@@ -358,6 +358,17 @@ def settle_step(caches) -> tuple:
   return tuple(out)
 
 
+def begin_decode_step(caches) -> tuple:
+  """The caches as a decode (one-token) call takes them: the previous decode call's deferred
+  work done (`settle_step`), deferring on. `model.forward` and `model.segments` call it."""
+  return tuple(c.deferring(True) for c in settle_step(caches))
+
+
+def end_decode_step(caches) -> tuple:
+  """The caches a decode call returns: deferring off (their deferred work stays pending)."""
+  return tuple(c.deferring(False) for c in caches)
+
+
 def caches_nbytes(caches) -> int:
   return int(sum(c.nbytes() for c in caches))
 

@@ -41,7 +41,8 @@ from typing import Sequence
 import jax
 import jax.numpy as jnp
 
-from kvlowrank.cache.base import KVCache, concrete, poison_rows, settle_step
+from kvlowrank.cache.base import (KVCache, begin_decode_step, concrete, end_decode_step,
+                                  poison_rows)
 from kvlowrank.model.transformer import check_context, decoder_layer, forward, lm_head
 from kvlowrank.spec import ModelSpec
 
@@ -90,14 +91,15 @@ def _merge(a):
 
 def _cache_call(cache: KVCache, inputs, q, lp, spec, length: int):
   """One segment's cache call as `forward` makes it: a one-token (decode) call first does
-  the work the previous decode step deferred (`settle_step`), then runs with deferring on
-  (GEAR's chunk compression waits for the next decode call); longer calls run as they are."""
+  the work the previous decode step deferred, then runs with deferring on
+  (`cache.base.begin_decode_step` / `end_decode_step`: GEAR's chunk compression waits for the
+  next decode call); longer calls run as they are."""
   if length != 1:
     out, _, cache, _ = cache.step(inputs, q, lp, None, spec=spec)
     return out, cache
-  cache = settle_step((cache,))[0].deferring(True)
+  (cache,) = begin_decode_step((cache,))
   out, _, cache, _ = cache.step(inputs, q, lp, None, spec=spec)
-  return out, cache.deferring(False)
+  return out, end_decode_step((cache,))[0]
 
 
 def _segmentwise_step(runs):

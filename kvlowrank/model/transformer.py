@@ -197,11 +197,11 @@ def forward(params, tokens, positions, caches: Optional[tuple], spec: ModelSpec,
     return (outs[0], caches, outs[1]) if capture_inputs else (outs[0], caches)
   x = embed(params, tokens, axis_name)
   # A decode step defers the caches' periodic work (GEAR's chunk compression) to one
-  # conditional before all layers (`cache_base.settle_step`): the work the previous step
+  # conditional before all layers (`cache_base.begin_decode_step`): the work the previous step
   # left, done before this step's attention reads the caches.
   decode = caches is not None and tokens.shape[1] == 1
   if decode:
-    caches = tuple(c.deferring(True) for c in cache_base.settle_step(caches))
+    caches = cache_base.begin_decode_step(caches)
   new_caches = []
   captured = []
   carry: Any = None
@@ -221,7 +221,7 @@ def forward(params, tokens, positions, caches: Optional[tuple], spec: ModelSpec,
     logits = cache_base.poison_rows(logits, positions, limit)
   out_caches = None if caches is None else tuple(new_caches)
   if decode:
-    out_caches = tuple(c.deferring(False) for c in out_caches)
+    out_caches = cache_base.end_decode_step(out_caches)
   if capture_inputs:
     return logits, out_caches, jnp.stack(captured)
   return logits, out_caches

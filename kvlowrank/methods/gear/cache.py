@@ -264,16 +264,18 @@ class GearCache(base.KVCache):
   def deferring(self, on: bool) -> "GearCache":
     return dataclasses.replace(self, defer=on)
 
+  def _full_windows(self):
+    """[B] bool: the row's window holds a whole chunk, left by a deferred update."""
+    return self.lens - self.q_lens >= self.buffer
+
   def pending(self):
-    """A row's window holds a whole chunk, left by a deferred update."""
-    return jnp.any(self.lens - self.q_lens >= self.buffer)
+    return jnp.any(self._full_windows())
 
   def settle(self) -> "GearCache":
     """Compresses each full window (a whole chunk, positions [q_len, q_len + n_b)) as the
     update would have: a streaming chunk (rank r_g), never a prefill segment."""
     nb, b = self.buffer, self.lens.shape[0]
-    full = self.lens - self.q_lens >= nb
-    q1 = self.q_lens + jnp.where(full, nb, 0)
+    q1 = self.q_lens + jnp.where(self._full_windows(), nb, 0)
     c = self._compress(self.k_win, self.v_win, self.q_lens, q1, jnp.zeros((b,), bool),
                        multi=False)
     return dataclasses.replace(c, q_lens=q1)
