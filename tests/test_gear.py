@@ -335,6 +335,41 @@ def test_padding_anywhere_in_a_row_equals_the_compacted_call():
                 np.asarray(_materialize(prefilled)[0])).max() > 0.1
 
 
+def test_deferring_covers_one_token_updates_only():
+  """`deferring(True)` (the model's decode step) changes one-token updates only: a
+  multi-token update (prefill 7 -> 20 tokens, crossing a chunk boundary, rows ragged via
+  padding; row 1 ends on a chunk boundary) compresses its whole chunks now, leaf for leaf as with deferring off.
+  Negative control: a one-token update that completes a chunk does differ (the chunk waits
+  in the window, q_len unchanged, until `settle`, which then gives the undeferred state)."""
+  rng = np.random.default_rng(7)
+  kh, h = SPEC.n_kv_heads, SPEC.head_dim
+  mk = lambda t: jnp.asarray(rng.standard_normal((2, t, kh, h)).astype(np.float32) * 3)
+  cache = GearCache.init(GSPEC, SPEC, batch=2, capacity=48, dtype=jnp.float32)
+  pos0 = jnp.broadcast_to(jnp.arange(7, dtype=jnp.int32), (2, 7))
+  cache = _update(cache, mk(7), mk(7), pos0)
+  pos = jnp.asarray(np.stack([np.arange(7, 20), np.r_[np.arange(7, 16), -1, -1, -1, -1]]),
+                    jnp.int32)
+  k, v = mk(13), mk(13)
+  off = _update(cache, k, v, pos)
+  on = _update(cache.deferring(True), k, v, pos).deferring(False)
+  assert [int(x) for x in on.q_lens] == [16, 16]
+  for a, b in zip(jax.tree_util.tree_leaves(on), jax.tree_util.tree_leaves(off)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  k1, v1 = mk(1), mk(1)
+  pos1 = jnp.full((2, 1), 7, jnp.int32)                       # token 7 completes chunk 0
+  off1 = _update(cache, k1, v1, pos1)
+  on1 = _update(cache.deferring(True), k1, v1, pos1).deferring(False)
+  assert [int(x) for x in off1.q_lens] == [8, 8] and [int(x) for x in on1.q_lens] == [0, 0]
+  assert bool(on1.pending()) and not bool(off1.pending())
+  settled = jax.jit(lambda c: c.settle())(on1)
+  np.testing.assert_array_equal(np.asarray(settled.q_lens), np.asarray(off1.q_lens))
+  (sk, sv, sm), (ok, ov, om) = settled.materialize(), off1.materialize()
+  np.testing.assert_array_equal(np.asarray(sm), np.asarray(om))
+  m = np.asarray(sm)[..., None, None]                         # valid slots only
+  np.testing.assert_allclose(np.where(m, sk, 0), np.where(m, ok, 0), atol=1e-5)
+  np.testing.assert_allclose(np.where(m, sv, 0), np.where(m, ov, 0), atol=1e-5)
+
+
 def test_power_iteration_recovers_exact_low_rank():
   rng = np.random.default_rng(0)
   pi = jax.jit(power.power_iteration, static_argnums=2)
