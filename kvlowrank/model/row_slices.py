@@ -14,10 +14,10 @@ in and out. For XQuant-CL that is small beside the work of a row: a weight read 
 bytes at the HBM bandwidth (Llama-3-8B: ~16 GB of bf16, ~3.3 ms at the H200's 4.8 TB/s), while
 each row rematerialises K/V of all its slots from X̂ at every layer (latent path: about
 8·D·kv_dim FLOPs per token and layer, ~35 TFLOP per row and step at 32K, >= 35 ms even at the
-H200's ~990 TFLOP/s bf16 peak). Measured step times with and without passes: BENCHMARKS.md,
-whole-model decode (XQuant-CL-2). Rows never mix in a forward call, so the logits and caches are
-the whole batch's up to the floating-point order of the row-blocked products
-(`tests/test_row_slices.py`).
+H200's ~990 TFLOP/s bf16 peak). Measured step times with and without passes:
+results/decode_ablations.md, "BENCHMARKS.md notes" (XQuant-CL-2). Rows never mix in a forward
+call, so the logits and caches are the whole batch's up to the floating-point order of the
+row-blocked products (`tests/test_row_slices.py`).
 """
 
 from __future__ import annotations
