@@ -335,39 +335,53 @@ def test_padding_anywhere_in_a_row_equals_the_compacted_call():
                 np.asarray(_materialize(prefilled)[0])).max() > 0.1
 
 
-def test_deferring_covers_one_token_updates_only():
-  """`deferring(True)` (the model's decode step) changes one-token updates only: a
-  multi-token update (prefill 7 -> 20 tokens, crossing a chunk boundary, rows ragged via
-  padding; row 1 ends on a chunk boundary) compresses its whole chunks now, leaf for leaf as with deferring off.
-  Negative control: a one-token update that completes a chunk does differ (the chunk waits
-  in the window, q_len unchanged, until `settle`, which then gives the undeferred state)."""
+def test_deferred_multi_token_update_then_settle_equals_the_undeferred_update():
+  """With `deferring` on (a decode step; the eviction wrapper's hands its inner cache
+  W + 1 candidates), an update compresses only the chunks its window cannot hold: a chunk
+  the call completes waits, exact, and `settle` then compresses it as a streaming chunk, as
+  the undeferred update does. Rows past their prefill (q_len 8): row 0 ends on a chunk
+  boundary (24), row 1 inside a chunk (20, padded). Negative controls: before `settle` the
+  waiting chunk is exact (differs from the compressed one); a deferred one-token update that
+  completes a chunk leaves it pending too."""
   rng = np.random.default_rng(7)
   kh, h = SPEC.n_kv_heads, SPEC.head_dim
   mk = lambda t: jnp.asarray(rng.standard_normal((2, t, kh, h)).astype(np.float32) * 3)
   cache = GearCache.init(GSPEC, SPEC, batch=2, capacity=48, dtype=jnp.float32)
-  pos0 = jnp.broadcast_to(jnp.arange(7, dtype=jnp.int32), (2, 7))
-  cache = _update(cache, mk(7), mk(7), pos0)
-  pos = jnp.asarray(np.stack([np.arange(7, 20), np.r_[np.arange(7, 16), -1, -1, -1, -1]]),
+  pos0 = jnp.broadcast_to(jnp.arange(9, dtype=jnp.int32), (2, 9))
+  cache = _update(cache, mk(9), mk(9), pos0)
+  assert [int(x) for x in cache.q_lens] == [8, 8]
+  pos = jnp.asarray(np.stack([np.arange(9, 24), np.r_[np.arange(9, 20), [-1] * 4]]),
                     jnp.int32)
-  k, v = mk(13), mk(13)
+  k, v = mk(15), mk(15)
   off = _update(cache, k, v, pos)
   on = _update(cache.deferring(True), k, v, pos).deferring(False)
-  assert [int(x) for x in on.q_lens] == [16, 16]
-  for a, b in zip(jax.tree_util.tree_leaves(on), jax.tree_util.tree_leaves(off)):
-    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  assert [int(x) for x in off.q_lens] == [24, 16] and [int(x) for x in on.q_lens] == [16, 16]
+  assert bool(on.pending()) and not bool(off.pending())
+  settled = jax.jit(lambda c: c.settle())(on)
+  assert not bool(settled.pending())
+
+  def same(a, b, q_lens=True):
+    if q_lens:
+      np.testing.assert_array_equal(np.asarray(a.q_lens), np.asarray(b.q_lens))
+    (ak, av, am), (bk, bv, bm) = a.materialize(), b.materialize()
+    np.testing.assert_array_equal(np.asarray(am), np.asarray(bm))
+    m = np.asarray(am)[..., None, None]                       # valid slots only
+    np.testing.assert_allclose(np.where(m, ak, 0), np.where(m, bk, 0), atol=1e-5)
+    np.testing.assert_allclose(np.where(m, av, 0), np.where(m, bv, 0), atol=1e-5)
+
+  same(settled, off)
+  with pytest.raises(AssertionError, match="Not equal to tolerance"):
+    same(on, off, q_lens=False)                               # the waiting chunk is exact
   k1, v1 = mk(1), mk(1)
-  pos1 = jnp.full((2, 1), 7, jnp.int32)                       # token 7 completes chunk 0
-  off1 = _update(cache, k1, v1, pos1)
-  on1 = _update(cache.deferring(True), k1, v1, pos1).deferring(False)
-  assert [int(x) for x in off1.q_lens] == [8, 8] and [int(x) for x in on1.q_lens] == [0, 0]
-  assert bool(on1.pending()) and not bool(off1.pending())
-  settled = jax.jit(lambda c: c.settle())(on1)
-  np.testing.assert_array_equal(np.asarray(settled.q_lens), np.asarray(off1.q_lens))
-  (sk, sv, sm), (ok, ov, om) = settled.materialize(), off1.materialize()
-  np.testing.assert_array_equal(np.asarray(sm), np.asarray(om))
-  m = np.asarray(sm)[..., None, None]                         # valid slots only
-  np.testing.assert_allclose(np.where(m, sk, 0), np.where(m, ok, 0), atol=1e-5)
-  np.testing.assert_allclose(np.where(m, sv, 0), np.where(m, ov, 0), atol=1e-5)
+  c16 = _update(cache, mk(7), mk(7), pos[:, :7])              # 16 tokens, all compressed
+  pos_b = jnp.asarray(np.stack([np.arange(16, 23)] * 2), jnp.int32)
+  c23 = _update(c16, mk(7), mk(7), pos_b)                     # window: tokens 16..22
+  pos1 = jnp.full((2, 1), 23, jnp.int32)                      # token 23 completes the chunk
+  off1 = _update(c23, k1, v1, pos1)
+  on1 = _update(c23.deferring(True), k1, v1, pos1).deferring(False)
+  assert [int(x) for x in off1.q_lens] == [24, 24] and [int(x) for x in on1.q_lens] == [16, 16]
+  assert bool(on1.pending())
+  same(jax.jit(lambda c: c.settle())(on1), off1)
 
 
 def test_power_iteration_recovers_exact_low_rank():

@@ -224,20 +224,15 @@ class GearCache(base.KVCache):
     pos = jnp.where((inputs.positions >= 0) & (inputs.positions < cap), inputs.positions, -1)
     l0, q0 = self.lens, self.q_lens
     l1 = base.new_lengths(l0, pos)
-    slot = pos - q0[:, None]
-
-    def append(c):  # no row completes a chunk: each new token goes to its window slot
-      return dataclasses.replace(c, k_win=_scatter_rows(c.k_win, slot, pos >= 0, inputs.k),
-                                 v_win=_scatter_rows(c.v_win, slot, pos >= 0, inputs.v))
-
-    if self.defer and t == 1:
-      # The model's decode step (`deferring`): the window, settled at the step's start, has
-      # room for the token; a chunk it completes waits there, exact, for the next `settle`.
-      # Deferring covers one-token calls only: a multi-token call compresses its whole
-      # chunks now, deferring on or off (`test_gear_model`).
-      return dataclasses.replace(append(self), lens=l1)
-    q1 = (l1 // nb) * nb
+    # Deferring (a decode step): compress only what the window cannot hold; `settle` does
+    # the rest. T > 1 here too: the eviction wrapper's decode step hands its inner cache
+    # W + 1 candidates, at most one admitted (`methods.evict`; `test_gear`'s deferred test).
+    if self.defer:
+      q1 = jnp.maximum(q0, -(-(l1 - nb) // nb) * nb)
+    else:
+      q1 = (l1 // nb) * nb
     ec = -(-(nb + t) // nb) * nb       # E: positions [q0, q0 + ec)
+    slot = pos - q0[:, None]
 
     def window(win, new):
       e = jnp.zeros((b, ec) + win.shape[2:], win.dtype).at[:, :nb].set(win)
@@ -257,6 +252,14 @@ class GearCache(base.KVCache):
       idx = (q1 - q0)[:, None] + jnp.arange(nb)[None, :]
       return dataclasses.replace(c, k_win=_rows(ek, idx), v_win=_rows(ev, idx))
 
+    def append(c):  # no row completes a chunk: each new token goes to its window slot
+      return dataclasses.replace(c, k_win=_scatter_rows(c.k_win, slot, pos >= 0, inputs.k),
+                                 v_win=_scatter_rows(c.v_win, slot, pos >= 0, inputs.v))
+
+    if self.defer and t == 1:
+      # The model's decode step (`deferring`): the window, settled at the step's start, has
+      # room for the token; a chunk it completes waits there, exact, for the next `settle`.
+      return dataclasses.replace(append(self), lens=l1)
     # Most decode steps complete no chunk: they write one token in place, without E.
     new = jax.lax.cond(jnp.any(q1 > q0), compress, append, self)
     return dataclasses.replace(new, lens=l1, q_lens=q1)
