@@ -94,12 +94,11 @@ def _cache_call(cache: KVCache, inputs, q, lp, spec, length: int):
   the work the previous decode step deferred, then runs with deferring on
   (`cache.base.begin_decode_step` / `end_decode_step`: GEAR's chunk compression waits for the
   next decode call); longer calls run as they are."""
-  if length != 1:
-    out, _, cache, _ = cache.step(inputs, q, lp, None, spec=spec)
-    return out, cache
-  (cache,) = begin_decode_step((cache,))
+  decode = length == 1
+  if decode:
+    (cache,) = begin_decode_step((cache,))
   out, _, cache, _ = cache.step(inputs, q, lp, None, spec=spec)
-  return out, end_decode_step((cache,))[0]
+  return out, (end_decode_step((cache,))[0] if decode else cache)
 
 
 def _segmentwise_step(runs):
