@@ -83,3 +83,20 @@ def _free_compiled_executables():
   yield
   jax.clear_caches()
   gc.collect()
+
+
+def pytest_collection_modifyitems(config, items):
+  """The files that hold a `slow` test run first, then the rest by number of tests.
+
+  pyproject.toml's `--no-loadscope-reorder` makes xdist's loadfile scheduler hand out the
+  files in this order (its default order is by number of tests only). The slow files are
+  long single units (test_parallel.py: one 4-device subprocess of ~2 min; the notebook and
+  launcher subprocesses): started first, they overlap the many short files instead of
+  finishing alone at the end of the run, with one worker idle."""
+  if not hasattr(config, "workerinput"):   # xdist's workers collect; others keep file order
+    return
+  files: dict = {}
+  for item in items:
+    files.setdefault(item.nodeid.split("::")[0], []).append(item)
+  key = lambda f: (not any(i.get_closest_marker("slow") for i in files[f]), -len(files[f]))
+  items[:] = [i for f in sorted(files, key=key) for i in files[f]]
