@@ -28,6 +28,12 @@ from rotated_params import ragged_rotated_params  # noqa: E402
 
 SPEC = ModelSpec(vocab_size=64, dim=64, n_layers=2, n_heads=8, n_kv_heads=4, head_dim=16,
                  ffn_dim=48, qkv_bias=True, max_seq_len=64)
+# The per-layer quantizing caches (KIVI, Palu, XQuant, GEAR) run a 1-layer model (CI time:
+# each compiled program is about half as long). What a second layer adds (the per-layer
+# parameter and cache specs of a list of layers, the sharded hidden state handed from one
+# layer to the next) does not depend on the cache type and is compared on 2 layers by dense
+# (on all three meshes), XQuant-CL (whose carry crosses layers) and FDC.
+SPEC1 = SPEC.replace(n_layers=1)
 # FDC/ZACK: ragged widths need a head dim of several 16-wide tiles.
 RSPEC = SPEC.replace(head_dim=64)
 R_WIDTHS = (((16, 48, 32, 64), (64, 16, 32, 48)), ((64, 16, 16, 32), (32, 32, 16, 64)))
@@ -60,25 +66,27 @@ def rotated_params():
                                seed=3)
 
 
-def methods(params):
+def methods(params, params1):
+  """name -> (params, cache method, cache spec, model spec); params: SPEC's, params1: SPEC1's."""
   calib = np.random.default_rng(0).integers(0, SPEC.vocab_size, (8, 32))
-  stats = palu.calibrate(params, SPEC, calib)
+  stats = palu.calibrate(params1, SPEC1, calib)
   pspec = palu.PaluSpec(granularity="m", rank_search="uniform", rank_multiple=8,
                         target_ratio=0.5)
-  palu_params, _ = palu.compress(params, SPEC, pspec, stats)
+  palu_params, _ = palu.compress(params1, SPEC1, pspec, stats)
   return {
-      "dense": (params, "dense", DenseSpec()),
-      "kivi": (params, "kivi", KiviSpec(bits=2, group_size=8, residual=8)),
-      "palu": (palu_params, "palu", pspec),
-      "palu_4bit": (palu_params, "palu", pspec.replace(bits=4)),
-      "xquant_x": (params, "xquant", XQuantSpec(bits=4, group_size=16, path="x")),
-      "xquant_latent": (params, "xquant", XQuantSpec(bits=4, group_size=16, path="latent")),
+      "dense": (params, "dense", DenseSpec(), SPEC),
+      "kivi": (params1, "kivi", KiviSpec(bits=2, group_size=8, residual=8), SPEC1),
+      "palu": (palu_params, "palu", pspec, SPEC1),
+      "palu_4bit": (palu_params, "palu", pspec.replace(bits=4), SPEC1),
+      "xquant_x": (params1, "xquant", XQuantSpec(bits=4, group_size=16, path="x"), SPEC1),
+      "xquant_latent": (params1, "xquant", XQuantSpec(bits=4, group_size=16, path="latent"),
+                        SPEC1),
       "xquant_cl": (params, "xquant_cl", XQuantCLSpec(bits=4, group_size=16, base_layer=1,
-                                                      n_high_layers=1)),
+                                                      n_high_layers=1), SPEC),
       # GEAR (Q + S + L): the 10-token prompt compresses one 8-token chunk (outliers, the
       # prefill factor); the decode steps fill the window.
-      "gear": (params, "gear", GearSpec(bits=2, group_size=8, buffer=8, sparsity=20.0,
-                                        rank_prefill=4, rank_chunk=2)),
+      "gear": (params1, "gear", GearSpec(bits=2, group_size=8, buffer=8, sparsity=20.0,
+                                         rank_prefill=4, rank_chunk=2), SPEC1),
   }
 
 
@@ -121,21 +129,21 @@ def emit(**kw):
 
 def main():
   params = init_params(SPEC)
-  for name, (p, method, mspec) in methods(params).items():
-    ref = run(p, method, mspec)
+  for name, (p, method, mspec, spec) in methods(params, init_params(SPEC1)).items():
+    ref = run(p, method, mspec, spec=spec)
     prompts = [[int(t) for t in row[:7 + i]] for i, row in enumerate(inputs()[0])]
-    gen_ref = generate(p, SPEC, prompts, max_new_tokens=6, cache_method=method,
+    gen_ref = generate(p, spec, prompts, max_new_tokens=6, cache_method=method,
                        cache_spec=mspec, eos_ids=()).tokens
     for data, model in meshes(name):
       mesh = parallel.make_mesh(data, model)
-      got = run(p, method, mspec, mesh)
+      got = run(p, method, mspec, mesh, spec=spec)
       diff = max(float(np.max(np.abs(a - b))) for a, b in zip(ref, got))
       gen = None
       if (data, model) == GENERATE_MESH:
-        gen = generate(p, SPEC, prompts, max_new_tokens=6, cache_method=method,
+        gen = generate(p, spec, prompts, max_new_tokens=6, cache_method=method,
                        cache_spec=mspec, eos_ids=(), mesh=mesh).tokens == gen_ref
       emit(case="equal", method=name, mesh=[data, model], max_abs_diff=diff,
-           scale=float(np.max(np.abs(ref[0]))), tokens_equal=gen)
+           scale=float(np.max(np.abs(ref[0]))), tokens_equal=gen, layers=spec.n_layers)
   # FDC (ragged widths): the model balanced for each mesh's model axis (permuted heads,
   # zero-padded slots) against the unbalanced model on one device.
   rp = rotated_params()
@@ -155,7 +163,7 @@ def main():
     emit(case="equal", method="fdc", mesh=[data, model],
          max_abs_diff=max(float(np.max(np.abs(a - b))) for a, b in zip(ref, got)),
          scale=float(np.max(np.abs(ref[0]))), tokens_equal=gen,
-         padding=rotated.padding_fraction(rp, model))
+         padding=rotated.padding_fraction(rp, model), layers=RSPEC.n_layers)
   # Quantized K'/V': split over the data axis only.
   qsp = rotated.RotatedSpec(bits=4, group_size=16, residual=0)
   ref = run(rp, "fdc", qsp, spec=RSPEC)

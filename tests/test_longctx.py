@@ -67,6 +67,7 @@ def test_dense_smoke_hand_checked(tmp_path):
 
 
 @NEEDS_SHARED
+@pytest.mark.slow
 def test_launcher_smoke_end_to_end(tmp_path):
   work = tmp_path / "lc"
   r = _launch(tmp_path, f"--config={CONFIG}:smoke", f"--workdir={work}")

@@ -18,6 +18,7 @@ pytestmark = pytest.mark.skipif(shared_dir() is None, reason="../shared not avai
 REPO = Path(__file__).resolve().parents[1]
 
 
+@pytest.mark.slow
 def test_quickstart_notebook_executes(tmp_path, monkeypatch):
   nb = nbformat.read(REPO / "experiments" / "quickstart.ipynb", as_version=4)
   monkeypatch.setenv("KVLOWRANK_SMOKE", "1")

@@ -1,7 +1,8 @@
 """Tensor/data parallel decoding (`kvlowrank.parallel`) on 4 simulated CPU devices: every
 cache's sharded forward (prefill + decode steps) and greedy generation equal one device's,
 on meshes 1x4 and 2x2 (data x model; 4x1 too for dense, KIVI and FDC), plus a negative
-control and the one-line errors.
+control and the one-line errors. Dense, XQuant-CL and FDC run a 2-layer model, the other
+(per-layer) caches a 1-layer one.
 FDC ("fdc": ragged widths, head dim 64) runs balanced for each mesh's model axis
 (`kvlowrank.methods.rotated.balance`) against the unbalanced model on one device.
 
@@ -28,6 +29,7 @@ DATA_ONLY_METHODS = ("dense", "kivi")  # the caches also run on 4x1 (parallel_wo
 TOL = 1e-4
 QUANT_TOL = 5e-3
 QUANTIZED = ("kivi", "palu_4bit", "xquant_x", "xquant_latent", "xquant_cl", "gear")
+MULTI_LAYER = ("dense", "xquant_cl", "fdc")
 
 
 @pytest.fixture(scope="module")
@@ -46,6 +48,9 @@ def test_sharded_equals_one_device(cases, method):
   got = {tuple(c["mesh"]): c for c in cases if c["case"] == "equal" and c["method"] == method}
   want = MESHES if method in DATA_ONLY_METHODS + ("fdc",) else MESHES[:2]
   assert sorted(got) == sorted(map(tuple, want))
+  # The per-layer caches run 1 layer (parallel_worker.SPEC1); these compare 2 (the layer
+  # stack's specs and the hidden state handed between sharded layers).
+  assert {c["layers"] for c in got.values()} == {2 if method in MULTI_LAYER else 1}
   for mesh, c in got.items():
     tol = QUANT_TOL if method in QUANTIZED else TOL
     assert c["max_abs_diff"] <= tol * max(1.0, c["scale"]), (mesh, c)

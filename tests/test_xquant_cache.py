@@ -480,8 +480,9 @@ def test_chunked_xla_attend_equals_whole_cache(path, window, swa):
     return xquant.dot_product_attention(q, k, v, qpos, sp, sp < c.lengths[:, None],
                                         sliding_window=window, out_dtype=jnp.float32)
 
+  attend = jax.jit(lambda c, q, lp: c.chunked_attend(q, qpos, lp, spec))  # every layer
   for c, lp in zip(caches, params["layers"]):
-    out, lse = jax.jit(lambda c, q: c.chunked_attend(q, qpos, lp, spec))(c, q)
+    out, lse = attend(c, q, lp)
     want, wlse = whole(c, q, qpos, lp)
     np.testing.assert_allclose(np.asarray(out), np.asarray(want), atol=2e-6, rtol=0)
     np.testing.assert_allclose(np.asarray(lse)[0], np.asarray(wlse)[0], atol=2e-6)

@@ -209,6 +209,8 @@ def test_chunked_xla_step_equals_whole_cache(spec, path, window):
   qpos = jnp.asarray([[t], [-1]], jnp.int32)          # row 1: a padding query
   rng = np.random.default_rng(5)
   acc_whole = acc_chunk = None
+  # One jitted step for every layer (the layer's weights and inputs are arguments).
+  step = jax.jit(lambda c, inputs, q, lp, a: c.chunked_step(inputs, q, lp, a, spec))
   for layer in range(cspec.base_layer, spec.n_layers):
     c, lp = caches[layer], params["layers"][layer]
     x = jnp.asarray(rng.standard_normal((2, 1, spec.dim)), jnp.float32)
@@ -226,8 +228,7 @@ def test_chunked_xla_step_equals_whole_cache(spec, path, window):
       unwindowed, _ = dot_product_attention(q, k, v, qpos, sp, sp < want_c.lengths[:, None],
                                             out_dtype=jnp.float32)
       assert np.abs(np.asarray(unwindowed) - np.asarray(want)).max() > 1e-3
-    step = jax.jit(lambda c, a: c.chunked_step(inputs, q, lp, a, spec))
-    out, lse, got_c, acc_chunk = step(c, acc_chunk)
+    out, lse, got_c, acc_chunk = step(c, inputs, q, lp, acc_chunk)
     np.testing.assert_allclose(np.asarray(out), np.asarray(want), atol=2e-6, rtol=0)
     np.testing.assert_allclose(np.asarray(lse)[0], np.asarray(wlse)[0], atol=2e-6)
     assert np.all(np.asarray(out)[1] == 0)
