@@ -12,29 +12,28 @@ import os
 import shutil
 import tempfile
 
-# Most of this suite's time is XLA:CPU compiling small programs, and most of a compile is
-# LLVM's optimisation passes. Tests run with the backend's optimisations off: the same HLO
-# and the same runtime GEMM kernels, only the generated loops are less optimised (their
-# floating-point results may differ in the last bits, within every test's tolerance).
-# Measured 2026-11-26 on the 2-core box: the whole suite 10 min 44 s instead of 17 min 17 s.
-# Set before JAX starts; subprocesses (the parallel worker, launchers, the notebook) inherit
-# it. Not on a machine with an NVIDIA GPU, where the flag would also apply to the GPU
-# backend's generated kernels that the GPU tests exercise.
-if ("xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", "")
-    and not os.path.exists("/dev/nvidiactl")):
-  os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
-                             + " --xla_backend_optimization_level=0").strip()
-# XLA:CPU's fusion emitters (MLIR pipelines per fusion) take most of the remaining compile
-# time of these small programs; the older loop emitters generate the same fusions' loops
-# directly in LLVM IR (the same HLO after fusion, the same runtime GEMM/XNNPACK kernels).
-# Measured 2026-11-29 on the 2-core box, A/B back to back (-n 0): test_evict 105 s -> 57 s,
-# test_xquant_cache 62 s -> 37 s, test_api 112 s -> 113 s (its generation loops gain
-# nothing); the whole suite
-# passed with it (960 passed, 12 skipped). CPU only, as the flag above.
-if ("xla_cpu_use_fusion_emitters" not in os.environ.get("XLA_FLAGS", "")
-    and not os.path.exists("/dev/nvidiactl")):
-  os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
-                             + " --xla_cpu_use_fusion_emitters=false").strip()
+# CPU runs only: on a machine with an NVIDIA GPU the XLA flags below would also apply to the
+# GPU backend's generated kernels that the GPU tests exercise (the compilation cache below is
+# CPU only as well). Everything here is set before JAX starts; subprocesses (the parallel
+# worker, launchers, the notebook) inherit it.
+_CPU_ONLY = not os.path.exists("/dev/nvidiactl")
+
+# Most of this suite's time is XLA:CPU compiling small programs.
+# * --xla_backend_optimization_level=0: most of a compile was LLVM's optimisation passes.
+#   The same HLO and the same runtime GEMM kernels; only the generated loops are less
+#   optimised (their floating-point results may differ in the last bits, within every
+#   test's tolerance). Measured 2026-11-26 on the 2-core box: the whole suite 10 min 44 s
+#   instead of 17 min 17 s.
+# * --xla_cpu_use_fusion_emitters=false: XLA:CPU's fusion emitters (MLIR pipelines per
+#   fusion) then took most of the remaining compile time; the older loop emitters generate
+#   the same fusions' loops directly in LLVM IR (the same HLO after fusion, the same runtime
+#   GEMM/XNNPACK kernels). Measured 2026-11-29 on the 2-core box, A/B back to back (-n 0):
+#   test_evict 105 s -> 57 s, test_xquant_cache 62 s -> 37 s, test_api 112 s -> 113 s (its
+#   generation loops gain nothing); the whole suite passed with it (960 passed, 12 skipped).
+# A flag the user already set in XLA_FLAGS is left as given.
+for _flag in ("--xla_backend_optimization_level=0", "--xla_cpu_use_fusion_emitters=false"):
+  if _CPU_ONLY and _flag.split("=")[0] not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + _flag).strip()
 
 # Many test modules compile the same programs (a method's generation loop on stories260K,
 # SmolLM2's forward, ...), and the fixture below clears JAX's in-memory caches after each
@@ -45,10 +44,9 @@ if ("xla_cpu_use_fusion_emitters" not in os.environ.get("XLA_FLAGS", "")
 # (within run-to-run variance). The
 # folder is one per pytest run: the process that imports this first (xdist's controller)
 # names it, its workers and their subprocesses inherit the variable, and it removes the
-# folder when the run ends. A cache folder set by the user is left alone. CPU only, as the
-# flag above.
+# folder when the run ends. A cache folder set by the user is left alone. CPU only.
 _CACHE_DIR = None
-if "JAX_COMPILATION_CACHE_DIR" not in os.environ and not os.path.exists("/dev/nvidiactl"):
+if _CPU_ONLY and "JAX_COMPILATION_CACHE_DIR" not in os.environ:
   _CACHE_DIR = os.path.join(tempfile.gettempdir(), f"kvlowrank-jax-cache-{os.getpid()}")
   os.environ["JAX_COMPILATION_CACHE_DIR"] = _CACHE_DIR
   os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.3")
