@@ -2,7 +2,7 @@
 
 The backbone is a KIVI planar store of random data (`kivi.shapes.make_inputs`); the residual
 operands are random with the contract's shapes, dtypes and zero patterns (a's columns beyond
-a segment's rank are 0, a few outlier slots unused with value 0).
+a segment's rank are 0, a few outlier slots of value 0, slots distinct per vector).
 """
 
 from __future__ import annotations
@@ -100,11 +100,14 @@ def residual_operands(shape: GearShape, key, n_pchunks, variant="gear"):
     nk, nv = shape.key_slots, shape.value_slots
     kval = 3.0 * jax.random.normal(ks[6], (b, kh, c, nk, h))
     kval = jnp.where(jax.random.uniform(ks[9], kval.shape) < 0.1, 0.0, kval)  # unused slots
-    sparse_k = GearSparseKeys(
-        idx=jax.random.randint(ks[7], (b, kh, c, nk, h), 0, nb).astype(jnp.uint8),
-        val=kval.astype(f16))
+    # Distinct slots per vector, as GEAR selects them (the contract): NK tokens of a key
+    # channel's chunk, NV channels of a value token.
+    tok = jnp.argsort(jax.random.uniform(ks[7], (b, kh, c, h, nb)), axis=-1)[..., :nk]
+    sparse_k = GearSparseKeys(idx=jnp.swapaxes(tok, -1, -2).astype(jnp.uint8),
+                              val=kval.astype(f16))
+    ch = jnp.argsort(jax.random.uniform(ks[8], (b, kh, s, h)), axis=-1)[..., :nv]
     sparse_v = GearSparseValues(
-        idx=jax.random.randint(ks[8], (b, kh, s, nv), 0, h).astype(jnp.uint8),
+        idx=ch.astype(jnp.uint8),
         val=(3.0 * jax.random.normal(ks[9], (b, kh, s, nv))).astype(f16))
   return lowrank, sparse_k, sparse_v
 

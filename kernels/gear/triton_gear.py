@@ -3,7 +3,7 @@ with its GEAR flags on.
 
 `triton_kivi._quant_part` adds, per loop step of one chunk, the low-rank terms in factored
 form (scores^T += a_k @ (B^T q^T), acc += B_v @ (a_v^T p^T), ranks padded to one MMA dim of
-16) and the outliers inside the dequantized plane tiles (one-hot compares); see its docstring.
+16) and the outliers, per plane, as a second A operand (selects); see its docstring.
 With the flags off the same source compiles to the KIVI kernel's code. Absent groups get
 1-element dummy pointers (never read). qk_ptr (HAS_LR): q already in the key MMA dtype, read
 for the key planes instead of q_ptr (see `triton_kivi._quant_part`: with an in-kernel

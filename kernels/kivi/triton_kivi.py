@@ -109,28 +109,33 @@ def _window_part(q, qk_scale, kw_ptr, vw_ptr, wlen_ptr, W, b64, kh, o_ptr, lse_p
 
 
 @triton.jit
-def _add_key_outliers(k_j, idx_base, val_base, ch, tloc, tile_ok, H: tl.constexpr,
-                      NK: tl.constexpr, DT: tl.constexpr, FAST: tl.constexpr):
-  """GEAR: k_j [T, CW] + the chunk's key outliers of channels ch [CW] (slot o of channel c:
-  token index idx_base[o * H + c] in the chunk, value val_base[o * H + c]) at the tokens whose
-  slots in the chunk are tloc [T]: a one-hot compare per slot, summed in fp32, one rounding."""
-  x = k_j.to(tl.float32)
+def _key_outlier_tile(idx_base, val_base, ch, tloc, tile_ok, H: tl.constexpr, NK: tl.constexpr,
+                      DT: tl.constexpr):
+  """GEAR: the chunk's key outliers of channels ch [CW] at the tokens whose slots in the chunk
+  are tloc [T], as a [T, CW] MMA operand in DT (slot o of channel c: token idx_base[o * H + c],
+  value val_base[o * H + c]). A channel's slots are distinct tokens (`gear.operands`), so at
+  most one slot matches an element: one compare and one 16-bit select per element and slot,
+  and the tensor cores add the tile's product to the scores."""
+  T: tl.constexpr = tloc.shape[0]
+  CW: tl.constexpr = ch.shape[0]
+  s = tl.zeros([T, CW], DT)
   for o in tl.static_range(NK):
     idx = tl.load(idx_base + o * H + ch, mask=tile_ok, other=0).to(tl.int32)
-    val = tl.load(val_base + o * H + ch, mask=tile_ok, other=0.0).to(tl.float32)
-    x = x + tl.where(tloc[:, None] == idx[None, :], val[None, :], 0.0)
-  return _to_dt(x, DT, FAST)
+    val = tl.load(val_base + o * H + ch, mask=tile_ok, other=0.0).to(DT)
+    s = tl.where(tloc[:, None] == idx[None, :], val[None, :], s)
+  return s
 
 
 @triton.jit
-def _add_value_outliers(v_j, svi, svv, ch, NV: tl.constexpr, DT: tl.constexpr,
-                        FAST: tl.constexpr):
-  """GEAR: v_j [CW, T] (channels ch [CW] x tokens) + the tokens' value outliers (slot o:
-  channel svi[o] [T], value svv[o] [T]): a one-hot compare per slot, fp32, one rounding."""
-  x = v_j.to(tl.float32)
-  for o in tl.static_range(NV):
-    x = x + tl.where(ch[:, None] == svi[o][None, :], svv[o][None, :], 0.0)
-  return _to_dt(x, DT, FAST)
+def _value_outlier_tile(svi, svv, ch, DT: tl.constexpr):
+  """GEAR: the tokens' value outliers (slot o: channel svi[o] [T], value svv[o] [T], distinct
+  channels per token) at channels ch [CW], as a [CW, T] MMA operand in DT (selects only)."""
+  T: tl.constexpr = svi[0].shape[0]
+  CW: tl.constexpr = ch.shape[0]
+  s = tl.zeros([CW, T], DT)
+  for o in tl.static_range(len(svi)):
+    s = tl.where(ch[:, None] == svi[o][None, :], svv[o][None, :], s)
+  return s
 
 
 @triton.jit
@@ -142,7 +147,7 @@ def _key_scores(q_t, kc_base, ks_base, kz_base, t0, tile_ok, offs, t_ok, sk, tlo
 
   tile_ok: t0 < end (a sub-tile past the end must not read its group's scales).
   HAS_SK (GEAR): sk = (index, value) bases of the chunk's key outliers, tloc [T] the tokens'
-  slots in the chunk; each plane tile gets its outliers added before its dot.
+  slots in the chunk; each plane's outliers are a second A operand (`_key_outlier_tile`).
   """
   PPB: tl.constexpr = 8 // BITS
   NSEG: tl.constexpr = H // (PPB * CW)
@@ -162,9 +167,10 @@ def _key_scores(q_t, kc_base, ks_base, kz_base, t0, tile_ok, offs, t_ok, sk, tlo
         s = tl.load(ks_base + sp, mask=t_ok[:, None], other=0.0)
         z = tl.load(kz_base + sp, mask=t_ok[:, None], other=0.0)
       k_j = _dequant(kb, s, z, j - seg * PPB, BITS, DT, False, 0, FAST)
-      if HAS_SK:
-        k_j = _add_key_outliers(k_j, sk[0], sk[1], j * CW + cw, tloc, tile_ok, H, NK, DT, FAST)
       sc_t = tl.dot(k_j, q_t[j], sc_t)
+      if HAS_SK:
+        sc_t = tl.dot(_key_outlier_tile(sk[0], sk[1], j * CW + cw, tloc, tile_ok, H, NK, DT),
+                      q_t[j], sc_t)
   return sc_t
 
 
@@ -175,8 +181,8 @@ def _value_update(accs, p, vc_base, vs_base, vz_base, t0, end, sv, H: tl.constex
                   NV: tl.constexpr):
   """accs[j] [CW, QP] += V_j^T @ p^T for every value plane j (tokens t0 + [0, T), < end).
 
-  HAS_SV (GEAR): sv = (index, value) bases of the head's per-token value outliers, added to
-  each plane tile before its dot.
+  HAS_SV (GEAR): sv = (index, value) bases of the head's per-token value outliers, each
+  plane's a second A operand (`_value_outlier_tile`).
   """
   PPB: tl.constexpr = 8 // BITS
   NSEG: tl.constexpr = H // (PPB * CW)
@@ -206,7 +212,7 @@ def _value_update(accs, p, vc_base, vs_base, vz_base, t0, end, sv, H: tl.constex
     svv = ()
     for o in tl.static_range(NV):
       svi = svi + (tl.load(sv[0] + toks * NV + o, mask=toks < end, other=0).to(tl.int32),)
-      svv = svv + (tl.load(sv[1] + toks * NV + o, mask=toks < end, other=0.0).to(tl.float32),)
+      svv = svv + (tl.load(sv[1] + toks * NV + o, mask=toks < end, other=0.0).to(DT),)
   p_t = _to_dt(p, DT, FAST)
   # Token-blocked codes (`planar`): byte r of token t at (t // VB) * VB * ROW + r * VB + t % VB;
   # the tile [t0, t0 + T) lies in one block (T divides VB).
@@ -220,9 +226,10 @@ def _value_update(accs, p, vc_base, vs_base, vz_base, t0, end, sv, H: tl.constex
       # plane j lies in channel group (j * CW) // GV: word // 2, half % 2 of that word.
       v_j = _dequant(vb, sw[(j * CW) // GV // 2][None, :], zw[(j * CW) // GV // 2][None, :],
                      j - seg * PPB, BITS, DT, WORDS, (j * CW) // GV % 2, FAST)
+      acc = tl.dot(v_j, p_t, accs[j])
       if HAS_SV:
-        v_j = _add_value_outliers(v_j, svi, svv, j * CW + cw, NV, DT, FAST)
-      accs = accs[:j] + (tl.dot(v_j, p_t, accs[j]),) + accs[j + 1:]
+        acc = tl.dot(_value_outlier_tile(svi, svv, j * CW + cw, DT), p_t, acc)
+      accs = accs[:j] + (acc,) + accs[j + 1:]
   return accs
 
 
@@ -247,7 +254,10 @@ def _quant_part(q_ptr, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, qlen_ptr,
       then for a streaming chunk acc_j += b_v[c]_j [CW, 16] @ pa at once (the step's p share
       its running max), for a prefill chunk pa joins pa_p (rescaled like the accumulators),
       applied once at the end: acc_j += bp_v_j @ pa_p;
-    HAS_SK / HAS_SV: outliers added to the dequantized plane tiles (one-hot compares).
+    HAS_SK / HAS_SV: per plane, the outliers as a second [T, CW] / [CW, T] A operand built by
+      one compare and one 16-bit select per element and slot (a slot's tokens / channels are
+      distinct), multiplied by the tensor cores. Until 2026-11-29 they were added into the
+      dequantized tile in fp32 (compare, select, add per slot, and a fp32 round trip).
   """
   HAS_LR: tl.constexpr = GEAR[0]
   HAS_SK: tl.constexpr = GEAR[1]
