@@ -249,6 +249,36 @@ def test_matches_reference_around_buffer_boundary(gs):
   assert gs.variant == ("gear_l" if gs.sparsity == 0 else "gear" if lowrank else "outlier")
   assert (cache.sk_idx is None) == (gs.sparsity == 0)
   assert (cache.a_k is None) == (gs.rank_prefill == gs.rank_chunk == 0)
+  if cache.sk_idx is not None:
+    assert_distinct_slots(cache)
+
+
+def distinct_or_unwritten(idx, val, axis):
+  """[...] bool per vector: its slots' indices along `axis` are pairwise distinct, or every
+  slot's value is 0 (a vector not written yet)."""
+  idx, val = np.moveaxis(np.asarray(idx), axis, -1), np.moveaxis(np.asarray(val), axis, -1)
+  srt = np.sort(idx, axis=-1)
+  distinct = np.all(srt[..., 1:] != srt[..., :-1], axis=-1)
+  return distinct | np.all(val == 0, axis=-1)
+
+
+def assert_distinct_slots(cache):
+  """The kernels' contract (`kvlowrank_kernels.gear.operands`): a key channel's slots are
+  distinct tokens of its chunk, a value token's slots distinct channels; the Triton kernel
+  selects where slots meet, so a repeated index would drop an outlier."""
+  assert distinct_or_unwritten(cache.sk_idx, cache.sk_val, -2).all()
+  assert distinct_or_unwritten(cache.sv_idx, cache.sv_val, -1).all()
+
+
+def test_distinct_slots_check_catches_a_repeated_index():
+  """Negative control of assert_distinct_slots: one written value token's two slots made
+  equal fails it."""
+  cache, _ = run_stream(GSPEC, (7, 8, 9), 2, seed=1)
+  assert_distinct_slots(cache)
+  t = int(np.argmax(np.any(np.asarray(cache.sv_val[0, 0]) != 0, axis=-1)))
+  bad = dataclasses.replace(cache, sv_idx=cache.sv_idx.at[0, 0, t, 1].set(cache.sv_idx[0, 0, t, 0]))
+  with pytest.raises(AssertionError):
+    assert_distinct_slots(bad)
 
 
 def test_kcvt_4bit_and_long_prefill_match_reference():
@@ -625,13 +655,15 @@ def test_configs_build_every_sweep_point():
 
 def test_bench_random_fill_gives_valid_indices():
   """bench_decode's random fill (GEAR-2 at n_b = 64, H = 128): outlier indices inside the
-  chunk / head, the lengths and n_pchunks = the context (every compressed token on the
+  chunk / head and distinct per vector, the lengths and n_pchunks = the context (every compressed token on the
   prefill factor, as after a prefill), and a finite decode step."""
   from kvlowrank.bench.decode import METHODS, fill_caches
   spec = SPEC.replace(head_dim=128, n_layers=1)
   caches = init_caches("gear", METHODS["gear2"].spec, spec, None, batch=1, capacity=128)
   (c,) = fill_caches(caches, jax.random.key(0), 100)
   assert int(np.asarray(c.sk_idx).max()) < 64 and int(np.asarray(c.sv_idx).max()) < 64
+  assert distinct_or_unwritten(c.sk_idx, np.ones(c.sk_idx.shape), -2).all()
+  assert distinct_or_unwritten(c.sv_idx, np.ones(c.sv_idx.shape), -1).all()
   assert int(c.lens[0]) == 100 and int(c.n_pchunks[0]) == 100
   q = jnp.ones((1, 1, spec.n_heads, 128), jnp.bfloat16)
   out, lse = jax.jit(lambda c, q, p: c.attend(q, p, {}, spec=spec))(

@@ -245,7 +245,7 @@ def _leaf_kind(name: str, dtype) -> str:
   if dtype == jnp.int32:
     return "length"
   if name.endswith("_idx"):
-    return "index"
+    return "key_index" if name.endswith("sk_idx") else "index"
   if jnp.issubdtype(dtype, jnp.unsignedinteger):
     return "bits"
   if "scale" in name or name.endswith(("ks", "vs")):
@@ -260,9 +260,16 @@ def _filler(kind: str, shape: tuple, dtype, sharding):
   def make(k, length):
     if kind == "length":
       return jnp.full(shape, length, jnp.int32)
-    if kind == "index":
-      # GEAR outlier indices: a token within an n_b = 64 chunk or a channel (< H).
-      return jax.random.bits(k, shape, dtype) % jnp.asarray(64, dtype)
+    if kind in ("index", "key_index"):
+      # GEAR outlier indices: a token within an n_b = 64 chunk (keys: slots on axis -2) or a
+      # channel (< H; values: slots on axis -1), distinct per vector as the cache's selection
+      # makes them (the kernels select, not add, where slots meet: `gear.operands`): a random
+      # start per vector, then consecutive.
+      axis = -2 if kind == "key_index" else -1
+      start_shape = shape[:axis] + (1,) + (shape[axis + 1:] if axis == -2 else ())
+      start = jax.random.bits(k, start_shape, dtype) % jnp.asarray(64, dtype)
+      slot = jax.lax.broadcasted_iota(dtype, shape, len(shape) + axis)
+      return (start + slot) % jnp.asarray(64, dtype)
     if kind == "bits":
       return jax.random.bits(k, shape, dtype)
     if kind == "scale":

@@ -24,7 +24,9 @@ Storage (per layer; the arrays GEAR's decode kernel reads, `kvlowrank_kernels.ge
     (sum_t p_t a[t]) B^T to the output; L is never formed as [S, H] (`attend`);
   * sparse outliers (fp16 values + uint8 indices, `outliers.py`): keys per channel per
     chunk sk_idx/sk_val [B, K, C, NK, H] (token within the chunk), values per token
-    sv_idx/sv_val [B, K, S, NV] (channel); unused slots hold value 0.
+    sv_idx/sv_val [B, K, S, NV] (channel); a written vector's slots are distinct (the
+    top / bottom selections are disjoint), which the Triton kernel relies on (it selects
+    where slots meet: `kvlowrank_kernels.gear.operands`); unwritten slots hold value 0.
   GEAR-L has no sparse arrays (None), outlier-only no low-rank arrays (None).
 
 Algorithm (per update; one traced path for prefill and decode, ragged rows as KIVI's):
