@@ -84,7 +84,8 @@ METHODS = {
     "kivi4": ("kivi", KiviSpec(bits=4, residual=32), ("triton",)),
     "palu50": ("palu", PaluSpec(), ("mosaic",)),
     "fdc50": ("fdc", RotatedSpec(), ("triton",)),
-    "gearl2": ("gear", GearSpec(sparsity=0.0), ("triton",)),
+    # GEAR-L's default backbone is the warp layout: the Mosaic GEAR-L kernel on Hopper.
+    "gearl2": ("gear", GearSpec(sparsity=0.0), ("mosaic",)),
 }
 
 
