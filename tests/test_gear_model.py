@@ -103,7 +103,7 @@ def test_decode_step_defers_the_chunk_compression_to_one_conditional(monkeypatch
   from kvlowrank.methods import GearCache  # pylint: disable=import-outside-toplevel
   from kvlowrank.model.params import init_params  # pylint: disable=import-outside-toplevel
   from kvlowrank.spec import ModelSpec  # pylint: disable=import-outside-toplevel
-  spec = ModelSpec(vocab_size=64, dim=32, n_layers=3, n_heads=4, n_kv_heads=2,
+  spec = ModelSpec(vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2,
                    head_dim=16, ffn_dim=48, max_seq_len=64)
   params = init_params(spec, jax.random.PRNGKey(0), scale=0.3)
   gs = GearSpec(bits=2, group_size=4, buffer=8, sparsity=20.0, rank_prefill=4,

@@ -2,6 +2,8 @@
 a tiny synthetic GGUF (F32/F16/BF16/Q8_0/Q4_0/Q4_1 tensors, untied output, llama-bpe
 pre-tokenizer) vs HF; dequantizers vs hand-built blocks and gguf.quants; errors."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -39,14 +41,37 @@ def _logits(params, spec, ids):
 # --------------------------------------------------------------------- SmolLM2 (real)
 
 
+def _gguf_parsed_once(mp):
+  """transformers' GGUF loading (the reference) parses the file's metadata once for the
+  config, once for the weights and once for the tokenizer (a Python loop over SmolLM2's
+  49152 vocabulary strings: ~8 s each on the 2-core CI box), and rebuilds gguf's tensor-name
+  map for each of the model's ~400 modules (~9 s in all). Both are pure functions of their
+  arguments: here one reader per file and one map per (arch, layers) serve every call; the
+  reference is still transformers' own loading of the file."""
+  readers = {}
+  reader = gguf.GGUFReader
+
+  def one_reader(path, *args, **kwargs):
+    key = (str(path), args, tuple(sorted(kwargs.items())))
+    if key not in readers:
+      readers[key] = reader(path, *args, **kwargs)
+    return readers[key]
+
+  mp.setattr(gguf, "GGUFReader", one_reader)
+  mp.setattr(gguf, "get_tensor_name_map", functools.lru_cache(maxsize=None)(
+      gguf.get_tensor_name_map))
+
+
 @pytest.fixture(scope="module")
 def smollm2():
   """(ours, HF model, HF tokenizer), each loaded once for the module."""
   p = _smollm2_path()
   ours = load_model("smollm2")
-  hf = transformers.AutoModelForCausalLM.from_pretrained(str(p.parent), gguf_file=p.name,
-                                                         dtype=torch.float32).eval()
-  hf_tok = transformers.AutoTokenizer.from_pretrained(str(p.parent), gguf_file=p.name)
+  with pytest.MonkeyPatch.context() as mp:
+    _gguf_parsed_once(mp)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(p.parent), gguf_file=p.name,
+                                                           dtype=torch.float32).eval()
+    hf_tok = transformers.AutoTokenizer.from_pretrained(str(p.parent), gguf_file=p.name)
   return ours, hf, hf_tok
 
 

@@ -2,7 +2,7 @@
 cache's sharded forward (prefill + decode steps) and greedy generation equal one device's,
 on meshes 1x4 and 2x2 (data x model; 4x1 too for dense, KIVI and FDC), plus a negative
 control and the one-line errors. Dense, XQuant-CL and FDC run a 2-layer model, the other
-(per-layer) caches a 1-layer one.
+(per-layer) caches and FDC's quantized data-parallel case a 1-layer one.
 FDC ("fdc": ragged widths, head dim 64) runs balanced for each mesh's model axis
 (`kvlowrank.methods.rotated.balance`) against the unbalanced model on one device.
 
