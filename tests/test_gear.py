@@ -276,7 +276,8 @@ def test_distinct_slots_check_catches_a_repeated_index():
   cache, _ = run_stream(GSPEC, (7, 8, 9), 2, seed=1)
   assert_distinct_slots(cache)
   t = int(np.argmax(np.any(np.asarray(cache.sv_val[0, 0]) != 0, axis=-1)))
-  bad = dataclasses.replace(cache, sv_idx=cache.sv_idx.at[0, 0, t, 1].set(cache.sv_idx[0, 0, t, 0]))
+  bad = dataclasses.replace(cache,
+                            sv_idx=cache.sv_idx.at[0, 0, t, 1].set(cache.sv_idx[0, 0, t, 0]))
   with pytest.raises(AssertionError):
     assert_distinct_slots(bad)
 
@@ -655,8 +656,8 @@ def test_configs_build_every_sweep_point():
 
 def test_bench_random_fill_gives_valid_indices():
   """bench_decode's random fill (GEAR-2 at n_b = 64, H = 128): outlier indices inside the
-  chunk / head and distinct per vector, the lengths and n_pchunks = the context (every compressed token on the
-  prefill factor, as after a prefill), and a finite decode step."""
+  chunk / head and distinct per vector, the lengths and n_pchunks = the context (every
+  compressed token on the prefill factor, as after a prefill), and a finite decode step."""
   from kvlowrank.bench.decode import METHODS, fill_caches
   spec = SPEC.replace(head_dim=128, n_layers=1)
   caches = init_caches("gear", METHODS["gear2"].spec, spec, None, batch=1, capacity=128)

@@ -14,8 +14,8 @@ GEAR (Kang et al. 2024) stores K~ = D^ + S + L per layer: D^ the KIVI planar cod
   GearSparseValues value outliers per token: `idx` uint8 [B, K, S, NV] (channel), `val`
                    float16 [B, K, S, NV]; value t gets + val[t, j] at channel idx[t, j].
 A vector's slots are distinct (a key channel's tokens in its chunk, a value token's channels:
-the kernel selects, it does not add, where slots meet); a slot of value 0 adds nothing. GEAR = all three, GEAR-L = low rank only,
-outlier-only = the sparse groups only.
+the kernel selects, it does not add, where slots meet); a slot of value 0 adds nothing.
+GEAR = all three, GEAR-L = low rank only, outlier-only = the sparse groups only.
 """
 
 from __future__ import annotations

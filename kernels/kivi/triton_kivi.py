@@ -49,9 +49,9 @@ kv head rounded up to a power of 2 (>= min_rows), CW = plane width (`planar`):
 Key groups that are not powers of 2 >= 16 fall back to gathering the key scale
 pair per (token, channel), which is correct but slow.
 GEAR (`kvlowrank_kernels.gear.triton_gear`) runs this same source with constexpr flags on
-(`_quant_part`: factored low-rank terms, outliers in the dequantized tiles); with them off
-(the KIVI entries below) the code compiles to the same PTX as without them. The launch plan and its checks
-(2/4-bit codes only) live in `triton_plan` (importable without Triton), re-exported here.
+(`_quant_part`: factored low-rank terms, each plane's outliers a second MMA operand); with
+them off (the KIVI entries below) the code compiles to the same PTX as without them. The
+launch plan and its checks (2/4-bit codes only) live in `triton_plan` (importable without Triton), re-exported here.
 """
 
 from __future__ import annotations

@@ -265,10 +265,10 @@ def _filler(kind: str, shape: tuple, dtype, sharding):
       # channel (< H; values: slots on axis -1), distinct per vector as the cache's selection
       # makes them (the kernels select, not add, where slots meet: `gear.operands`): a random
       # start per vector, then consecutive.
-      axis = -2 if kind == "key_index" else -1
-      start_shape = shape[:axis] + (1,) + (shape[axis + 1:] if axis == -2 else ())
-      start = jax.random.bits(k, start_shape, dtype) % jnp.asarray(64, dtype)
-      slot = jax.lax.broadcasted_iota(dtype, shape, len(shape) + axis)
+      axis = len(shape) - (2 if kind == "key_index" else 1)
+      start = jax.random.bits(k, shape[:axis] + (1,) + shape[axis + 1:], dtype) % jnp.asarray(
+          64, dtype)
+      slot = jax.lax.broadcasted_iota(dtype, shape, axis)
       return (start + slot) % jnp.asarray(64, dtype)
     if kind == "bits":
       return jax.random.bits(k, shape, dtype)
