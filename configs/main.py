@@ -13,7 +13,7 @@ WikiText-2 test subset: the first 4 windows of 512 tokens (GPTQ windows, scored 
 batch of 4). Decode mode prefills 256 tokens (in chunks of 128) and decodes the last
 256 one by one. Generation drift against the bf16 dense model (kvlowrank.eval.drift:
 greedy match and KL columns): 2 prompts (the first 256 tokens of windows 0 and 1) x 64
-greedy tokens. About 21-24 min on an otherwise idle 2-core CPU (README); writes
+greedy tokens. About 21-32 min on an otherwise idle 2-core CPU (README); writes
 results.jsonl, report.md and pareto.png into the workdir and prints where they went.
 
 Args after `:`: model, seq_len, windows, prompt_len, smoke (stories260K, < 2 min).
