@@ -37,6 +37,12 @@ def test_skips_and_errors():
   assert res["records"] == [] and res["skipped"][0]["why"] == "time budget"
   assert not decode.fits(1e9, 32768, 8, 10 << 30, 80 << 30)       # 256 TB of cache
   assert decode.fits(1e3, 32768, 8, 10 << 30, 80 << 30)
+  # The protocol's Llama-2 batch: dense's largest at 32K, 7 rows, allocated and run on an
+  # H200 (decode_l2_dense_maxbatch_h200_2026-11-30.json: bf16 K and V, 32 layers x 32 heads
+  # x 128, the run's weight bytes and allocator limit), is a configuration that runs; 8 is not.
+  per_token, weights, limit = 32 * 32 * 128 * 2 * 2, 13476831232, 141104775168
+  assert decode.fits(per_token, 32768, 7, weights, limit)
+  assert not decode.fits(per_token, 32768, 8, weights, limit)
   with pytest.raises(ValueError, match="unknown methods"):
     decode.run(TINY, methods=["kivi9"], configs=[(128, 1)])
   with pytest.raises(ValueError, match="model must be one of"):
