@@ -583,11 +583,10 @@ def bytes_per_token(spec: ModelSpec, params, method: BenchMethod, probe: int = 2
 def fits(per_token: float, context: int, batch: int, weight_bytes: int,
          limit: Optional[int], margin: int = 4 << 30) -> bool:
   """Whether the caches (allocated size, no temporaries) plausibly fit next to the
-  weights, `margin` left for the step's temporaries and the allocator. 4 GiB lets the
-  protocol's batch run where dense's largest batch is the protocol's: dense Llama-2-7B at
-  32K x 7 (112.9 GiB of cache, 12.6 GiB of weights) allocates, fills and runs on an H200
-  (`--check_max_batch`), which 8 GiB skipped; a configuration that still runs out of memory
-  is recorded and the run goes on (`run`)."""
+  weights, `margin` left for the step's temporaries and the allocator. 4 GiB, not more: the
+  targets' batch where it is dense's largest (dense Llama-2-7B at 32K, whose allocation
+  check passes on an H200: `results/decode_ablations.md`) must not be skipped here; a
+  configuration that still runs out of memory is recorded and the run goes on (`run`)."""
   return limit is None or weight_bytes + per_token * context * batch + margin <= limit
 
 
