@@ -39,19 +39,16 @@ MODELS = {"llama3-8b": dict(n_heads=32, n_kv_heads=8, head_dim=128),
           "llama2-7b": dict(n_heads=32, n_kv_heads=32, head_dim=128)}
 HBM_TBPS = 4.8
 DENSE_OPTS = dict(block_s=64, num_warps=4, num_stages=4, target_programs=528)
-# Measured winners (H200, 16K, batch 8; results/rotated_kernel.md, run 3 of 2026-11-25); the
-# library default (target_chunks=792) is the compromise between them (`triton_plan`; the
-# sweep's rows: experiments/results/bench_rotated_2026-11-25_run3.json).
-DEFAULT_OPTIONS = {
-    "llama3-8b": dict(schedule="rows", group_width=256, block_s=64, num_warps=4, num_stages=2,
-                      target_chunks=396),
-    "llama2-7b": dict(schedule="rows", group_width=256, block_s=64, num_warps=4, num_stages=2,
-                      target_chunks=1056)}
+# The library's defaults (`ragged_attention_triton`; chunking: `triton_plan.plan`), what the
+# model runs. The hand-picked chunk totals of 2026-11-25 (396 at Llama-3, 1056 at Llama-2, the
+# 16K x 8 winners of results/rotated_kernel.md's run 3) are --options or --sweep candidates.
+_LIB = dict(schedule="rows", group_width=256, block_s=64, num_warps=4, num_stages=2)
+DEFAULT_OPTIONS = {"llama3-8b": _LIB, "llama2-7b": _LIB}
 # Candidates of --sweep (first: the library default). 75 KB of shared memory per program at
 # 256-column tiles with block_s 64 / 2 stages or block_s 32 / 3 stages: 3 programs per SM.
-_BASE = dict(schedule="rows", group_width=256, block_s=64, num_warps=4, num_stages=2,
-             target_chunks=792)
-SWEEP = [_BASE, dict(_BASE, target_chunks=396), dict(_BASE, target_chunks=1056),
+_BASE = _LIB
+SWEEP = [_BASE, dict(_BASE, target_chunks=396), dict(_BASE, target_chunks=792),
+         dict(_BASE, target_chunks=1056),
          dict(_BASE, schedule="lpt"), dict(_BASE, block_s=32, num_stages=3),
          dict(_BASE, group_width=128), dict(_BASE, group_width=16, num_stages=3)]
 ALT = {"rows": "lpt", "lpt": "rows", "static": "rows"}

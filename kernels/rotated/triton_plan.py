@@ -13,8 +13,9 @@ group's slice of a cache row is contiguous (256-512 bytes instead of one head's 
 
 Chunks. Task (b, group) reads lengths[b] tokens of w_group = sum_h (k_h + v_h) elements each
 and is cut along the sequence into chunks. Default: one chunk size for every group,
-n_chunks = ceil(target_chunks / (B * n_groups)) chunks per task at full capacity, so the groups'
-chunks of one (b, token range) read the same cache rows (`lpt`'s "rows" order runs them side
+n_chunks = max(ceil(DEFAULT_TARGET_CHUNKS / (B * n_groups)), ceil(capacity /
+MAX_CHUNK_TOKENS)) chunks per task at full capacity (an explicit target_chunks drops the length
+cap: n_chunks = ceil(target_chunks / (B * n_groups))), so the groups' chunks of one (b, token range) read the same cache rows (`lpt`'s "rows" order runs them side
 by side). Chunk sizes ~ 1 / group width (FDC §5.2's row-block resizing applied to decode's
 chunks) were slower on the H200 and removed (results/rotated_kernel.md; git history:
 commit 1b80474). Static chunk ids are (b, c, group): id =
@@ -35,9 +36,13 @@ KERNEL_DTYPES = ("bfloat16", "float16")
 MAX_WIDTH = 256          # widest tile (registers: a [16, 256] fp32 accumulator per program)
 MAX_GROUPS = 64          # query heads per KV head (rows of the query tile)
 DEFAULT_BLOCK_S = 64
-# Chunks at full capacity: a compromise between the best values of the H200 sweeps for a
-# Llama-3-8B and a Llama-2-7B layer (results/rotated_kernel.md).
+# Default chunking at full capacity: DEFAULT_TARGET_CHUNKS chunks in all (a compromise between
+# the best values of the H200 sweeps for a Llama-3-8B and a Llama-2-7B layer at batch 8), and
+# more where that would make chunks longer than MAX_CHUNK_TOKENS (large batches and many head
+# groups: a fixed total makes few, long chunks there). results/rotated_kernel.md, "Chunk count
+# and batch": the fastest chunk was 0.9-1.7K tokens at Llama-3 batch 8 and 28, 16K and 32K.
 DEFAULT_TARGET_CHUNKS = 792
+MAX_CHUNK_TOKENS = 1024
 DEFAULT_GROUP_WIDTH = 256  # columns of keys (and of values) per program at most
 MMA_ROWS = 16
 MIN_TILES = 4            # tiles per chunk at least (per-chunk fixed costs stay small)
@@ -240,8 +245,8 @@ def plan(q_shape, capacity, k_widths, v_widths, dtype, *, block_s=DEFAULT_BLOCK_
 
   Args:
     q_shape: (B, G, sum k); capacity: cache slots S; dtype: the cache dtype.
-    block_s: tokens per tile; target_chunks: chunks to aim for at full capacity (default
-      DEFAULT_TARGET_CHUNKS); chunk_tokens: explicit chunk size for every group, a multiple
+    block_s: tokens per tile; target_chunks: chunks to aim for at full capacity (default:
+      DEFAULT_TARGET_CHUNKS, and chunks of at most MAX_CHUNK_TOKENS); chunk_tokens: explicit chunk size for every group, a multiple
       of block_s;
     group_width: key (and value) columns per head group at most (`head_groups`; 16 gives
       one head per program).
@@ -258,7 +263,10 @@ def plan(q_shape, capacity, k_widths, v_widths, dtype, *, block_s=DEFAULT_BLOCK_
     target = DEFAULT_TARGET_CHUNKS if target_chunks is None else int(target_chunks)
     if target < 1:
       raise ValueError(f"triton ragged attention: target_chunks must be >= 1, got {target}")
-    n = max(1, min(math.ceil(target / (b * len(grps))), max(1, tiles // MIN_TILES)))
+    n = math.ceil(target / (b * len(grps)))
+    if target_chunks is None:
+      n = max(n, math.ceil(tiles * block_s / MAX_CHUNK_TOKENS))
+    n = max(1, min(n, max(1, tiles // MIN_TILES)))
     ct = (math.ceil(tiles / n) * block_s,) * len(grps)
   else:
     if int(chunk_tokens) < block_s or int(chunk_tokens) % block_s:

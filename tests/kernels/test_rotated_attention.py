@@ -212,6 +212,28 @@ def test_heads_layout_is_the_packed_output_per_head():
 
 # ----------------------------------------------------------------------------- plan, dispatch
 
+def test_default_chunks_capped_in_length():
+  """The default chunking: DEFAULT_TARGET_CHUNKS chunks in all, more where they would exceed
+  MAX_CHUNK_TOKENS, at least MIN_TILES tiles each; an explicit target_chunks has no cap."""
+  from kvlowrank_kernels.rotated import triton_plan as tp  # pylint: disable=C0415
+  kw = vw = (64,) * 8                     # Llama-3 layer: 8 KV heads, G = 4 -> 2 head groups
+  # (batch, capacity) -> chunk tokens. Batch 8: 792 / 16 tasks = 50 chunks per task (6 and 11
+  # tiles). Batch 28: 792 / 56 = 15 would make 1152- and 2240-token chunks; the cap makes 1024.
+  # 4K x 1: 792 chunks capped at 4 tiles each.
+  for b, s, ct in [(8, 16384, 384), (8, 32768, 704), (28, 16384, 1024), (28, 32768, 1024),
+                   (1, 4096, 256)]:
+    p = plan((b, 4, sum(kw)), s, kw, vw, jnp.bfloat16)
+    assert p.n_groups == 2 and p.chunk_tokens == (ct, ct), (b, s, p.chunk_tokens)
+    assert p.n_chunks == -(-s // ct)
+    assert tp.MIN_TILES * p.block_s <= ct <= tp.MAX_CHUNK_TOKENS
+  # the model's capacity rounds up (32K + 256): 33 chunks of 1024 tokens at batch 28
+  p = plan((28, 4, 512), 33024, kw, vw, jnp.bfloat16)
+  assert p.chunk_tokens == (1024, 1024) and p.n_chunks == 33
+  # an explicit total has no length cap: 396 / 56 tasks -> 8 chunks of 4096 tokens
+  assert plan((28, 4, 512), 32768, kw, vw, jnp.bfloat16,
+              target_chunks=396).chunk_tokens == (4096, 4096)
+
+
 def test_plan_groups_and_chunk_sizes():
   kw, vw = (80, 64, 80, 64, 48, 48, 32, 96), (80, 48, 48, 96, 80, 96, 32, 32)
   common = plan((8, 4, sum(kw)), 16384, kw, vw, jnp.bfloat16, target_chunks=396)
