@@ -11,15 +11,15 @@ scores and one P x V MMA every head's output (each row keeps its own head's colu
 group's slice of a cache row is contiguous (256-512 bytes instead of one head's 64-192), the
 16 rows are used, and nothing is padded in memory.
 
-Chunks. Task (b, group) reads lengths[b] tokens of w_group = sum_h (k_h + v_h) elements each
-and is cut along the sequence into chunks. Default: one chunk size for every group,
-n_chunks = max(ceil(DEFAULT_TARGET_CHUNKS / (B * n_groups)), ceil(capacity /
-MAX_CHUNK_TOKENS)) chunks per task at full capacity (an explicit target_chunks drops the length
-cap: n_chunks = ceil(target_chunks / (B * n_groups))), so the groups' chunks of one (b, token range) read the same cache rows (`lpt`'s "rows" order runs them side
-by side). Chunk sizes ~ 1 / group width (FDC §5.2's row-block resizing applied to decode's
-chunks) were slower on the H200 and removed (results/rotated_kernel.md; git history:
-commit 1b80474). Static chunk ids are (b, c, group): id =
-(b * n_chunks + c) * n_groups + group, n_chunks the largest group's count; chunks past a row's
+Chunks. Task (b, group) reads lengths[b] tokens of w_group = sum_h (k_h + v_h) elements each and
+is cut along the sequence into chunks. Default: one chunk size for every group, n_chunks =
+max(ceil(DEFAULT_TARGET_CHUNKS / (B * n_groups)), ceil(capacity / MAX_CHUNK_TOKENS)) chunks per
+task at full capacity (an explicit target_chunks drops the length cap: n_chunks =
+ceil(target_chunks / (B * n_groups))), so the groups' chunks of one (b, token range) read the
+same cache rows (`lpt`'s "rows" order runs them side by side). Chunk sizes ~ 1 / group width
+(FDC §5.2's row-block resizing applied to decode's chunks) were slower on the H200 and removed
+(results/rotated_kernel.md; git history: commit 1b80474). Static chunk ids are (b, c, group): id
+= (b * n_chunks + c) * n_groups + group, n_chunks the largest group's count; chunks past a row's
 length (or past the capacity, in groups with larger chunks) are empty and write lse = -inf.
 """
 
@@ -39,8 +39,8 @@ DEFAULT_BLOCK_S = 64
 # Default chunking at full capacity: DEFAULT_TARGET_CHUNKS chunks in all (a compromise between
 # the best values of the H200 sweeps for a Llama-3-8B and a Llama-2-7B layer at batch 8), and
 # more where that would make chunks longer than MAX_CHUNK_TOKENS (large batches and many head
-# groups: a fixed total makes few, long chunks there). results/rotated_kernel.md, "Chunk count
-# and batch": the fastest chunk was 0.9-1.7K tokens at Llama-3 batch 8 and 28, 16K and 32K.
+# groups: a fixed total makes few, long chunks there; the H200 measurements:
+# results/rotated_kernel.md, "Chunk count and batch").
 DEFAULT_TARGET_CHUNKS = 792
 MAX_CHUNK_TOKENS = 1024
 DEFAULT_GROUP_WIDTH = 256  # columns of keys (and of values) per program at most
@@ -246,8 +246,8 @@ def plan(q_shape, capacity, k_widths, v_widths, dtype, *, block_s=DEFAULT_BLOCK_
   Args:
     q_shape: (B, G, sum k); capacity: cache slots S; dtype: the cache dtype.
     block_s: tokens per tile; target_chunks: chunks to aim for at full capacity (default:
-      DEFAULT_TARGET_CHUNKS, and chunks of at most MAX_CHUNK_TOKENS); chunk_tokens: explicit chunk size for every group, a multiple
-      of block_s;
+      DEFAULT_TARGET_CHUNKS, and chunks of at most MAX_CHUNK_TOKENS); chunk_tokens: explicit
+      chunk size for every group, a multiple of block_s;
     group_width: key (and value) columns per head group at most (`head_groups`; 16 gives
       one head per program).
   """
