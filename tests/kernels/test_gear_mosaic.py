@@ -11,6 +11,7 @@ prefill key factor, changed must break the agreement.
 """
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -78,10 +79,17 @@ def test_fit_names_what_the_kernel_refuses():
     mosaic_gear.gear_attention_mosaic(*args[:1], cache, *args[3:], lr, chunk=48)
 
 
+@functools.lru_cache(maxsize=None)
+def _lowering_inputs(idx):
+  """One shape's inputs, built once for every knob set lowered on it (building them, eager
+  random draws and the warp relayout, took most of each lowering test's CPU time)."""
+  return _inputs(SHAPES[idx], 1)
+
+
 @pytest.mark.parametrize("idx", range(len(SHAPES)))
 @pytest.mark.parametrize("opts", [dict(), dict(warpgroups=1, stages=2, num_splits=3)])
 def test_gear_mosaic_lowers_for_cuda(idx, opts):
-  args, cache, lr = _inputs(SHAPES[idx], 1)
+  args, cache, lr = _lowering_inputs(idx)
   q, _, _, kw, vw, ql, wl = args
   f = jax.jit(lambda *a: mosaic_gear.gear_attention_mosaic(*a, chunk=64, **opts))
   text = f.trace(q, cache, kw, vw, ql, wl, lr).lower(lowering_platforms=("cuda",)).as_text()

@@ -11,6 +11,7 @@ dispatcher on a KiviMosaic cache and on planar inputs, a negative control.
 """
 
 import dataclasses
+import functools
 
 import numpy as np
 import pytest
@@ -234,12 +235,18 @@ def test_plan_defaults_and_cache_check():
     mosaic_kivi_warp.kivi_attention_mosaic_warp(q, bad, kw, vw, ql, wl)
 
 
+@functools.lru_cache(maxsize=None)
+def _lowering_inputs(idx):
+  """One shape's operands in the warp layout, built once for every knob set lowered on it."""
+  _, (q, kq, vq, kw, vw, ql, wl) = case(idx, 20 + idx)
+  return q, mosaic_layout.to_mosaic(kq, vq), kw, vw, ql, wl
+
+
 @pytest.mark.parametrize("idx", range(len(SHAPES)))
 @pytest.mark.parametrize("opts", [dict(), dict(warpgroups=1, stages=2),
                                   dict(warpgroups=2, num_splits=2)])
 def test_mosaic_kivi_warp_lowers_for_cuda(idx, opts):
-  _, (q, kq, vq, kw, vw, ql, wl) = case(idx, 20 + idx)
-  cache = mosaic_layout.to_mosaic(kq, vq)
+  q, cache, kw, vw, ql, wl = _lowering_inputs(idx)
   f = jax.jit(lambda *a: mosaic_kivi_warp.kivi_attention_mosaic_warp(*a, **opts))
   text = f.trace(q, cache, kw, vw, ql, wl).lower(lowering_platforms=("cuda",)).as_text()
   assert "mosaic_gpu" in text
