@@ -46,11 +46,10 @@ _LIB = dict(schedule="rows", group_width=256, block_s=64, num_warps=4, num_stage
 DEFAULT_OPTIONS = {"llama3-8b": _LIB, "llama2-7b": _LIB}
 # Candidates of --sweep (first: the library default). 75 KB of shared memory per program at
 # 256-column tiles with block_s 64 / 2 stages or block_s 32 / 3 stages: 3 programs per SM.
-_BASE = _LIB
-SWEEP = [_BASE, dict(_BASE, target_chunks=396), dict(_BASE, target_chunks=792),
-         dict(_BASE, target_chunks=1056),
-         dict(_BASE, schedule="lpt"), dict(_BASE, block_s=32, num_stages=3),
-         dict(_BASE, group_width=128), dict(_BASE, group_width=16, num_stages=3)]
+SWEEP = [_LIB, dict(_LIB, target_chunks=396), dict(_LIB, target_chunks=792),
+         dict(_LIB, target_chunks=1056), dict(_LIB, schedule="lpt"),
+         dict(_LIB, block_s=32, num_stages=3), dict(_LIB, group_width=128),
+         dict(_LIB, group_width=16, num_stages=3)]
 ALT = {"rows": "lpt", "lpt": "rows", "static": "rows"}
 
 
