@@ -4,7 +4,7 @@
 compact partials (o [T, G, VW], lse [T, GP], chunk id t = (b * n_chunks + c) * n_groups + i)
 into the per-head output; under XLA that was six fusions per layer (the max and the sum of
 the split weights, the division, the weighted sum over the chunks, the output and LSE
-gathers), each a launch of ~1-3 µs plus its gap. Here program (b, h, j) merges columns
+gathers), each a launch plus its gap. Here program (b, h, j) merges columns
 [j * WB, (j + 1) * WB) of KV head h of row b: its group i, its rows h_j * G + g of the
 group's LSE and its value columns [vlo, vlo + v_h) of the compact partials. One pass over the
 chunks in blocks of CB, every block's LSE and partial tile loaded at once (at decode shapes
@@ -13,7 +13,8 @@ the chunks of a task fit one block: one round trip to memory), merged as the ref
 o_c / denom, lse = m + log(denom); rows with no key: 0 and -inf), the blocks by an online
 rescale. It writes straight into the caller's layout (packed [B, G, sum v], or per head
 [B, K, G, W] zero-padded) and the LSE [B, K, G]. (A first version, one program per (b, h)
-with three dependent passes over the chunks, took 7.1 µs at Llama-3 32K x 8 on the H200.)
+with three dependent passes over the chunks, was slower: `results/rotated_kernel.md`,
+"One-launch records and combine".)
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 `triton_ragged.records` (jnp, the reference beside this kernel) builds the same int32 [T, 9]
 table under jit; inside a decode step that was four small XLA fusions per layer (the row
 tasks' costs, the two counting-rank reductions of `lpt.descending`, the gathers and the
-concatenate), each a launch of ~1.3 µs plus its gap. Here one launch does it, by the same
+concatenate), each a launch plus its gap. Here one launch does it, by the same
 counting ranks, scattered instead of gathered:
 
   * with one chunk size ct for every head group (`fits`), row task r = b * n_chunks + c costs
@@ -19,8 +19,8 @@ counting ranks, scattered instead of gathered:
 
 Only the "rows" schedule (the default) with one chunk size and at most
 `lpt.COUNT_SORT_MAX` row tasks runs here (`fits`); other plans keep the jnp records.
-(A first version sorted the keys in one program with `tl.sort`: 11.4 µs on the H200 at
-Llama-3 32K x 8, slower than the XLA fusions it replaced.)
+(A first version sorted the keys in one program with `tl.sort`: slower than the XLA
+fusions it replaced; timings in `results/rotated_kernel.md`, "One-launch records and combine".)
 """
 
 from __future__ import annotations

@@ -260,7 +260,7 @@ class KVCache(abc.ABC):
     doing it themselves (off). `kvlowrank.model.forward` runs `settle_step` at the start of a
     decode step (T = 1: the work the previous step left) and turns deferring on for its
     layers: one `lax.cond` per step for every layer, where a conditional in each layer's
-    update costs 42 us per layer (GEAR's chunk compression, H200: `results/gear_kernel.md`).
+    update was measurably slower (GEAR's chunk compression: `results/gear_kernel.md`).
     So a decode step's result may hold deferred work; every reader (`attend`, `segments`,
     `materialize`, a later update) accepts it. Default: no deferred work (this cache
     unchanged)."""
@@ -342,8 +342,9 @@ def settle_step(caches) -> tuple:
   `pending` flags, deferring turned off. `forward` runs it before a decode step's layers
   (the previous step's work), so the step's attention reads what the conditional wrote. The
   work's array writes must be able to run in place: XLA copied two code arrays per layer
-  through the conditional while KIVI's value write could not (2.06 ms of a GEAR-L-2 step,
-  H200; `kernels/kivi/store.py`, `_warp_values`)."""
+  through the conditional while KIVI's value write could not (measured:
+  `results/gear_kernel.md`, "One conditional per decode step"; `kernels/kivi/store.py`,
+  `_warp_values`)."""
   caches = tuple(c.deferring(False) for c in caches)
   flags = [c.pending() for c in caches]
   idx = [i for i, f in enumerate(flags) if f is not None]

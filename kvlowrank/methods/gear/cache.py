@@ -54,8 +54,8 @@ that becomes whole is compressed:
   it instead (`deferring`): each layer writes its token into
   the window, no conditional, and the next decode step starts with one `lax.cond` (`settle`,
   via `cache.base.settle_step`) that compresses every layer's full window. The per-layer
-  conditionals cost 1.34 ms of a 9.58 ms GEAR-L-2 step at Llama-3 32K x 8; with one per
-  step it takes 8.66 ms (H200, `results/gear_kernel.md`). Choice: the token that completes
+  conditionals were slower than one per step (measured: `results/gear_kernel.md`, "One
+  conditional per decode step"). Choice: the token that completes
   a chunk is attended with its chunk still exact, and the layers above compute its K/V over
   that exact buffer -- Algorithm 1 as written (the full buffer is compressed before the next
   token); the per-layer path (direct `update` calls, multi-token calls) compresses it within
