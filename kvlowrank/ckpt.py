@@ -10,11 +10,19 @@ Uses the composite-args API of orbax-checkpoint 0.11/0.12 (`ocp.Checkpointer` wi
 directory and renames it when complete, so a checkpoint directory that exists is whole.
 Arrays come back with their saved dtypes (bf16 stays bf16) and bitwise-identical
 values; lists and dicts keep their structure.
+
+Orbax logs each save or restore at INFO in some twenty lines (its handlers' timings,
+throughputs, renames), half of what the README's main job printed (226 of 456 lines,
+2026-11-30). `save` and `restore` drop orbax's records below WARNING while they run
+(`_quiet_orbax`); its warnings and errors, and everything else, still print.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
+import os
 from pathlib import Path
 from typing import Any, Optional
 
@@ -23,6 +31,25 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 _TREE, _META = "tree", "meta"
+_ORBAX_DIR = f"{os.sep}orbax{os.sep}"
+
+
+def _not_orbax_info(record: logging.LogRecord) -> bool:
+  """False for a record below WARNING logged from orbax's own source files."""
+  return record.levelno >= logging.WARNING or _ORBAX_DIR not in record.pathname
+
+
+@contextlib.contextmanager
+def _quiet_orbax():
+  """`_not_orbax_info` on every handler of the root logger (absl's included) meanwhile."""
+  handlers = list(logging.getLogger().handlers)
+  for h in handlers:
+    h.addFilter(_not_orbax_info)
+  try:
+    yield
+  finally:
+    for h in handlers:
+      h.removeFilter(_not_orbax_info)
 
 
 def _check_tree(tree) -> None:
@@ -54,7 +81,7 @@ def save(path, tree, metadata: Optional[dict] = None) -> Path:
   except TypeError as e:
     raise ValueError(f"checkpoint metadata is not JSON-serialisable: {e}") from e
   path.parent.mkdir(parents=True, exist_ok=True)
-  with ocp.Checkpointer(ocp.CompositeCheckpointHandler()) as ckptr:
+  with _quiet_orbax(), ocp.Checkpointer(ocp.CompositeCheckpointHandler()) as ckptr:
     ckptr.save(path, ocp.args.Composite(**{_TREE: ocp.args.StandardSave(tree),
                                            _META: ocp.args.JsonSave(meta)}))
   return path
@@ -73,7 +100,7 @@ def restore(path) -> tuple[Any, dict]:
   path = Path(path).expanduser().resolve()
   if not (path / _TREE).is_dir():
     raise FileNotFoundError(f"no kvlowrank checkpoint at {path} (missing {_TREE}/)")
-  with ocp.Checkpointer(ocp.CompositeCheckpointHandler()) as ckptr:
+  with _quiet_orbax(), ocp.Checkpointer(ocp.CompositeCheckpointHandler()) as ckptr:
     out = ckptr.restore(path, ocp.args.Composite(**{_TREE: ocp.args.StandardRestore(),
                                                     _META: ocp.args.JsonRestore()}))
   return out[_TREE], dict(out[_META] or {})

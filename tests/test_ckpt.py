@@ -2,11 +2,15 @@
 cache: calibrate once, restore afterwards, identical results."""
 
 import dataclasses
+import logging
+import os
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import orbax.checkpoint as ocp
 import pytest
+from absl import logging as absl_logging
 
 from kvlowrank import ModelSpec, ckpt
 from kvlowrank.experiment import config as config_lib
@@ -137,3 +141,40 @@ def test_pipeline_calibrates_once(tmp_path):
   r4 = evaluate.run(c, tmp_path / "w")
   assert len(CALLS) == 2 and r4["calibration"]["hash"] != r1["calibration"]["hash"]
   assert len(records.read(tmp_path / "w" / "results.jsonl")) == 3  # r2 replaced r1
+
+
+def test_save_and_restore_drop_orbax_info_logs(tmp_path):
+  """kvlowrank.ckpt drops orbax's INFO chatter while it saves or restores; orbax logs it when
+  called directly (negative control), and other INFO records and orbax's filter-free state
+  after the call are kept."""
+  seen = []
+
+  class Keep(logging.Handler):
+    def emit(self, record):
+      seen.append(record)
+
+  orbax_info = lambda: [r for r in seen if f"{os.sep}orbax{os.sep}" in r.pathname
+                        and r.levelno < logging.WARNING]
+  handler, root = Keep(logging.DEBUG), logging.getLogger()
+  level, verbosity = root.level, absl_logging.get_verbosity()
+  root.addHandler(handler)
+  root.setLevel(logging.INFO)
+  absl_logging.set_verbosity(absl_logging.INFO)
+  tree = {"w": jnp.arange(6, dtype=jnp.float32).reshape(2, 3)}
+  try:
+    with ocp.Checkpointer(ocp.CompositeCheckpointHandler()) as c:
+      c.save(tmp_path / "direct", ocp.args.Composite(tree=ocp.args.StandardSave(tree)))
+    assert orbax_info(), "orbax no longer logs INFO records: the negative control is void"
+    seen.clear()
+    ckpt.save(tmp_path / "quiet", tree, {"a": 1})
+    back, meta = ckpt.restore(tmp_path / "quiet")
+    assert not orbax_info(), [r.getMessage()[:80] for r in orbax_info()[:3]]
+    np.testing.assert_array_equal(np.asarray(back["w"]), np.asarray(tree["w"]))
+    assert meta == {"a": 1}
+    assert not handler.filters
+    logging.getLogger("kvlowrank.test").info("still printed")
+    assert seen[-1].getMessage() == "still printed"
+  finally:
+    root.removeHandler(handler)
+    root.setLevel(level)
+    absl_logging.set_verbosity(verbosity)
