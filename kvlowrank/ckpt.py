@@ -11,10 +11,10 @@ directory and renames it when complete, so a checkpoint directory that exists is
 Arrays come back with their saved dtypes (bf16 stays bf16) and bitwise-identical
 values; lists and dicts keep their structure.
 
-Orbax logs each save or restore at INFO in some twenty lines (its handlers' timings,
-throughputs, renames), half of what the README's main job printed (226 of 456 lines,
-2026-11-30). `save` and `restore` drop orbax's records below WARNING while they run
-(`_quiet_orbax`); its warnings and errors, and everything else, still print.
+Orbax logs each save or restore at INFO in many lines (its handlers' timings, throughputs,
+renames), which buried a launcher's own output. `save` and `restore` drop orbax's records
+below WARNING while they run (`_quiet_orbax`); its warnings and errors, and everything else,
+still print.
 """
 
 from __future__ import annotations
