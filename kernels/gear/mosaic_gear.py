@@ -75,7 +75,7 @@ class _Bound:
                                                                  self.av_bar)):
       plgpu.copy_gmem_to_smem(src.at[b, head, blk], dst.at[slot], bar.at[slot])
     rows = lp.chunks_per_block * lp.b_rows
-    row0 = (blk * BLOCK // lp.chunk) * lp.b_rows
+    row0 = lax.div(blk * BLOCK, lp.chunk) * lp.b_rows  # blk >= 0; no floor division in a warp
     streams = (blk + 1) * BLOCK > self.pfx
 
     @pl.when(streams)

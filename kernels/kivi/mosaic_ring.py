@@ -95,17 +95,38 @@ def produce(q_src, q_dst, q_bar, arrays, free, *, b, head, start, n_blocks, stag
     if extra is not None:
       extra.copy_block(blk0 + i, slot)
 
-  for i in range(stages):
-    pl.when(i < n_blocks)(functools.partial(load, i, i))
+  if stages % 4:  # one loop, run by the whole warpgroup (one elected thread issues)
+    for i in range(stages):
+      pl.when(i < n_blocks)(functools.partial(load, i, i))
 
-  @pl.loop(0, n_blocks)
-  def _(i):
-    slot = lax.rem(i, stages)
+    @pl.loop(0, n_blocks)
+    def _(i):
+      slot = lax.rem(i, stages)
 
-    @pl.when(i + stages < n_blocks)
-    def _():
-      plgpu.barrier_wait(free.at[slot])
-      load(i + stages, slot)
+      @pl.when(i + stages < n_blocks)
+      def _():
+        plgpu.barrier_wait(free.at[slot])
+        load(i + stages, slot)
+    return
+
+  # Warp j of the warpgroup streams blocks j, j + 4, ... (so slots j, j + 4, ...: every slot
+  # is one warp's, and its free barrier's phases are that warp's alone). Why: the four warps
+  # each ran the whole loop, about a sixth of the CTA's issued instructions on the compute
+  # warps' schedulers (Nsight Compute, results/decode_ablations.md); now each runs a quarter.
+  @pl.core_map(plgpu.WarpMesh(axis_name="producer_warp"))
+  def _():
+    wp = lax.axis_index("producer_warp")
+
+    @pl.loop(0, lax.div(jnp.maximum(n_blocks - wp + 3, 0), 4))  # no floor division here
+    def _(k):
+      i = wp + 4 * k
+      slot = lax.rem(i, stages)
+
+      @pl.when(i >= stages)
+      def _():
+        plgpu.barrier_wait(free.at[slot])
+
+      load(i, slot)
 
 
 def merge_with_window(q, o_t, lse_t, parts, p, k_win, v_win, w_len, *, scale, out_dtype,
