@@ -97,7 +97,9 @@ def _kernel(p, dtype, sm_scale, ext, q_ref, kc_ref, ks_ref, vc_ref, vs_ref, len_
   nw, stages, np_, ns, kh = p["w"], p["stages"], p["np"], p["num_splits"], p["kh"]
   nt = np_ // 8
   q_s, kc_s, ks_s, vc_s, vs_s, wo_s, wml_s, o_s, lse_s = smem
-  q_bar, kc_bar, ks_bar, vc_bar, vs_bar, free, done = bars
+  # one barrier per ring slot: the block's four copies (and an extension's) all arrive on it
+  q_bar, slot_bar, free, done = bars
+  kc_bar = ks_bar = vc_bar = vs_bar = slot_bar
   layout = plgpu.Layout.WGMMA
   sds = lambda cols, dt: plgpu.ShapeDtypeStruct((64, cols), dt, layout=layout)
   acc_t, ml_t, qb_t = sds(64 * nt, jnp.float32), sds(8 * nt, jnp.float32), sds(32 * nt,
@@ -166,8 +168,7 @@ def _kernel(p, dtype, sm_scale, ext, q_ref, kc_ref, ks_ref, vc_ref, vs_ref, len_
 
     def arrived(i):  # block i's slot (its operands) and its valid-token count
       slot = lax.rem(i, stages)
-      for bar in (kc_bar, ks_bar, vc_bar, vs_bar):
-        plgpu.barrier_wait(bar.at[slot])
+      plgpu.barrier_wait(slot_bar.at[slot])
       refs = (kc_s.at[slot], ks_s.at[slot], vc_s.at[slot], vs_s.at[slot])
       valid = plgpu.layout_cast(jnp.full((64, 8), end - (start + i * BLOCK), jnp.int32),
                                 layout)
@@ -269,8 +270,7 @@ def launch(p, dtype, sm_scale, qt, cache: KiviMosaic, lengths, ext=None, ext_inp
     more = (0,) * 4 if ext is None else ext.ring_arrivals
     bars = (
         plgpu.Barrier(num_barriers=1),
-        *(plgpu.Barrier(num_barriers=stages) if a == 0 else
-          plgpu.Barrier(num_arrivals=1 + a, num_barriers=stages) for a in more),
+        plgpu.Barrier(num_arrivals=4 + sum(more), num_barriers=stages),
         plgpu.Barrier(num_arrivals=1, num_barriers=stages),
         plgpu.Barrier(num_arrivals=nw, num_barriers=1),
     )
