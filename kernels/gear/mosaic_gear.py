@@ -51,14 +51,14 @@ class _Bound:
 
   refs_per_block, n_state, n_const = 4, 1, 1
 
-  def __init__(self, lp, p, dtype, *, b, head, pid, inputs, smem, bars, ring_bars):
+  def __init__(self, lp, p, dtype, *, b, head, pid, inputs, smem, bars, slot_bar):
     del dtype
     self.lp, self.p, self.b, self.head, self.pid = lp, p, b, head, pid
     (self.qbp_g, self.bpv_g, self.pfx_g, self.ak_g, self.av_g, self.bk_g, self.bv_g) = inputs
     (self.qbp_s, self.bpv_s, self.ak_s, self.av_s, self.bk_s, self.bv_s, self.wu_s) = smem
     (self.const_bar,) = bars
-    # the block's factors arrive on its backbone barriers (`_Ext.ring_arrivals`)
-    self.bk_bar, self.ak_bar, self.bv_bar, self.av_bar = ring_bars
+    # the block's factors arrive on its ring slot's barrier (`_Ext.ring_arrivals`)
+    self.slot_bar = slot_bar
     self.pfx = self.pfx_g[b]
 
   # producer
@@ -71,24 +71,22 @@ class _Bound:
     import jax.experimental.pallas as pl  # pylint: disable=import-outside-toplevel
     import jax.experimental.pallas.mosaic_gpu as plgpu  # pylint: disable=import-outside-toplevel
     b, head, lp = self.b, self.head, self.lp
-    for src, dst, bar in ((self.ak_g, self.ak_s, self.ak_bar), (self.av_g, self.av_s,
-                                                                 self.av_bar)):
-      plgpu.copy_gmem_to_smem(src.at[b, head, blk], dst.at[slot], bar.at[slot])
+    for src, dst in ((self.ak_g, self.ak_s), (self.av_g, self.av_s)):
+      plgpu.copy_gmem_to_smem(src.at[b, head, blk], dst.at[slot], self.slot_bar.at[slot])
     rows = lp.chunks_per_block * lp.b_rows
     row0 = lax.div(blk * BLOCK, lp.chunk) * lp.b_rows  # blk >= 0; no floor division in a warp
     streams = (blk + 1) * BLOCK > self.pfx
 
     @pl.when(streams)
     def _():
-      for src, dst, bar in ((self.bk_g, self.bk_s, self.bk_bar), (self.bv_g, self.bv_s,
-                                                                   self.bv_bar)):
+      for src, dst in ((self.bk_g, self.bk_s), (self.bv_g, self.bv_s)):
         plgpu.copy_gmem_to_smem(src.at[b, head, pl.ds(row0, rows)], dst.at[slot],
-                                bar.at[slot])
+                                self.slot_bar.at[slot])
 
     @pl.when(jnp.logical_not(streams))
     def _():
-      plgpu.barrier_arrive(self.bk_bar.at[slot])
-      plgpu.barrier_arrive(self.bv_bar.at[slot])
+      plgpu.barrier_arrive(self.slot_bar.at[slot])
+      plgpu.barrier_arrive(self.slot_bar.at[slot])
 
   # compute warpgroups
   def load_const(self):
@@ -200,7 +198,7 @@ class _Ext:
             plgpu.SMEM((st, lp.chunks_per_block * lp.b_rows, 256), f16),
             plgpu.SMEM((4 * p["w"], 8, np_), jnp.float32)]
 
-  ring_arrivals = (1, 1, 1, 1)   # b_k on kc's barrier, a_k on ks', b_v on vc's, a_v on vs'
+  ring_arrivals = 4   # a block's a_k, a_v, b_k, b_v copies (or arrivals) on its slot's barrier
 
   def barriers(self, p):
     import jax.experimental.pallas.mosaic_gpu as plgpu  # pylint: disable=import-outside-toplevel

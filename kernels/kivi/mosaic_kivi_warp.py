@@ -97,9 +97,7 @@ def _kernel(p, dtype, sm_scale, ext, q_ref, kc_ref, ks_ref, vc_ref, vs_ref, len_
   nw, stages, np_, ns, kh = p["w"], p["stages"], p["np"], p["num_splits"], p["kh"]
   nt = np_ // 8
   q_s, kc_s, ks_s, vc_s, vs_s, wo_s, wml_s, o_s, lse_s = smem
-  # one barrier per ring slot: the block's four copies (and an extension's) all arrive on it
   q_bar, slot_bar, free, done = bars
-  kc_bar = ks_bar = vc_bar = vs_bar = slot_bar
   layout = plgpu.Layout.WGMMA
   sds = lambda cols, dt: plgpu.ShapeDtypeStruct((64, cols), dt, layout=layout)
   acc_t, ml_t, qb_t = sds(64 * nt, jnp.float32), sds(8 * nt, jnp.float32), sds(32 * nt,
@@ -114,7 +112,7 @@ def _kernel(p, dtype, sm_scale, ext, q_ref, kc_ref, ks_ref, vc_ref, vs_ref, len_
   # ext (None for KIVI): a caller's extra terms (`launch`)
   x = None if ext is None else ext.bind(p, dtype, b=b, head=head, pid=pid, inputs=ext_in,
                                         smem=ext_smem, bars=ext_bars,
-                                        ring_bars=(kc_bar, ks_bar, vc_bar, vs_bar))
+                                        slot_bar=slot_bar)
   n_ref, n_state, n_const = (0, 0, 0) if x is None else (x.refs_per_block, x.n_state,
                                                          x.n_const)
 
@@ -222,9 +220,8 @@ def _kernel(p, dtype, sm_scale, ext, q_ref, kc_ref, ks_ref, vc_ref, vs_ref, len_
 
   pl.when(wg == nw)(functools.partial(
       ring.produce, q_ref.at[pid], q_s, q_bar,
-      ((kc_ref, kc_s, kc_bar), (ks_ref, ks_s, ks_bar), (vc_ref, vc_s, vc_bar),
-       (vs_ref, vs_s, vs_bar)), free, b=b, head=head, start=start, n_blocks=n_blocks,
-      stages=stages, extra=x))
+      ((kc_ref, kc_s), (ks_ref, ks_s), (vc_ref, vc_s), (vs_ref, vs_s)), slot_bar, free, b=b,
+      head=head, start=start, n_blocks=n_blocks, stages=stages, extra=x))
 
 
 def launch(p, dtype, sm_scale, qt, cache: KiviMosaic, lengths, ext=None, ext_inputs=()):
@@ -233,15 +230,15 @@ def launch(p, dtype, sm_scale, qt, cache: KiviMosaic, lengths, ext=None, ext_inp
   ext: None (KIVI), or extra terms a caller adds (GEAR's low-rank residual,
   `kvlowrank_kernels.gear.mosaic_gear`), with their gmem operands `ext_inputs` (appended to
   the kernel's inputs). Its protocol: `scratch(p, dtype)` / `barriers(p)` list its shared
-  memory and barriers; `ring_arrivals`: the arrivals it adds to each of the ring's four
-  barriers (kc, ks, vc, vs: its per-block copies arrive on the block's barriers, so the
-  compute warps wait on no more barriers than KIVI's); `bind(p, dtype, b=, head=, pid=,
-  inputs=, smem=, bars=, ring_bars=)` returns the per-CTA object the kernel body
+  memory and barriers; `ring_arrivals`: the arrivals it adds to a ring slot's barrier (its
+  per-block copies arrive on the block's slot barrier, so the compute warps wait on no
+  more barriers than KIVI's); `bind(p, dtype, b=, head=, pid=, inputs=, smem=, bars=,
+  slot_bar=)` returns the per-CTA object the kernel body
   calls: `copy_const()` / `copy_block(block,
   slot)` in the producer (`mosaic_ring.produce`); in each compute warpgroup `load_const()`
   (its per-CTA arrays), `init_state()`, `plain_blocks(start, n_blocks)` (how many of the
   split's first blocks take the plain step: `step_hook(..., general=False)`; the rest take
-  `general=True`), per block `arrived(slot)` (its slot refs; the ring barriers cover them) and
+  `general=True`), per block `arrived(slot)` (its slot refs; the slot's barrier covers them) and
   `block_value(first token, layout)`, `step_hook(...)` inside each step
   (`mosaic_warp_step.block_step`'s `ext`), `state_types(sds)`, `publish(state)`,
   `merge_refs()` and `merge_hook(refs, n_warps, np)` (`mosaic_warp_step.merge_partials`);
@@ -267,10 +264,13 @@ def launch(p, dtype, sm_scale, qt, cache: KiviMosaic, lengths, ext=None, ext_inp
         plgpu.SMEM((HEAD_DIM, np_), jnp.float32),
         plgpu.SMEM((np_,), jnp.float32),
     ]
-    more = (0,) * 4 if ext is None else ext.ring_arrivals
+    more = 0 if ext is None else ext.ring_arrivals
     bars = (
         plgpu.Barrier(num_barriers=1),
-        plgpu.Barrier(num_arrivals=4 + sum(more), num_barriers=stages),
+        # one per ring slot: the block's four copies (and an extension's) arrive on it. Why
+        # not one per array: the compute warps' three extra waits per block cost issue
+        # slots (results/decode_ablations.md, "the producer's share of the issue slots")
+        plgpu.Barrier(num_arrivals=4 + more, num_barriers=stages),
         plgpu.Barrier(num_arrivals=1, num_barriers=stages),
         plgpu.Barrier(num_arrivals=nw, num_barriers=1),
     )

@@ -3,9 +3,10 @@ the launch plan's checks and ring depth, the query operand, the TMA producer war
 streams each 128-token block's key/value codes and scales into a `stages`-slot ring, and the
 merge of the kernel's split-K partials with the exact window's.
 
-Ring protocol: block i of a CTA's split goes to slot i % stages, one barrier per array and
-slot signals its arrival, and the slot's consumer (compute warpgroup i % W, since stages is a
-multiple of W) arrives on `free[slot]` once it no longer reads the slot.
+Ring protocol: block i of a CTA's split goes to slot i % stages, one barrier per slot signals
+the arrival of all its arrays, and the slot's consumer (compute warpgroup i % W, since stages
+is a multiple of W) arrives on `free[slot]` once it no longer reads the slot. Where stages is
+a multiple of 4, warp j of the producer warpgroup streams blocks j, j + 4, ... (`produce`).
 """
 
 from __future__ import annotations
@@ -73,11 +74,12 @@ def query_operand(q, p, dtype: str):
   return jnp.pad(q.reshape(b * kh, qpk, h), ((0, 0), (0, np_ - qpk), (0, 0))).astype(dtype)
 
 
-def produce(q_src, q_dst, q_bar, arrays, free, *, b, head, start, n_blocks, stages,
+def produce(q_src, q_dst, q_bar, arrays, slot_bar, free, *, b, head, start, n_blocks, stages,
             extra=None):
   """The producer warpgroup's body: q once, then every block of the split into the ring.
 
-  arrays: ((gmem ref [B, K, S / 128, 4, 256], smem ring [stages, 4, 256], barriers) x 4);
+  arrays: ((gmem ref [B, K, S / 128, 4, 256], smem ring [stages, 4, 256]) x 4), copied with
+  slot_bar [stages] (4 arrivals per block, plus the extra's);
   start: the split's first token (a multiple of 128); extra: None, or a caller's operands
   with `copy_const()` (once, after q) and `copy_block(block index, slot)` (with each block).
   """
@@ -90,8 +92,8 @@ def produce(q_src, q_dst, q_bar, arrays, free, *, b, head, start, n_blocks, stag
   blk0 = start // BLOCK
 
   def load(i, slot):
-    for src, dst, bar in arrays:
-      plgpu.copy_gmem_to_smem(src.at[b, head, blk0 + i], dst.at[slot], bar.at[slot])
+    for src, dst in arrays:
+      plgpu.copy_gmem_to_smem(src.at[b, head, blk0 + i], dst.at[slot], slot_bar.at[slot])
     if extra is not None:
       extra.copy_block(blk0 + i, slot)
 
@@ -111,8 +113,9 @@ def produce(q_src, q_dst, q_bar, arrays, free, *, b, head, start, n_blocks, stag
 
   # Warp j of the warpgroup streams blocks j, j + 4, ... (so slots j, j + 4, ...: every slot
   # is one warp's, and its free barrier's phases are that warp's alone). Why: the four warps
-  # each ran the whole loop, about a sixth of the CTA's issued instructions on the compute
-  # warps' schedulers (Nsight Compute, results/decode_ablations.md); now each runs a quarter.
+  # each ran the whole loop, issuing about a sixth of the CTA's instructions on the compute
+  # warps' schedulers; now each runs a quarter (results/decode_ablations.md, "the producer's
+  # share of the issue slots").
   @pl.core_map(plgpu.WarpMesh(axis_name="producer_warp"))
   def _():
     wp = lax.axis_index("producer_warp")
