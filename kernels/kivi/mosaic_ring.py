@@ -6,7 +6,8 @@ merge of the kernel's split-K partials with the exact window's.
 Ring protocol: block i of a CTA's split goes to slot i % stages, one barrier per slot signals
 the arrival of all its arrays, and the slot's consumer (compute warpgroup i % W, since stages
 is a multiple of W) arrives on `free[slot]` once it no longer reads the slot. Where stages is
-a multiple of 4, warp j of the producer warpgroup streams blocks j, j + 4, ... (`produce`).
+a multiple of 4 (and no extension copies), warp j of the producer warpgroup streams blocks
+j, j + 4, ... (`produce`).
 """
 
 from __future__ import annotations
@@ -97,7 +98,7 @@ def produce(q_src, q_dst, q_bar, arrays, slot_bar, free, *, b, head, start, n_bl
     if extra is not None:
       extra.copy_block(blk0 + i, slot)
 
-  if stages % 4:  # one loop, run by the whole warpgroup (one elected thread issues)
+  if stages % 4 or extra is not None:  # one loop, the whole warpgroup (one elected thread issues)
     for i in range(stages):
       pl.when(i < n_blocks)(functools.partial(load, i, i))
 
@@ -115,7 +116,8 @@ def produce(q_src, q_dst, q_bar, arrays, slot_bar, free, *, b, head, start, n_bl
   # is one warp's, and its free barrier's phases are that warp's alone). Why: the four warps
   # each ran the whole loop, issuing about a sixth of the CTA's instructions on the compute
   # warps' schedulers; now each runs a quarter (results/decode_ablations.md, "the producer's
-  # share of the issue slots").
+  # share of the issue slots"). An extension's copies (GEAR's) stay on the warpgroup loop:
+  # its copy_block uses primitives that JAX 0.11.2 does not lower in a warp's context.
   @pl.core_map(plgpu.WarpMesh(axis_name="producer_warp"))
   def _():
     wp = lax.axis_index("producer_warp")
