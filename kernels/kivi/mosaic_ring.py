@@ -98,7 +98,7 @@ def produce(q_src, q_dst, q_bar, arrays, slot_bar, free, *, b, head, start, n_bl
     if extra is not None:
       extra.copy_block(blk0 + i, slot)
 
-  if stages % 4 or extra is not None:  # one loop, the whole warpgroup (one elected thread issues)
+  if stages % 4 or extra is not None:  # one loop, the whole warpgroup (one thread issues)
     for i in range(stages):
       pl.when(i < n_blocks)(functools.partial(load, i, i))
 
