@@ -122,7 +122,7 @@ def produce(q_src, q_dst, q_bar, arrays, slot_bar, free, *, b, head, start, n_bl
   def _():
     wp = lax.axis_index("producer_warp")
 
-    @pl.loop(0, lax.div(jnp.maximum(n_blocks - wp + 3, 0), 4))  # no floor division here
+    @pl.loop(0, lax.div(n_blocks - wp + 3, 4))  # n_blocks >= 0, wp <= 3; no `//` in a warp
     def _(k):
       i = wp + 4 * k
       slot = lax.rem(i, stages)
