@@ -25,6 +25,7 @@ from .mosaic_ptx import const_i32
 
 _ONE = {"float16": 0x3C00, "bfloat16": 0x3F80}
 _MANT = {"float16": 10, "bfloat16": 7}
+MAGIC = 1024.0  # the key codes' offset (`word_magic`): 0x6400 in fp16, 0x4480 in bf16
 
 
 def _bits16(val: float, dtype: str) -> int:
@@ -66,6 +67,34 @@ def code_pairs_numpy(words, dtype: str):
     kk = float(2 ** (mant - f))
     out.append(x * kk - kk)  # exact in the 16-bit type as well
   return np.stack(out, -2)
+
+
+def magic_factor(k: int, dtype: str) -> float:
+  """2^-(weight of slot k's field in MAGIC + c 2^w): `word_magic`'s pair slot k holds
+  MAGIC + c / magic_factor(k), exact (field f: weight 2^(f + 10 - MANT))."""
+  return 2.0 ** -(slot_plan(dtype)[k][2] + 10 - _MANT[dtype])
+
+
+def magic_pairs_numpy(words, dtype: str):
+  """numpy model of `word_magic`: words uint32 [...] -> [..., 8 slots k, 2 elements e] of
+  the 16-bit values MAGIC + c / magic_factor(k), as float32."""
+  magic = _bits16(MAGIC, dtype)
+  out = []
+  for _, shift, f in slot_plan(dtype):
+    bits = ((words >> np.uint32(shift)) & np.uint32((3 << f) | (3 << (16 + f)))) | np.uint32(
+        magic | (magic << 16))
+    halves = np.stack([bits & 0xFFFF, bits >> 16], -1).astype(np.uint32)
+    if dtype == "float16":
+      out.append(halves.astype(np.uint16).view(np.float16).astype(np.float32))
+    else:
+      out.append((halves << 16).astype(np.uint32).view(np.float32))
+  return np.stack(out, -2)
+
+
+def pair_const(val: float, dtype: str):
+  """An i32 holding the 16-bit float val in both halves."""
+  h = _bits16(val, dtype)
+  return const_i32(h | (h << 16))
 
 
 def _ctx():
@@ -129,6 +158,23 @@ def word_codes(words, dtype: str):
   return pairs
 
 
+def word_magic(words, dtype: str):
+  """{(u, k): i32 pair of MAGIC + c / magic_factor(k)} for the 8 pair slots k of each i32
+  word u: one lop3 per pair, no packed FMA (the key products fold 1 / magic_factor into q
+  and subtract MAGIC's share by one more product per k-step: `mosaic_warp_step`)."""
+  _, _, arith, _ = _ctx()
+  shifted = {}
+  pairs = {}
+  for u, w in enumerate(words):
+    for k, shift, f in slot_plan(dtype):
+      if (u, shift) not in shifted:
+        shifted[(u, shift)] = arith.shrui(w, const_i32(shift)) if shift else w
+      mask = (3 << f) | (3 << (16 + f))
+      pairs[(u, k)] = ptx.lop3_and_or(shifted[(u, shift)], const_i32(mask),
+                                      pair_const(MAGIC, dtype))
+  return pairs
+
+
 def key_scale_rows(scales_ref, group, dtype: str):
   """The thread's 8 rows of key (scale pair, zero pair) for token group `group` (i32): row r
   holds pair columns j = 2 r, 2 r + 1 as 4 i32 [s(j % 2 = 0), z(0), s(1), z(1)].
@@ -145,7 +191,8 @@ def key_scale_rows(scales_ref, group, dtype: str):
 
 
 def key_pairs(codes_ref, m: int, dtype: str):
-  """{(rh, j): i32 pair of exact codes} of the thread's share of key sub-tile m of a block
+  """{(rh, j): i32 pair of MAGIC + c / magic_factor(j % 8) (`word_magic`)} of the thread's
+  share of key sub-tile m of a block
   (its warp's tokens 32 warp + 16 m + lane // 4 + 8 rh, channels 8 j + 2 (lane % 4) + e).
 
   codes_ref: [4, 256] uint32 (this slot's words; thread tau's 4 words of m at flat index
@@ -154,5 +201,5 @@ def key_pairs(codes_ref, m: int, dtype: str):
   _, _, arith, _ = _ctx()
   tid, _, _ = thread_coords()
   words = load16(codes_ref, arith.muli(arith.addi(tid, const_i32(128 * m)), const_i32(4)))
-  pairs = word_codes(words, dtype)
+  pairs = word_magic(words, dtype)
   return {(u // 2, (u % 2) * 8 + k): v for (u, k), v in pairs.items()}

@@ -100,7 +100,7 @@ def _kernel(p, dtype, sm_scale, ext, q_ref, kc_ref, ks_ref, vc_ref, vs_ref, len_
   q_bar, slot_bar, free, done = bars
   layout = plgpu.Layout.WGMMA
   sds = lambda cols, dt: plgpu.ShapeDtypeStruct((64, cols), dt, layout=layout)
-  acc_t, ml_t, qb_t = sds(64 * nt, jnp.float32), sds(8 * nt, jnp.float32), sds(32 * nt,
+  acc_t, ml_t, qb_t = sds(64 * nt, jnp.float32), sds(8 * nt, jnp.float32), sds(64 * nt,
                                                                                jnp.int32)
   ref = plgpu.RefType()
   pid = lax.axis_index("p")

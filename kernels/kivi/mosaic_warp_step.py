@@ -2,7 +2,8 @@
 
 State crosses the Pallas loop as WGMMA-layout arrays used as plain register files (a
 [64, C] f32/i32 array is C / 2 scalars per thread, in the order `scalars` lists them):
-  qb  [64, 32 NT] i32: q's B fragments, (n-tile, k-step kk, b0/b1)
+  qb  [64, 64 NT] i32: q's B fragments, (n-tile, k-step kk, b0/b1), then the same times the
+                       key slots' `magic_factor` (`query_fragments`)
   acc [64, 64 NT] f32: o^T's D fragments, (n-tile, channel tile t, c0..c3)
   ml  [64, 8 NT]  f32: (n-tile, [max e0, max e1, sum e0, sum e1]) of the thread's two
                        query columns 8 nt + 2 (lane % 4) + e (log2 units; the sum is the
@@ -11,11 +12,15 @@ State crosses the Pallas loop as WGMMA-layout arrays used as plain register file
                        of p s (rows r < 8) and p z (rows 8 + r) of value channel group
                        r % 4 (`_value_products`)
 Dequantization: the key scales multiply q's B fragments (a warp's 32 tokens are one key
-group) and the value scales p's (per channel group), so the codes enter the products as
-exact small integers (`mosaic_dequant.word_codes`: a lop3 and one packed FMA per pair), and
-the zero points are added through one m16n8k16 product per k-step whose A operand is the
-scale/zero chunk as loaded. Rounding: q * s and p * s once each (p twice in all); the zero
-points are summed exactly in f32.
+group) and the value scales p's (per channel group). The value codes enter the products as
+exact small integers (`mosaic_dequant.word_codes`: a lop3 and one packed FMA per pair); the
+key codes as the lop3's MAGIC + c / f alone (`word_magic`), with q's fragments pre-scaled
+by f and MAGIC's share subtracted by one more product per k-step (`_key_scores`; why not
+the values too: their sums run over the whole context, and f32 accumulation of a MAGIC-sized
+term loses the codes' bits there, as Palu's 4-bit kernel found). The zero points are added
+through one m16n8k16 product per k-step whose A operand is the scale/zero chunk as loaded.
+Rounding: q f * s and p * s once each (p twice in all); the zero points are summed exactly
+in f32.
 Fragment coordinates (PTX m16n8k16; r = lane // 4, q = lane % 4): A rows r (+ 8), columns
 2 q (+ 8); B rows 2 q (+ 8), column r; C/D rows r (+ 8), columns 2 q + {0, 1}.
 """
@@ -27,8 +32,8 @@ import math
 import numpy as np
 
 from . import mosaic_ptx as ptx
-from .mosaic_dequant import (const_i32, extract, key_pairs, key_scale_rows, load16,
-                             thread_coords, word_codes)
+from .mosaic_dequant import (MAGIC, const_i32, extract, key_pairs, key_scale_rows, load16,
+                             magic_factor, pair_const, thread_coords, word_codes)
 
 
 def _mlir():
@@ -80,7 +85,9 @@ def lane_parts():
 
 
 def query_fragments(q_ref, nt: int, dtype: str):
-  """qb (module docstring) from q [NP, 128] (16-bit, shared memory, unswizzled)."""
+  """qb (module docstring) from q [NP, 128] (16-bit, shared memory, unswizzled), followed by
+  the same fragments times `magic_factor` of their channel block's key slot (exact: powers
+  of two, at most 2^-8; the key products' B before the scales)."""
   _, _, _, ir, arith, vector = _mlir()
   ft = ir.F16Type.get() if dtype == "float16" else ir.BF16Type.get()
   i32 = ir.IntegerType.get_signless(32)
@@ -95,7 +102,10 @@ def query_fragments(q_ref, nt: int, dtype: str):
                                                  const_i32(16 * kk + 8 * half)))
         pair = vector.load(ir.VectorType.get([2], ft), q_ref, [row, col])
         vals.append(extract(vector.bitcast(ir.VectorType.get([1], i32), pair), 0))
-  return as_array(vals, i32, True)
+  # register 16 n + 2 kk + half: channel block j = 2 kk + half, key slot j % 8
+  scaled = [ptx.hmul2(v, pair_const(magic_factor((i % 16) % 8, dtype), dtype), dtype)
+            for i, v in enumerate(vals)]
+  return as_array(vals + scaled, i32, True)
 
 
 def initial_state(nt: int):
@@ -107,29 +117,39 @@ def initial_state(nt: int):
   return as_array(acc, f32, None), as_array(ml, f32, None), as_array(acc[:4 * nt], f32, None)
 
 
-def _key_scores(kc, ks, qb, *, nt, dtype, group=32, init=None):
+def _key_scores(kc, ks, qb, qbm, *, nt, dtype, group=32, init=None):
   """{(m, n): 4 f32}: the scores of the warp's 32 tokens (D fragments of tokens
-  32 warp + 16 m + r (+ 8)), unscaled. The key scales multiply q (B = q * s, one HMUL2 per B
-  register), the key codes go into the products as exact small integers, and the zero
-  points enter as beta = z . q: one m16n8k16 product per k-step whose A fragment is the
-  thread's scale row as loaded, [s, z, s, z] (A rows r hold s, rows r + 8 hold z: no register
-  copies), so D rows 8-15 are beta, in the scores' column layout. init: None, or {(m, n):
-  4 f32} added to the scores (an extension's term)."""
+  32 warp + 16 m + r (+ 8)), unscaled. The key codes enter the products as the lop3's
+  MAGIC + c / f (`mosaic_dequant.word_magic`, f = `magic_factor` of the channel's slot), so
+  B = (q f) * s (qbm: q's fragments times f; one HMUL2 per B register), and MAGIC's share,
+  MAGIC sum_j B_j per query column, is subtracted: one more m16n8k16 per k-step with an A of
+  MAGIC everywhere and the same B (on the rounded B, so the two cancel up to the f32
+  accumulation, ~2^-22 MAGIC sum |B|). The zero points enter as beta = z . q: one m16n8k16
+  product per k-step whose A fragment is the thread's scale row as loaded, [s, z, s, z] (A
+  rows r hold s, rows r + 8 hold z: no register copies), so D rows 8-15 are beta, in the
+  scores' column layout. init: None, or {(m, n): 4 f32} added to the scores (an
+  extension's term)."""
   _, _, _, _, arith, _ = _mlir()
   _, warp, _, _ = lane_parts()
   zero4 = [f32c(0.0)] * 4
   # the warp's token group (groups of 64: warps 2 i and 2 i + 1 share row i)
   srows = key_scale_rows(ks, warp if group == 32 else arith.divui(warp, const_i32(group // 32)),
                          dtype)
-  bq = [ptx.hmul2(qb[16 * n + 2 * kk + h], srows[kk][2 * h], dtype)
+  bq = [ptx.hmul2(qbm[16 * n + 2 * kk + h], srows[kk][2 * h], dtype)
         for n in range(nt) for kk in range(8) for h in range(2)]
+  magic_a = [pair_const(MAGIC, dtype)] * 4
   beta = {}
   for n in range(nt):
     chains = [zero4, zero4]
+    offs = [zero4, zero4]
     for kk in range(8):
       chains[kk % 2] = ptx.mma_16816(srows[kk], qb[16 * n + 2 * kk:16 * n + 2 * kk + 2],
                                      chains[kk % 2], dtype)
-    beta[n] = [arith.addf(chains[0][c], chains[1][c]) for c in (2, 3)]
+      offs[kk % 2] = ptx.mma_16816(magic_a, bq[16 * n + 2 * kk:16 * n + 2 * kk + 2],
+                                   offs[kk % 2], dtype)
+    # beta (D rows r + 8) minus MAGIC's share (rows r), per column 2 q + e
+    beta[n] = [arith.subf(arith.addf(chains[0][2 + e], chains[1][2 + e]),
+                          arith.addf(offs[0][e], offs[1][e])) for e in range(2)]
   scores = {}
   for m in range(2):
     kp = key_pairs(kc, m, dtype)
@@ -253,7 +273,8 @@ def block_step(slots, qb_arr, acc_arr, ml_arr, z_arr, valids, *, nt: int, dtype:
   _, _, _, ir, arith, _ = _mlir()
   f32 = ir.F32Type.get()
   qb, acc, ml, zacc = (scalars(a) for a in (qb_arr, acc_arr, ml_arr, z_arr))
-  blocks = [(_key_scores(kc, ks, qb, nt=nt, dtype=dtype, group=group,
+  qb, qbm = qb[:16 * nt], qb[16 * nt:]  # `query_fragments`: q's fragments, then times f
+  blocks = [(_key_scores(kc, ks, qb, qbm, nt=nt, dtype=dtype, group=group,
                          init=None if ext is None else ext.scores(j, qb)), scalars(valid)[0])
             for j, ((kc, ks, _, _), valid) in enumerate(zip(slots, valids))]
   ps, alphas, ml_out = _softmax(blocks, ml, nt=nt, scale2=scale2)

@@ -212,6 +212,28 @@ def test_code_pairs_are_exact():
                             codes)
 
 
+def test_key_magic_pairs_give_the_codes():
+  """The key path's lop3 alone (`word_magic`) gives MAGIC + c / magic_factor(k) exactly, so
+  (x - MAGIC) * f is every code, in fp16 and bf16; and the key product's algebra, in float64:
+  sum_j (q_j f_j s_j) x_j - MAGIC sum_j q_j f_j s_j = sum_j q_j s_j c_j. Negative control: x
+  taken as the code (no offset removed) is far off."""
+  rng = np.random.default_rng(11)
+  codes = rng.integers(0, 4, (256, 8, 2))
+  shift = (2 * np.arange(8)[:, None] + 16 * np.arange(2)[None, :]).astype(np.uint64)
+  words = (codes.astype(np.uint64) << shift).sum((-2, -1)).astype(np.uint32)
+  for dtype in ("float16", "bfloat16"):
+    x = mosaic_dequant.magic_pairs_numpy(words, dtype).astype(np.float64)
+    f = np.array([mosaic_dequant.magic_factor(k, dtype) for k in range(8)])[:, None]
+    np.testing.assert_array_equal((x - mosaic_dequant.MAGIC) * f, codes)
+    assert f.max() <= 1 and f.min() >= 2.0 ** -8
+    q, s = rng.normal(size=(8, 2)), rng.uniform(0.01, 1, (8, 2))
+    b = q * f * s
+    got = (b * x).sum((-2, -1)) - mosaic_dequant.MAGIC * b.sum()
+    want = (q * s * codes).sum((-2, -1))
+    np.testing.assert_allclose(got, want, rtol=1e-9, atol=1e-9)
+    assert not np.allclose((b * x).sum((-2, -1)), want)
+
+
 @pytest.mark.parametrize("change, match", PLAN_REJECTS)
 def test_plan_rejects(change, match):
   assert_plan_rejects(mosaic_kivi_warp.plan, change, match)
