@@ -74,7 +74,7 @@ class _Bound:
     for src, dst in ((self.ak_g, self.ak_s), (self.av_g, self.av_s)):
       plgpu.copy_gmem_to_smem(src.at[b, head, blk], dst.at[slot], self.slot_bar.at[slot])
     rows = lp.chunks_per_block * lp.b_rows
-    row0 = (blk * BLOCK // lp.chunk) * lp.b_rows
+    row0 = lax.div(blk * BLOCK, lp.chunk) * lp.b_rows  # no `//` in a warp's context
     streams = (blk + 1) * BLOCK > self.pfx
 
     @pl.when(streams)
@@ -83,7 +83,7 @@ class _Bound:
         plgpu.copy_gmem_to_smem(src.at[b, head, pl.ds(row0, rows)], dst.at[slot],
                                 self.slot_bar.at[slot])
 
-    @pl.when(jnp.logical_not(streams))
+    @pl.when((blk + 1) * BLOCK <= self.pfx)  # not `streams`: no `not` in a warp's context
     def _():  # one arrival for each of the two copies skipped
       plgpu.barrier_arrive(self.slot_bar.at[slot])
       plgpu.barrier_arrive(self.slot_bar.at[slot])

@@ -98,7 +98,7 @@ def produce(q_src, q_dst, q_bar, arrays, slot_bar, free, *, b, head, start, n_bl
     if extra is not None:
       extra.copy_block(blk0 + i, slot)
 
-  if stages % 4 or extra is not None:  # one loop, the whole warpgroup (one thread issues)
+  if stages % 4:  # one loop, the whole warpgroup (one thread issues)
     for i in range(stages):
       pl.when(i < n_blocks)(functools.partial(load, i, i))
 
@@ -116,8 +116,8 @@ def produce(q_src, q_dst, q_bar, arrays, slot_bar, free, *, b, head, start, n_bl
   # is one warp's, and its free barrier's phases are that warp's alone). Why: the four warps
   # each ran the whole loop, issuing about a sixth of the CTA's instructions on the compute
   # warps' schedulers; now each runs a quarter (results/decode_ablations.md, "the producer's
-  # share of the issue slots"). An extension's copies (GEAR's) stay on the warpgroup loop:
-  # its copy_block uses primitives that JAX 0.11.2 does not lower in a warp's context.
+  # share of the issue slots"). An extension's copy_block runs here too, so it must lower in
+  # a warp's context (JAX 0.11.2: no `not`, no `//`; GEAR's uses a comparison and lax.div).
   @pl.core_map(plgpu.WarpMesh(axis_name="producer_warp"))
   def _():
     wp = lax.axis_index("producer_warp")
