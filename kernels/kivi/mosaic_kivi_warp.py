@@ -24,15 +24,19 @@ loop is latency-bound, and two blocks' chains interleave). Instructions are PTX 
 
 Dequantization (`mosaic_warp_step`): the key scales are multiplied into q's B fragments (a
 warp's 32 tokens are one key group) and the value scales into p's (per channel group), so
-the codes enter the products as exact small integers (a lop3 and one packed FMA per pair);
-the zero points are added through one m16n8k16 product per k-step whose A operand is the
-scale/zero chunk as loaded. Why: it takes half of the packed FMAs of dequantizing every
-element (c * s + z per pair, the variant it replaced). Timings against the dense kernels
-and that variant, and the loop's SASS instruction mix: BENCHMARKS.md.
+the value codes enter the products as exact small integers (a lop3 and one packed FMA per
+pair) and the key codes as the lop3's 1024 + c / f alone (q's fragments pre-scaled by f,
+1024's share subtracted by one more product per k-step); the zero points are added through
+one m16n8k16 product per k-step whose A operand is the scale/zero chunk as loaded. Why: it
+takes half of the packed FMAs of dequantizing every element (c * s + z per pair, the variant
+it replaced), and the keys' FMAs went too (results/decode_ablations.md, "KIVI-2's key codes
+without the packed FMA"). Timings against the dense kernels and that variant, and the loop's
+SASS instruction mix: BENCHMARKS.md.
 
-Choices: q unscaled in the scales' 16-bit type, scores scaled in f32, p rounded to the
-16-bit type for the value product, tokens in [length, capacity) read and masked; q * s and
-p * s are rounded once each (p twice in all) and the zero points summed exactly in f32.
+Choices: q in the scales' 16-bit type (and q f, exact: f a power of two), scores scaled in
+f32, p rounded to the 16-bit type for the value product, tokens in [length, capacity) read
+and masked; q f * s and p * s are rounded once each (p twice in all) and the zero points
+summed exactly in f32.
 Restrictions: `mosaic_layout`'s (2-bit, groups of 32, H = 128, capacity a multiple of 128,
 fp16/bf16 scales), QPK <= 16.
 """
