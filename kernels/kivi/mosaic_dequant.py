@@ -10,10 +10,11 @@ MANT is 10 (fp16) or 7 (bf16). A word's 8 pair slots sit at bits 2k: fp16 takes 
 unshifted and 5-7 after one shift by 10; bf16 slots 0-2, then 3-5 (shift 6) and 6-7
 (shift 12). The kernel folds the scales into its other MMA operand and adds the zero
 points by small products (`mosaic_warp_step`), so the codes enter the products as these
-exact small integers. Why not fold the zero into a pre-offset (z - M s): see `triton_kivi`
-(a rounded group-wide offset is a correlated error).
+exact small integers. `word_magic` (the keys) stops after the lop3, with MAGIC = 1024 in
+place of 1 (the key products remove MAGIC's share). Why not fold the zero into a pre-offset
+(z - M s): see `triton_kivi` (a rounded group-wide offset is a correlated error).
 The CPU test `tests/kernels/test_kivi_mosaic_warp.py` checks the same arithmetic in numpy
-(`code_pairs_numpy`); the GPU tests check the kernel against the float32 reference.
+(`code_pairs_numpy`, `magic_pairs_numpy`); the GPU tests check the kernel against the float32 reference.
 """
 
 from __future__ import annotations
@@ -23,7 +24,6 @@ import numpy as np
 from . import mosaic_ptx as ptx
 from .mosaic_ptx import const_i32
 
-_ONE = {"float16": 0x3C00, "bfloat16": 0x3F80}
 _MANT = {"float16": 10, "bfloat16": 7}
 MAGIC = 1024.0  # the key codes' offset (`word_magic`): 0x6400 in fp16, 0x4480 in bf16
 
@@ -49,21 +49,31 @@ def slot_plan(dtype: str):
   return out
 
 
+def _or_pairs_numpy(words, dtype: str, base: float):
+  """numpy model of the lop3 (`_lop3_pairs`): words uint32 [...] -> per slot k of
+  `slot_plan`, (float32 [..., 2 elements e] of the 16-bit values the lop3 leaves: base with
+  the slot's two codes in its field f, f)."""
+  b = _bits16(base, dtype)
+  out = []
+  for _, shift, f in slot_plan(dtype):
+    bits = ((words >> np.uint32(shift)) & np.uint32((3 << f) | (3 << (16 + f)))) | np.uint32(
+        b | (b << 16))
+    halves = np.stack([bits & 0xFFFF, bits >> 16], -1).astype(np.uint32)
+    if dtype == "float16":
+      x = halves.astype(np.uint16).view(np.float16).astype(np.float32)
+    else:  # bf16 -> f32: the 16 bits are the top half of the float32
+      x = (halves << 16).astype(np.uint32).view(np.float32)
+    out.append((x, f))
+  return out
+
+
 def code_pairs_numpy(words, dtype: str):
   """numpy model of the register arithmetic: words uint32 [...] -> the codes of the 8 pairs
   of each word, float32 [..., 8 slots k, 2 elements e], as the kernel's 16-bit pairs hold
   them."""
-  npdt = np.float16 if dtype == "float16" else None
-  one, mant = _ONE[dtype], _MANT[dtype]
+  mant = _MANT[dtype]
   out = []
-  for _, shift, f in slot_plan(dtype):
-    bits = ((words >> np.uint32(shift)) & np.uint32((3 << f) | (3 << (16 + f)))) | np.uint32(
-        one | (one << 16))
-    halves = np.stack([bits & 0xFFFF, bits >> 16], -1).astype(np.uint32)
-    if npdt is not None:
-      x = halves.astype(np.uint16).view(np.float16).astype(np.float32)
-    else:  # bf16 -> f32: the 16 bits are the top half of the float32
-      x = (halves << 16).astype(np.uint32).view(np.float32)
+  for x, f in _or_pairs_numpy(words, dtype, 1.0):
     kk = float(2 ** (mant - f))
     out.append(x * kk - kk)  # exact in the 16-bit type as well
   return np.stack(out, -2)
@@ -78,17 +88,7 @@ def magic_factor(k: int, dtype: str) -> float:
 def magic_pairs_numpy(words, dtype: str):
   """numpy model of `word_magic`: words uint32 [...] -> [..., 8 slots k, 2 elements e] of
   the 16-bit values MAGIC + c / magic_factor(k), as float32."""
-  magic = _bits16(MAGIC, dtype)
-  out = []
-  for _, shift, f in slot_plan(dtype):
-    bits = ((words >> np.uint32(shift)) & np.uint32((3 << f) | (3 << (16 + f)))) | np.uint32(
-        magic | (magic << 16))
-    halves = np.stack([bits & 0xFFFF, bits >> 16], -1).astype(np.uint32)
-    if dtype == "float16":
-      out.append(halves.astype(np.uint16).view(np.float16).astype(np.float32))
-    else:
-      out.append((halves << 16).astype(np.uint32).view(np.float32))
-  return np.stack(out, -2)
+  return np.stack([x for x, _ in _or_pairs_numpy(words, dtype, MAGIC)], -2)
 
 
 def pair_const(val: float, dtype: str):
@@ -135,16 +135,11 @@ def extract(vec, e: int):
   return vector.extract(vec, dynamic_position=[], static_position=ir.DenseI64ArrayAttr.get([e]))
 
 
-def word_codes(words, dtype: str):
-  """{(u, k): i32 pair of exact codes c} for the 8 pair slots k of each i32 word u in
-  `words` (module docstring)."""
+def _lop3_pairs(words, dtype: str, base: float, finish):
+  """{(u, k): finish(x, f)} for the 8 pair slots k of each i32 word u in `words`: x is the
+  lop3 of the word (shifted once per distinct shift) with slot k's two codes in field f of
+  the 16-bit float `base` in both halves. finish runs right after each lop3."""
   _, _, arith, _ = _ctx()
-  one, mant = _ONE[dtype], _MANT[dtype]
-
-  def pair_bits(val):  # a 16-bit float constant in both halves of a 32-bit word
-    h = _bits16(val, dtype)
-    return const_i32(h | (h << 16))
-
   shifted = {}
   pairs = {}
   for u, w in enumerate(words):
@@ -152,27 +147,27 @@ def word_codes(words, dtype: str):
       if (u, shift) not in shifted:
         shifted[(u, shift)] = arith.shrui(w, const_i32(shift)) if shift else w
       mask = (3 << f) | (3 << (16 + f))
-      x = ptx.lop3_and_or(shifted[(u, shift)], const_i32(mask), const_i32(one | (one << 16)))
-      kk = float(2 ** (mant - f))
-      pairs[(u, k)] = ptx.hfma2(x, pair_bits(kk), pair_bits(-kk), dtype)
+      x = ptx.lop3_and_or(shifted[(u, shift)], const_i32(mask), pair_const(base, dtype))
+      pairs[(u, k)] = finish(x, f)
   return pairs
+
+
+def word_codes(words, dtype: str):
+  """{(u, k): i32 pair of exact codes c} for the 8 pair slots k of each i32 word u in
+  `words` (module docstring): the lop3's 1 + c 2^(f - MANT), then one packed FMA."""
+  mant = _MANT[dtype]
+
+  def finish(x, f):
+    kk = float(2 ** (mant - f))
+    return ptx.hfma2(x, pair_const(kk, dtype), pair_const(-kk, dtype), dtype)
+  return _lop3_pairs(words, dtype, 1.0, finish)
 
 
 def word_magic(words, dtype: str):
   """{(u, k): i32 pair of MAGIC + c / magic_factor(k)} for the 8 pair slots k of each i32
   word u: one lop3 per pair, no packed FMA (the key products fold 1 / magic_factor into q
   and subtract MAGIC's share by one more product per k-step: `mosaic_warp_step`)."""
-  _, _, arith, _ = _ctx()
-  shifted = {}
-  pairs = {}
-  for u, w in enumerate(words):
-    for k, shift, f in slot_plan(dtype):
-      if (u, shift) not in shifted:
-        shifted[(u, shift)] = arith.shrui(w, const_i32(shift)) if shift else w
-      mask = (3 << f) | (3 << (16 + f))
-      pairs[(u, k)] = ptx.lop3_and_or(shifted[(u, shift)], const_i32(mask),
-                                      pair_const(MAGIC, dtype))
-  return pairs
+  return _lop3_pairs(words, dtype, MAGIC, lambda x, f: x)
 
 
 def key_scale_rows(scales_ref, group, dtype: str):
