@@ -6,8 +6,7 @@ merge of the kernel's split-K partials with the exact window's.
 Ring protocol: block i of a CTA's split goes to slot i % stages, one barrier per slot signals
 the arrival of all its arrays, and the slot's consumer (compute warpgroup i % W, since stages
 is a multiple of W) arrives on `free[slot]` once it no longer reads the slot. Where stages is
-a multiple of 4 (and no extension copies), warp j of the producer warpgroup streams blocks
-j, j + 4, ... (`produce`).
+a multiple of 4, warp j of the producer warpgroup streams blocks j, j + 4, ... (`produce`).
 """
 
 from __future__ import annotations
