@@ -107,4 +107,4 @@ def extra_smem(lp: LowRankPlan):
 
 def plan(q_shape, cache, lp, **knobs):
   return mkw.plan(q_shape, cache.kc.shape, extra_smem=extra_smem(lp), kgroup=cache.group,
-                  **knobs)
+                  persistent=False, **knobs)

@@ -12,14 +12,20 @@ warps:
 Why warp-level products rather than warpgroup-wide wgmma: with N = 8 query columns a wgmma
 runs at a small fraction of the tensor pipe's rate, and a warpgroup-wide block needs two
 exchanges through shared memory (the column max, p^T as the value products' B operand);
-here every warp keeps its own online-softmax state. After the loop the 4 W warps' partials
-are merged in shared memory into one (o, lse) per CTA, and the wrapper merges the splits
-with the exact window's partial in one LSE combine.
+here every warp keeps its own online-softmax state. After an item's blocks the 4 W warps'
+partials are merged in shared memory into one (o, lse) per item, and the wrapper merges the
+splits with the exact window's partial in one LSE combine.
 
-Grid (B * K, num_splits); warpgroup W is the TMA producer (`mosaic_ring`: codes and scales
-of keys and values per 128-token block into a ring), warpgroup w < W takes blocks
-w, w + W, ..., two per online-softmax step where the ring holds both (`plan`'s "group": the
-loop is latency-bound, and two blocks' chains interleave). Instructions are PTX through
+Work: B * K * num_splits items (a split of one KV head's sequence, `ring.item_geometry`). Grid:
+one CTA per item, or (`plan`'s persistent, the default without an extension) at most one per
+multiprocessor, each running its items one after another through the same ring, so the
+producer streams the next item's q and blocks while the compute warpgroups finish the current
+one. Why: a CTA takes all of a multiprocessor (its registers), and a CTA's fixed costs were
+~3.5 µs per wave of splits (results/decode_ablations.md, "the fixed cost of a wave of CTAs").
+Warpgroup W is the TMA producer (`mosaic_ring`: codes and scales of keys and values per
+128-token block into a ring), warpgroup w < W takes an item's blocks w, w + W, ..., two per
+online-softmax step where the ring holds both (`plan`'s "group": the loop is latency-bound,
+and two blocks' chains interleave). Instructions are PTX through
 `mosaic_ptx` inside `plgpu.inline_mgpu`.
 
 Dequantization (`mosaic_warp_step`): the key scales are multiplied into q's B fragments (a
@@ -49,7 +55,6 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from ..common import splitk
 from . import mosaic_ring as ring
 from . import mosaic_warp_step as ws
 from .mosaic_layout import BLOCK, HEAD_DIM, KiviMosaic, check_mosaic, scale_rows
@@ -60,15 +65,15 @@ LOG2E = 1.4426950408889634
 NAME = "mosaic KIVI (warp)"
 
 
-def _smem_bytes(w, stages, np_, group=32):
+def _smem_bytes(w, stages, np_, group=32, q_slots=1):
   kib = lambda n: -(-n // 1024) * 1024
-  return (stages * ring.slot_bytes(group) + kib(np_ * HEAD_DIM * 2)   # ring, q
+  return (stages * ring.slot_bytes(group) + kib(q_slots * np_ * HEAD_DIM * 2)   # ring, q
           + kib(4 * w * HEAD_DIM * np_ * 4) + kib(4 * w * 2 * np_ * 4)  # warp partials
           + kib(HEAD_DIM * np_ * 4) + kib(np_ * 4) + 512)  # merged partial, barriers
 
 
 def plan(q_shape, cache_shape, *, warpgroups=2, stages=None, num_splits=None,
-         extra_smem=None, kgroup=32):
+         extra_smem=None, kgroup=32, persistent=True, ctas=None):
   """Launch geometry (dict) with ValueErrors naming the bad argument (`ring.plan_ring`).
 
   Args:
@@ -81,17 +86,31 @@ def plan(q_shape, cache_shape, *, warpgroups=2, stages=None, num_splits=None,
     extra_smem: None, or (w, stages, np) -> the shared-memory bytes a caller's extension
       (`launch`'s `ext`) adds.
     kgroup: the cache's key / value group (32 or 64, `KiviMosaic.group`).
+    persistent: at most one CTA per multiprocessor, each running its items (splits) one
+      after another through one ring (`ring.item_geometry`), so a CTA's fixed costs (q and
+      the ring's first blocks in flight, the launch) are paid once per multiprocessor, not
+      once per wave of splits; False: a CTA per split. Needs extra_smem None (an
+      extension binds its operands once per CTA).
+    ctas: the persistent CTA count (None: min(multiprocessors, items); tests force a few).
   The plan's "group": each warp takes its blocks GROUP at a time, one online-softmax step
   over them (`mosaic_warp_step.block_step`), 2 where the ring holds both (stages >= 2 W),
   else 1. Why 2: the loop is latency-bound (one CTA per multiprocessor, each block a
   dependent chain), and two blocks' chains interleave; measured in BENCHMARKS.md.
   """
-  base = lambda w, st, np_: _smem_bytes(w, st, np_, kgroup)
+  if persistent and extra_smem is not None:
+    raise ValueError(f"{NAME}: persistent=True takes no extension (extra_smem)")
+  q_slots = 2 if persistent else 1
+  base = lambda w, st, np_: _smem_bytes(w, st, np_, kgroup, q_slots)
   smem = base if extra_smem is None else (
       lambda w, st, np_: base(w, st, np_) + extra_smem(w, st, np_))
   p = ring.plan_ring(NAME, q_shape, cache_shape, warpgroups=warpgroups, stages=stages,
                      num_splits=num_splits, smem_bytes=smem)
-  return dict(p, group=2 if p["stages"] >= 2 * p["w"] else 1, kgroup=kgroup)
+  items = p["b"] * p["kh"] * p["num_splits"]
+  if ctas is not None and (not persistent or ctas < 1):
+    raise ValueError(f"{NAME}: ctas ({ctas}) needs persistent=True and must be >= 1")
+  n_cta = items if not persistent else min(items, ctas or ring.num_sms())
+  return dict(p, group=2 if p["stages"] >= 2 * p["w"] else 1, kgroup=kgroup, items=items,
+              ctas=n_cta, q_slots=q_slots if n_cta < items else 1)
 
 
 def _kernel(p, dtype, sm_scale, ext, q_ref, kc_ref, ks_ref, vc_ref, vs_ref, len_ref, ext_in,
@@ -99,24 +118,29 @@ def _kernel(p, dtype, sm_scale, ext, q_ref, kc_ref, ks_ref, vc_ref, vs_ref, len_
   import jax.experimental.pallas as pl  # pylint: disable=import-outside-toplevel
   import jax.experimental.pallas.mosaic_gpu as plgpu  # pylint: disable=import-outside-toplevel
   nw, stages, np_, ns, kh = p["w"], p["stages"], p["np"], p["num_splits"], p["kh"]
+  n_cta = p["ctas"]
   nt = np_ // 8
   q_s, kc_s, ks_s, vc_s, vs_s, wo_s, wml_s, o_s, lse_s = smem
-  q_bar, slot_bar, free, done = bars
+  q_bar, q_free, slot_bar, free, done, merged = bars
   layout = plgpu.Layout.WGMMA
   sds = lambda cols, dt: plgpu.ShapeDtypeStruct((64, cols), dt, layout=layout)
   acc_t, ml_t, qb_t = sds(64 * nt, jnp.float32), sds(8 * nt, jnp.float32), sds(64 * nt,
                                                                                jnp.int32)
   ref = plgpu.RefType()
-  pid = lax.axis_index("p")
-  sid = lax.axis_index("s")
+  cta = lax.axis_index("p")
   wg = lax.axis_index("wg")
-  b, head = pid // kh, pid % kh
-  start, end, n_blocks = splitk.split_bounds(len_ref[b], ns, sid, BLOCK)
+  # the CTA's items: p["items"] = B K splits, `n_cta` apart (`ring.item_geometry`); one each
+  # where n_cta = items (an extension's kernel, or `plan`'s persistent=False)
+  n_items = 1 if n_cta == p["items"] else lax.div(p["items"] - cta + n_cta - 1, n_cta)
+  item = functools.partial(ring.item_geometry, pid=cta, n_cta=n_cta, ns=ns, kh=kh,
+                           lengths=len_ref)
   scale2 = sm_scale * LOG2E
-  # ext (None for KIVI): a caller's extra terms (`launch`)
-  x = None if ext is None else ext.bind(p, dtype, b=b, head=head, pid=pid, inputs=ext_in,
-                                        smem=ext_smem, bars=ext_bars,
-                                        slot_bar=slot_bar)
+  # ext (None for KIVI): a caller's extra terms (`launch`), bound to the CTA's one item
+  x = None
+  if ext is not None:
+    pair0, _, b0, head0, _, _, _ = item(0)
+    x = ext.bind(p, dtype, b=b0, head=head0, pid=pair0, inputs=ext_in, smem=ext_smem,
+                 bars=ext_bars, slot_bar=slot_bar)
   n_ref, n_state, n_const = (0, 0, 0) if x is None else (x.refs_per_block, x.n_state,
                                                          x.n_const)
 
@@ -163,58 +187,80 @@ def _kernel(p, dtype, sm_scale, ext, q_ref, kc_ref, ks_ref, vc_ref, vs_ref, len_
 
   def compute(w):
     plgpu.set_max_registers(p["regs"], action="increase")
-    plgpu.barrier_wait(q_bar)
-    qb = load_q(q_s)
+    # once before the first item: the ring slots this warpgroup reads and the q slots are
+    # free, and the (absent) previous item's partials merged
+    for slot in range(w, stages, nw):
+      plgpu.barrier_arrive(free.at[slot])
+    for qs in range(q_s.shape[0]):
+      plgpu.barrier_arrive(q_free.at[qs])
+    if w == 0:
+      plgpu.barrier_arrive(merged)
     const = () if x is None else x.load_const()
-    mine = jnp.maximum(n_blocks - w + nw - 1, 0) // nw  # blocks w, w + W, ...
-
-    def arrived(i):  # block i's slot (its operands) and its valid-token count
-      slot = lax.rem(i, stages)
-      plgpu.barrier_wait(slot_bar.at[slot])
-      refs = (kc_s.at[slot], ks_s.at[slot], vc_s.at[slot], vs_s.at[slot])
-      valid = plgpu.layout_cast(jnp.full((64, 8), end - (start + i * BLOCK), jnp.int32),
-                                layout)
-      extras = ()
-      if x is not None:
-        refs += x.arrived(slot)
-        extras = (x.block_value(start + i * BLOCK, layout),)
-      return slot, refs, valid, extras
-
-    def body(k, first, general, ii, carry):  # blocks w + (first + k ii + j) W, j < k
-      got = [arrived(w + (first + k * ii + j) * nw) for j in range(k)]
-      carry = steps[k, general](*[r for _, refs, _, _ in got for r in refs], qb, *carry,
-                                *const, *[valid for _, _, valid, _ in got],
-                                *[e for _, _, _, ex in got for e in ex])
-      for slot, _, _, _ in got:
-        plgpu.barrier_arrive(free.at[slot])
-      return carry
-
     k = p["group"]
 
-    def run(first, count, general, carry):  # `count` of this warpgroup's blocks from `first`
-      carry = lax.fori_loop(0, count // k, functools.partial(body, k, first, general), carry)
-      if k > 1:  # the last count % k blocks, one at a time
-        carry = lax.fori_loop(0, count % k, functools.partial(
-            body, 1, first + count - count % k, general), carry)
-      return carry
+    def run_item(j):
+      pair, sid, _, _, start, end, n_blocks = item(j)
+      qs = lax.rem(j, q_s.shape[0])
+      plgpu.barrier_wait(q_bar.at[qs])
+      qb = load_q(q_s.at[qs])
+      plgpu.barrier_arrive(q_free.at[qs])
+      mine = jnp.maximum(n_blocks - w + nw - 1, 0) // nw  # blocks w, w + W, ...
 
-    carry = tuple(init()) + (() if x is None else tuple(x.init_state()))
-    if x is None:
-      carry = run(0, mine, False, carry)
-    else:  # the extension's plain blocks first (no per-warp branches), then the general ones
-      plain = jnp.minimum(
-          jnp.maximum(x.plain_blocks(start, n_blocks) - w + nw - 1, 0) // nw, mine)
-      carry = run(plain, mine - plain, True, run(0, plain, False, carry))
-    publish(*carry[:3], wo_s, wml_s)
-    if x is not None:
-      x.publish(carry[3:])
-    plgpu.barrier_arrive(done)
+      def arrived(i):  # block i's slot (its operands) and its valid-token count
+        slot = lax.rem(i, stages)
+        plgpu.barrier_wait(slot_bar.at[slot])
+        refs = (kc_s.at[slot], ks_s.at[slot], vc_s.at[slot], vs_s.at[slot])
+        valid = plgpu.layout_cast(jnp.full((64, 8), end - (start + i * BLOCK), jnp.int32),
+                                  layout)
+        extras = ()
+        if x is not None:
+          refs += x.arrived(slot)
+          extras = (x.block_value(start + i * BLOCK, layout),)
+        return slot, refs, valid, extras
+
+      def body(k, first, general, ii, carry):  # blocks w + (first + k ii + j) W, j < k
+        got = [arrived(w + (first + k * ii + jj) * nw) for jj in range(k)]
+        carry = steps[k, general](*[r for _, refs, _, _ in got for r in refs], qb, *carry,
+                                  *const, *[valid for _, _, valid, _ in got],
+                                  *[e for _, _, _, ex in got for e in ex])
+        for slot, _, _, _ in got:
+          plgpu.barrier_arrive(free.at[slot])
+        return carry
+
+      def run(first, count, general, carry):  # `count` of this warpgroup's blocks from `first`
+        carry = lax.fori_loop(0, count // k, functools.partial(body, k, first, general), carry)
+        if k > 1:  # the last count % k blocks, one at a time
+          carry = lax.fori_loop(0, count % k, functools.partial(
+              body, 1, first + count - count % k, general), carry)
+        return carry
+
+      carry = tuple(init()) + (() if x is None else tuple(x.init_state()))
+      if x is None:
+        carry = run(0, mine, False, carry)
+      else:  # the extension's plain blocks first (no per-warp branches), then the general ones
+        plain = jnp.minimum(
+            jnp.maximum(x.plain_blocks(start, n_blocks) - w + nw - 1, 0) // nw, mine)
+        carry = run(plain, mine - plain, True, run(0, plain, False, carry))
+      if w:  # warpgroup 0 has merged the previous item's partials out of wo_s / wml_s
+        plgpu.barrier_wait(merged)
+      publish(*carry[:3], wo_s, wml_s)
+      if x is not None:
+        x.publish(carry[3:])
+      plgpu.barrier_arrive(done)
+      if w == 0:
+        plgpu.barrier_wait(done)
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous item's copies of o_s
+        merge(wo_s, wml_s, o_s, lse_s, *m_refs)
+        plgpu.barrier_arrive(merged)
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(o_s, o_ref.at[pair, sid])
+        plgpu.copy_smem_to_gmem(lse_s, lse_ref.at[pair, sid])
+
+    if n_cta == p["items"]:
+      run_item(0)
+    else:
+      pl.loop(0, n_items)(run_item)
     if w == 0:
-      plgpu.barrier_wait(done)
-      merge(wo_s, wml_s, o_s, lse_s, *m_refs)
-      plgpu.commit_smem()
-      plgpu.copy_smem_to_gmem(o_s, o_ref.at[pid, sid])
-      plgpu.copy_smem_to_gmem(lse_s, lse_ref.at[pid, sid])
       plgpu.wait_smem_to_gmem(0)
 
   steps = {(k, g): make_step(k, g) for k in {1, p["group"]}
@@ -223,9 +269,9 @@ def _kernel(p, dtype, sm_scale, ext, q_ref, kc_ref, ks_ref, vc_ref, vs_ref, len_
     pl.when(wg == w)(functools.partial(compute, w))
 
   pl.when(wg == nw)(functools.partial(
-      ring.produce, q_ref.at[pid], q_s, q_bar,
-      ((kc_ref, kc_s), (ks_ref, ks_s), (vc_ref, vc_s), (vs_ref, vs_s)), slot_bar, free, b=b,
-      head=head, start=start, n_blocks=n_blocks, stages=stages, extra=x))
+      ring.produce, q_ref, q_s, q_bar, q_free,
+      ((kc_ref, kc_s), (ks_ref, ks_s), (vc_ref, vc_s), (vs_ref, vs_s)), slot_bar, free,
+      n_items=1 if n_cta == p["items"] else n_items, item=item, stages=stages, extra=x))
 
 
 def launch(p, dtype, sm_scale, qt, cache: KiviMosaic, lengths, ext=None, ext_inputs=()):
@@ -258,7 +304,7 @@ def launch(p, dtype, sm_scale, qt, cache: KiviMosaic, lengths, ext=None, ext_inp
   def entry(q_ref, kc_ref, ks_ref, vc_ref, vs_ref, len_ref, *rest):
     ext_in, (o_ref, lse_ref) = rest[:n_in], rest[n_in:]
     scratch = [
-        plgpu.SMEM((np_, HEAD_DIM), jdt),
+        plgpu.SMEM((p["q_slots"], np_, HEAD_DIM), jdt),
         plgpu.SMEM((stages, 4, 256), jnp.uint32),
         plgpu.SMEM((stages, rows, 256), jdt),
         plgpu.SMEM((stages, 4, 256), jnp.uint32),
@@ -270,13 +316,15 @@ def launch(p, dtype, sm_scale, qt, cache: KiviMosaic, lengths, ext=None, ext_inp
     ]
     more = 0 if ext is None else ext.ring_arrivals
     bars = (
-        plgpu.Barrier(num_barriers=1),
+        plgpu.Barrier(num_barriers=p["q_slots"]),
+        plgpu.Barrier(num_arrivals=nw, num_barriers=p["q_slots"]),
         # one per ring slot: the block's four copies (and an extension's) arrive on it. Why
         # not one per array: the compute warps' three extra waits per block cost issue
         # slots (results/decode_ablations.md, "the producer's share of the issue slots")
         plgpu.Barrier(num_arrivals=4 + more, num_barriers=stages),
         plgpu.Barrier(num_arrivals=1, num_barriers=stages),
         plgpu.Barrier(num_arrivals=nw, num_barriers=1),
+        plgpu.Barrier(num_arrivals=1, num_barriers=1),
     )
     x_scratch = [] if ext is None else list(ext.scratch(p, dtype))
     x_bars = () if ext is None else tuple(ext.barriers(p))
@@ -293,15 +341,15 @@ def launch(p, dtype, sm_scale, qt, cache: KiviMosaic, lengths, ext=None, ext_inp
   out_types = (jax.ShapeDtypeStruct((kvh, ns, HEAD_DIM, np_), jnp.float32),
                jax.ShapeDtypeStruct((kvh, ns, np_), jnp.float32))
   return plgpu.kernel(
-      entry, out_type=out_types, grid=p["grid"], grid_names=("p", "s"),
+      entry, out_type=out_types, grid=(p["ctas"],), grid_names=("p",),
       num_threads=nw + 1, thread_name="wg",
   )(qt, cache.kc, cache.ks, cache.vc, cache.vs, lengths, *ext_inputs)
 
 
 def kivi_attention_mosaic_warp(q, cache: KiviMosaic, k_win, v_win, q_len, w_len, *,
                                scale=None, out_dtype=None, warpgroups=2, stages=None,
-                               num_splits=None, window_implementation=None,
-                               return_partials=False):
+                               num_splits=None, persistent=True, ctas=None,
+                               window_implementation=None, return_partials=False):
   """KIVI-2bit decode attention over a `KiviMosaic` cache plus the exact window.
 
   Args:
@@ -310,7 +358,7 @@ def kivi_attention_mosaic_warp(q, cache: KiviMosaic, k_win, v_win, q_len, w_len,
     k_win, v_win: [B, W, K, H] full-precision recent tokens.
     q_len: [B] quantized tokens per sequence; w_len: [B] window tokens.
     scale: default H ** -0.5; out_dtype: default q.dtype.
-    warpgroups, stages, num_splits: launch knobs (`plan`).
+    warpgroups, stages, num_splits, persistent, ctas: launch knobs (`plan`).
     window_implementation: the window's attention and the merge: None (the fastest that
       runs), "fused" (one Triton launch), "xla" (the reference), or a `dense.decode_attention`
       implementation.
@@ -320,7 +368,7 @@ def kivi_attention_mosaic_warp(q, cache: KiviMosaic, k_win, v_win, q_len, w_len,
   """
   dtype = check_mosaic(cache)
   p = plan(q.shape, cache.kc.shape, warpgroups=warpgroups, stages=stages,
-           num_splits=num_splits, kgroup=cache.group)
+           num_splits=num_splits, kgroup=cache.group, persistent=persistent, ctas=ctas)
   sm_scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
   qt = ring.query_operand(q, p, dtype)
   o_t, lse_t = launch(p, dtype, sm_scale, qt, cache, q_len.astype(jnp.int32))

@@ -3,10 +3,12 @@ the launch plan's checks and ring depth, the query operand, the TMA producer war
 streams each 128-token block's key/value codes and scales into a `stages`-slot ring, and the
 merge of the kernel's split-K partials with the exact window's.
 
-Ring protocol: block i of a CTA's split goes to slot i % stages, one barrier per slot signals
-the arrival of all its arrays, and the slot's consumer (compute warpgroup i % W, since stages
-is a multiple of W) arrives on `free[slot]` once it no longer reads the slot. Where stages is
-a multiple of 4, warp j of the producer warpgroup streams blocks j, j + 4, ... (`produce`).
+Ring protocol: a CTA runs one or more items (a split of one KV head's sequence,
+`item_geometry`), one after another through the same ring. Block i of an item goes to slot
+i % stages, one barrier per slot signals the arrival of all its arrays, and the slot's consumer
+(compute warpgroup i % W, since stages is a multiple of W) arrives on `free[slot]` once it no
+longer reads the slot (and once before its first item). Where stages is a multiple of 4, warp
+j of the producer warpgroup streams blocks j, j + 4, ... (`produce`).
 """
 
 from __future__ import annotations
@@ -74,63 +76,99 @@ def query_operand(q, p, dtype: str):
   return jnp.pad(q.reshape(b * kh, qpk, h), ((0, 0), (0, np_ - qpk), (0, 0))).astype(dtype)
 
 
-def produce(q_src, q_dst, q_bar, arrays, slot_bar, free, *, b, head, start, n_blocks, stages,
-            extra=None):
-  """The producer warpgroup's body: q once, then every block of the split into the ring.
+def item_geometry(j, *, pid, n_cta, ns, kh, lengths):
+  """(pair b K + head, sid, b, head, start, end, n_blocks) of the j-th item of CTA pid: item
+  pid + j n_cta, splits of a pair's sequence `ns` apart (a wave holds every pair's split sid
+  before sid + 1, the order of the (B K, splits) grid it replaces); start, end and n_blocks
+  as `splitk.split_bounds`. Scalar lax ops only (no `//`, `not`): it runs in the producer's
+  warps too."""
+  it = pid + j * n_cta
+  bk = lengths.shape[0] * kh
+  sid, pair = lax.div(it, bk), lax.rem(it, bk)
+  b, head = lax.div(pair, kh), lax.rem(pair, kh)
+  length = lengths[b]
+  chunk = lax.div(lax.div(length + ns - 1, ns) + BLOCK - 1, BLOCK) * BLOCK
+  start = sid * chunk
+  end = lax.min(start + chunk, length)
+  n_blocks = lax.div(lax.max(end - start, 0) + BLOCK - 1, BLOCK)
+  return pair, sid, b, head, start, end, n_blocks
 
+
+def produce(q_src, q_dst, q_bar, q_free, arrays, slot_bar, free, *, n_items, item, stages,
+            extra=None):
+  """The producer warpgroup's body: for each of the CTA's items (a split of one KV head's
+  sequence), its q, then its blocks into the ring.
+
+  q_src: gmem [B K, NP, H]; q_dst [q slots, NP, H] with q_bar / q_free [q slots] (item j's q
+  goes to slot j % q slots once its compute warpgroups have read the slot's previous q).
   arrays: ((gmem ref [B, K, S / 128, 4, 256], smem ring [stages, 4, 256]) x 4), copied with
-  slot_bar [stages] (4 arrivals per block, plus the extra's);
-  start: the split's first token (a multiple of 128); extra: None, or a caller's operands
-  with `copy_const()` (once, after q) and `copy_block(block index, slot)` (with each block).
+  slot_bar [stages] (4 arrivals per block, plus the extra's); block i of an item goes to slot
+  i % stages once free[slot] has completed (the compute warpgroups arrive on every free slot
+  once before their first item, so the first use waits on nothing).
+  n_items: the CTA's item count (1, a Python int, with `extra`); item(j): `item_geometry`.
+  extra: None, or a caller's operands with `copy_const()` (once, after q) and
+  `copy_block(block index, slot)` (with each block).
   """
   import jax.experimental.pallas as pl  # pylint: disable=import-outside-toplevel
   import jax.experimental.pallas.mosaic_gpu as plgpu  # pylint: disable=import-outside-toplevel
   plgpu.set_max_registers(40, action="decrease")
-  plgpu.copy_gmem_to_smem(q_src, q_dst, q_bar)
-  if extra is not None:
-    extra.copy_const()
-  blk0 = start // BLOCK
+  q_slots = q_dst.shape[0]
+  if extra is not None and n_items != 1:
+    raise ValueError("an extension's copies take one item per CTA")
 
-  def load(i, slot):
+  def copy_q(j, pair):
+    qs = lax.rem(j, q_slots)
+    plgpu.barrier_wait(q_free.at[qs])
+    plgpu.copy_gmem_to_smem(q_src.at[pair], q_dst.at[qs], q_bar.at[qs])
+
+  def load(b, head, blk, slot):
+    plgpu.barrier_wait(free.at[slot])
     for src, dst in arrays:
-      plgpu.copy_gmem_to_smem(src.at[b, head, blk0 + i], dst.at[slot], slot_bar.at[slot])
+      plgpu.copy_gmem_to_smem(src.at[b, head, blk], dst.at[slot], slot_bar.at[slot])
     if extra is not None:
-      extra.copy_block(blk0 + i, slot)
+      extra.copy_block(blk, slot)
 
-  if stages % 4:  # one loop, the whole warpgroup (one thread issues)
-    for i in range(stages):
-      pl.when(i < n_blocks)(functools.partial(load, i, i))
+  if stages % 4:  # one loop, the whole warpgroup (one elected thread issues)
+    @pl.loop(0, n_items)
+    def _(j):
+      pair, _, b, head, start, _, n_blocks = item(j)
+      copy_q(j, pair)
+      if extra is not None:
+        extra.copy_const()
+      blk0 = lax.div(start, BLOCK)
 
-    @pl.loop(0, n_blocks)
-    def _(i):
-      slot = lax.rem(i, stages)
-
-      @pl.when(i + stages < n_blocks)
-      def _():
-        plgpu.barrier_wait(free.at[slot])
-        load(i + stages, slot)
+      @pl.loop(0, n_blocks)
+      def _(i):
+        load(b, head, blk0 + i, lax.rem(i, stages))
     return
 
-  # Warp j of the warpgroup streams blocks j, j + 4, ... (so slots j, j + 4, ...: every slot
-  # is one warp's, and its free barrier's phases are that warp's alone). Why: the four warps
-  # each ran the whole loop, issuing about a sixth of the CTA's instructions on the compute
-  # warps' schedulers; now each runs a quarter (results/decode_ablations.md, "the producer's
-  # share of the issue slots"). An extension's copy_block runs here too, so it must lower in
-  # a warp's context (JAX 0.11.2: no `not`, no `//`; GEAR's uses a comparison and lax.div).
+  # Warp j of the warpgroup streams blocks j, j + 4, ... of each item (so slots j, j + 4, ...:
+  # every slot is one warp's, and its free barrier's phases are that warp's alone); warp 0
+  # copies the items' q. Why: the four warps each ran the whole loop, issuing about a sixth
+  # of the CTA's instructions on the compute warps' schedulers; now each runs a quarter
+  # (results/decode_ablations.md, "the producer's share of the issue slots"). An extension's
+  # copy_block runs here too, so it must lower in a warp's context (JAX 0.11.2: no `not`, no
+  # `//`; GEAR's uses a comparison and lax.div).
+  if extra is not None:  # its constants, once (its one item's), before the warps split
+    pair, _, b, head, start, _, n_blocks = item(0)
+    copy_q(0, pair)
+    extra.copy_const()
+
   @pl.core_map(plgpu.WarpMesh(axis_name="producer_warp"))
   def _():
     wp = lax.axis_index("producer_warp")
 
-    @pl.loop(0, lax.div(n_blocks - wp + 3, 4))  # n_blocks >= 0, wp <= 3; no `//` in a warp
-    def _(k):
-      i = wp + 4 * k
-      slot = lax.rem(i, stages)
+    @pl.loop(0, n_items)
+    def _(j):
+      pair, _, b, head, start, _, n_blocks = item(j)
+      if extra is None:
+        pl.when(wp == 0)(functools.partial(copy_q, j, pair))
+      blk0 = lax.div(start, BLOCK)
 
-      @pl.when(i >= stages)
-      def _():
-        plgpu.barrier_wait(free.at[slot])
-
-      load(i, slot)
+      @pl.loop(0, lax.div(n_blocks - wp + 3, 4))  # n_blocks >= 0, wp <= 3; no `//` in a warp
+      def _(k):
+        i = wp + 4 * k
+        load(b, head, blk0 + i, lax.rem(i, stages))
 
 
 def merge_with_window(q, o_t, lse_t, parts, p, k_win, v_win, w_len, *, scale, out_dtype,

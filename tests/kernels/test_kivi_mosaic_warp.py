@@ -248,6 +248,16 @@ def test_plan_defaults_and_cache_check():
   # two blocks per step where the ring holds both (the GPU cases run both kinds)
   assert p2["group"] == 2 and p["group"] == 2
   assert mosaic_kivi_warp.plan((8, 32, 128), (8, 8, 128), stages=2)["group"] == 1
+  # persistent CTAs: at most one per multiprocessor, two q slots where a CTA runs several
+  p3 = mosaic_kivi_warp.plan((8, 32, 128), (8, 8, 128), num_splits=4, ctas=5)
+  assert p3["items"] == 8 * 8 * 4 and p3["ctas"] == 5 and p3["q_slots"] == 2
+  p4 = mosaic_kivi_warp.plan((8, 32, 128), (8, 8, 128), num_splits=4, persistent=False)
+  assert p4["ctas"] == p4["items"] == 256 and p4["q_slots"] == 1
+  assert mosaic_kivi_warp.plan((1, 32, 128), (1, 8, 128), num_splits=1)["q_slots"] == 1
+  with pytest.raises(ValueError, match="ctas"):
+    mosaic_kivi_warp.plan((8, 32, 128), (8, 8, 128), persistent=False, ctas=4)
+  with pytest.raises(ValueError, match="extension"):
+    mosaic_kivi_warp.plan((8, 32, 128), (8, 8, 128), extra_smem=lambda *a: 0)
   with pytest.raises(TypeError):  # the removed knobs
     mosaic_kivi_warp.plan((8, 32, 128), (8, 8, 128), dequant="fma")
   _, (q, kq, vq, kw, vw, ql, wl) = case(0, 1)
@@ -266,7 +276,9 @@ def _lowering_inputs(idx):
 
 @pytest.mark.parametrize("idx", range(len(SHAPES)))
 @pytest.mark.parametrize("opts", [dict(), dict(warpgroups=1, stages=2),
-                                  dict(warpgroups=2, num_splits=2)])
+                                  dict(warpgroups=2, num_splits=2),
+                                  dict(num_splits=3, ctas=2), dict(persistent=False),
+                                  dict(warpgroups=1, stages=2, num_splits=2, ctas=3)])
 def test_mosaic_kivi_warp_lowers_for_cuda(idx, opts):
   q, cache, kw, vw, ql, wl = _lowering_inputs(idx)
   f = jax.jit(lambda *a: mosaic_kivi_warp.kivi_attention_mosaic_warp(*a, **opts))
@@ -281,7 +293,13 @@ def test_mosaic_kivi_warp_lowers_for_cuda(idx, opts):
                                   dict(warpgroups=2, stages=2, num_splits=3),
                                   dict(warpgroups=1, stages=2, num_splits=3),
                                   dict(warpgroups=2), dict(warpgroups=3, stages=3,
-                                                           num_splits=2)])
+                                                           num_splits=2),
+                                  # persistent CTAs, several items each (warp-split and
+                                  # warpgroup producers), and one CTA per split
+                                  dict(num_splits=3, ctas=2), dict(ctas=3),
+                                  dict(warpgroups=1, stages=2, num_splits=4, ctas=3),
+                                  dict(warpgroups=3, stages=3, num_splits=2, ctas=4),
+                                  dict(persistent=False)])
 def test_mosaic_kivi_warp_matches_reference(idx, opts):
   if not triton_backend.gpu_available():
     pytest.skip("needs a GPU")
