@@ -267,6 +267,39 @@ def test_plan_defaults_and_cache_check():
     mosaic_kivi_warp.kivi_attention_mosaic_warp(q, bad, kw, vw, ql, wl)
 
 
+@pytest.mark.parametrize("b, kh, ns, n_cta", [(3, 2, 3, 4), (7, 32, 4, 132), (2, 8, 1, 16),
+                                             (5, 3, 2, 30)])
+def test_persistent_items_cover_every_split_once(b, kh, ns, n_cta):
+  """`mosaic_ring.item_geometry` over every CTA's items (pid + j n_cta): each (pair, split)
+  exactly once, with `splitk.split_bounds`' tokens, in the (B K, splits) grid's order; the
+  CTAs' item counts differ by at most one. Negative control: n_cta CTAs striding by
+  n_cta - 1 run some items twice."""
+  from kvlowrank_kernels.common import splitk  # pylint: disable=import-outside-toplevel
+  from kvlowrank_kernels.kivi import mosaic_ring  # pylint: disable=import-outside-toplevel
+  lengths = jnp.asarray(np.random.default_rng(b * 100 + ns).integers(0, 5000, b), jnp.int32)
+  items = b * kh * ns
+
+  def cover(stride):
+    seen, counts = {}, []
+    for pid in range(n_cta):
+      count = (items - pid + stride - 1) // stride
+      counts.append(count)
+      for j in range(count):
+        pair, sid, bb, head, start, end, nbl = (int(v) for v in mosaic_ring.item_geometry(
+            jnp.int32(j), pid=jnp.int32(pid), n_cta=stride, ns=ns, kh=kh, lengths=lengths))
+        assert (bb, head) == divmod(pair, kh) and pid + j * stride == sid * b * kh + pair
+        seen[(pair, sid)] = seen.get((pair, sid), 0) + 1
+        want = splitk.split_bounds(lengths[bb], ns, sid, mosaic_layout.BLOCK)
+        assert (start, end, nbl) == tuple(int(v) for v in want), (pair, sid)
+    return seen, counts
+
+  seen, counts = cover(n_cta)
+  assert sorted(seen) == [(pr, sd) for pr in range(b * kh) for sd in range(ns)]
+  assert set(seen.values()) == {1} and max(counts) - min(counts) <= 1
+  bad, _ = cover(n_cta - 1)
+  assert max(bad.values()) > 1
+
+
 @functools.lru_cache(maxsize=None)
 def _lowering_inputs(idx):
   """One shape's operands in the warp layout, built once for every knob set lowered on it."""
