@@ -241,8 +241,10 @@ def _kernel(p, dtype, sm_scale, ext, q_ref, kc_ref, ks_ref, vc_ref, vs_ref, len_
         plain = jnp.minimum(
             jnp.maximum(x.plain_blocks(start, n_blocks) - w + nw - 1, 0) // nw, mine)
         carry = run(plain, mine - plain, True, run(0, plain, False, carry))
-      if w:  # warpgroup 0 has merged the previous item's partials out of wo_s / wml_s
-        plgpu.barrier_wait(merged)
+      # every thread of warpgroup 0 has merged the previous item's partials out of wo_s /
+      # wml_s (warpgroup 0's own warps too: one could otherwise publish a short item while
+      # another still reads its region)
+      plgpu.barrier_wait(merged)
       publish(*carry[:3], wo_s, wml_s)
       if x is not None:
         x.publish(carry[3:])
