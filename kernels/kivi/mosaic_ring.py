@@ -76,21 +76,31 @@ def query_operand(q, p, dtype: str):
   return jnp.pad(q.reshape(b * kh, qpk, h), ((0, 0), (0, np_ - qpk), (0, 0))).astype(dtype)
 
 
+_BIG = 1 << 30  # above any |v| `_pos` sees (token counts)
+
+
+def _pos(v):
+  """max(v, 0) for |v| < 2^30 with +, * and a truncating division alone: the producer's warps
+  run this, and JAX 0.11.2's warp context lowers few primitives (`not` failed there)."""
+  return v * lax.div(v + _BIG, _BIG)
+
+
 def item_geometry(j, *, pid, n_cta, ns, kh, lengths):
   """(pair b K + head, sid, b, head, start, end, n_blocks) of the j-th item of CTA pid: item
   pid + j n_cta, splits of a pair's sequence `ns` apart (a wave holds every pair's split sid
   before sid + 1, the order of the (B K, splits) grid it replaces); start, end and n_blocks
-  as `splitk.split_bounds`. Scalar lax ops only (no `//`, `not`): it runs in the producer's
-  warps too."""
+  as `splitk.split_bounds`. Scalar +, -, *, lax.div and lax.rem only: it runs in the
+  producer's warps too."""
   it = pid + j * n_cta
   bk = lengths.shape[0] * kh
   sid, pair = lax.div(it, bk), lax.rem(it, bk)
   b, head = lax.div(pair, kh), lax.rem(pair, kh)
   length = lengths[b]
-  chunk = lax.div(lax.div(length + ns - 1, ns) + BLOCK - 1, BLOCK) * BLOCK
+  cb = lax.div(lax.div(length + ns - 1, ns) + BLOCK - 1, BLOCK)  # blocks per split
+  chunk = cb * BLOCK
   start = sid * chunk
-  end = lax.min(start + chunk, length)
-  n_blocks = lax.div(lax.max(end - start, 0) + BLOCK - 1, BLOCK)
+  end = start + chunk - _pos(start + chunk - length)  # min(start + chunk, length)
+  n_blocks = cb - _pos(cb - _pos(lax.div(length + BLOCK - 1, BLOCK) - sid * cb))
   return pair, sid, b, head, start, end, n_blocks
 
 

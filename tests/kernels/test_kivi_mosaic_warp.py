@@ -276,7 +276,9 @@ def test_persistent_items_cover_every_split_once(b, kh, ns, n_cta):
   n_cta - 1 run some items twice."""
   from kvlowrank_kernels.common import splitk  # pylint: disable=import-outside-toplevel
   from kvlowrank_kernels.kivi import mosaic_ring  # pylint: disable=import-outside-toplevel
-  lengths = jnp.asarray(np.random.default_rng(b * 100 + ns).integers(0, 5000, b), jnp.int32)
+  lengths = np.random.default_rng(b * 100 + ns).integers(0, 5000, b)
+  lengths[:2] = (0, 1280)  # an empty sequence, and one of whole blocks
+  lengths = jnp.asarray(lengths, jnp.int32)
   items = b * kh * ns
 
   def cover(stride):
