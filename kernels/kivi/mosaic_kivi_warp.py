@@ -203,7 +203,6 @@ def _kernel(p, dtype, sm_scale, ext, q_ref, kc_ref, ks_ref, vc_ref, vs_ref, len_
       qs = lax.rem(j, q_s.shape[0])
       plgpu.barrier_wait(q_bar.at[qs])
       qb = load_q(q_s.at[qs])
-      plgpu.barrier_arrive(q_free.at[qs])
       mine = jnp.maximum(n_blocks - w + nw - 1, 0) // nw  # blocks w, w + W, ...
 
       def arrived(i):  # block i's slot (its operands) and its valid-token count
@@ -241,6 +240,11 @@ def _kernel(p, dtype, sm_scale, ext, q_ref, kc_ref, ks_ref, vc_ref, vs_ref, len_
         plain = jnp.minimum(
             jnp.maximum(x.plain_blocks(start, n_blocks) - w + nw - 1, 0) // nw, mine)
         carry = run(plain, mine - plain, True, run(0, plain, False, carry))
+      # q's slot is free once the item's blocks are done, not once load_q has run: the
+      # compiled steps read the slot during the item (measured on an H200: with the arrival
+      # right after load_q, an empty next item let the producer copy the next-but-one
+      # item's q into this slot mid-item, and the item's partial came out wrong)
+      plgpu.barrier_arrive(q_free.at[qs])
       # every thread of warpgroup 0 has merged the previous item's partials out of wo_s /
       # wml_s (warpgroup 0's own warps too: one could otherwise publish a short item while
       # another still reads its region)

@@ -110,7 +110,8 @@ def produce(q_src, q_dst, q_bar, q_free, arrays, slot_bar, free, *, n_items, ite
   sequence), its q, then its blocks into the ring.
 
   q_src: gmem [B K, NP, H]; q_dst [q slots, NP, H] with q_bar / q_free [q slots] (item j's q
-  goes to slot j % q slots once its compute warpgroups have read the slot's previous q).
+  goes to slot j % q slots once the compute warpgroups have finished item j - q slots'
+  blocks, which read that slot).
   arrays: ((gmem ref [B, K, S / 128, 4, 256], smem ring [stages, 4, 256]) x 4), copied with
   slot_bar [stages] (4 arrivals per block, plus the extra's); block i of an item goes to slot
   i % stages once free[slot] has completed (the compute warpgroups arrive on every free slot

@@ -353,6 +353,37 @@ def test_mosaic_kivi_warp_matches_reference(idx, opts):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("idx", [0, 1])
+@pytest.mark.parametrize("knobs", [dict(), dict(warpgroups=1, stages=4),
+                                   dict(warpgroups=1, stages=1)])
+def test_persistent_partials_equal_one_cta_per_split(idx, knobs):
+  """Two persistent CTAs, each running 9-12 items (ragged: empty items after full ones,
+  where the producer runs ahead to the next-but-one item's q), give every split's partial
+  bitwise equal to one CTA per split with the same warpgroups and ring. Negative control:
+  the same comparison sees a one-ulp change of one partial."""
+  if not triton_backend.gpu_available():
+    pytest.skip("needs a GPU")
+  _, (q, kq, vq, kw, vw, ql, wl) = case(idx, 700 + idx)
+  cache = mosaic_layout.to_mosaic(kq, vq)
+
+  def partials(**more):
+    f = jax.jit(lambda *a: mosaic_kivi_warp.kivi_attention_mosaic_warp(
+        *a, out_dtype=F32, return_partials=True, num_splits=3, **knobs, **more))
+    _, _, (o_p, lse_p) = f(q, cache, kw, vw, ql, wl)
+    return np.asarray(o_p), np.asarray(lse_p)
+
+  want_o, want_lse = partials(persistent=False)
+  got_o, got_lse = partials(ctas=2)
+  same = lambda a, b: np.array_equal(a, b, equal_nan=True)
+  bad = [s for s in range(want_o.shape[2]) if not (same(got_o[:, :, s], want_o[:, :, s])
+                                                  and same(got_lse[:, :, s], want_lse[:, :, s]))]
+  assert not bad, f"splits {bad} differ"
+  off = got_o.copy()
+  off.flat[np.flatnonzero(off)[0]] = np.nextafter(off.flat[np.flatnonzero(off)[0]], np.inf)
+  assert not same(off, want_o)
+
+
+@pytest.mark.gpu
 def test_mosaic_kivi_warp_dispatcher_and_negative_control():
   """The dispatcher runs the warp kernel on a KiviMosaic cache as stored (bitwise the
   kernel's result) and on planar inputs (relaid out per call: the same result); a corrupted
