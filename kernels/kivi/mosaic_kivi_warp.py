@@ -277,7 +277,7 @@ def _kernel(p, dtype, sm_scale, ext, q_ref, kc_ref, ks_ref, vc_ref, vs_ref, len_
   pl.when(wg == nw)(functools.partial(
       ring.produce, q_ref, q_s, q_bar, q_free,
       ((kc_ref, kc_s), (ks_ref, ks_s), (vc_ref, vc_s), (vs_ref, vs_s)), slot_bar, free,
-      n_items=1 if n_cta == p["items"] else n_items, item=item, stages=stages, extra=x))
+      n_items=n_items, item=item, stages=stages, extra=x))
 
 
 def launch(p, dtype, sm_scale, qt, cache: KiviMosaic, lengths, ext=None, ext_inputs=()):
