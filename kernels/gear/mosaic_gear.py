@@ -7,7 +7,7 @@ an extension of that kernel (`mosaic_kivi_warp.launch`'s `ext`), never forming L
   keys    s[t, h] += a_k[t] . (q_h B(t))   per warp and 16-token sub-tile, one m16n8k16
           with A = the tokens' a_k rows (rank padded to 16) and B = q B as a B fragment:
           q B_p (the prefill factor) is computed once per call in the wrapper (rounded to
-          fp16) and read once per CTA; a warp whose 32 tokens lie in a streaming chunk c
+          fp16) and read once per item; a warp whose 32 tokens lie in a streaming chunk c
           computes q B_c itself (8 m16n8k16 over the channels, `movmatrix` to a B fragment).
   values  o[h] += B(t) (sum_t p_t a_v[t]): u = a_v^T p, two m16n8k16 per warp and block with
           p's B fragments (those of the value products). Prefill tokens accumulate u_p
@@ -17,7 +17,8 @@ an extension of that kernel (`mosaic_kivi_warp.launch`'s `ext`), never forming L
 Operands: a_k / a_v [B, K, S, RA] fp16 (4 rows of a 128-token block = RA/2 rows of 256), read
 through the ring with each block; b_k / b_v [B, K, C, H, r_g] of the block's chunks, copied
 by the producer only for blocks that hold streaming tokens (else it arrives on their
-barriers); q B_p [B K, NP, 8] and B_v,p [B K, 128, 8] (rank zero-padded to 8) once per CTA.
+barriers); q B_p [B K, NP, 8] and B_v,p [B K, 128, 8] (rank zero-padded to 8) once per item,
+with its q (persistent CTAs: into the item's q slot).
 Token t (of a block starting at t0) uses the prefill factor iff t < n_pchunks * chunk; a warp
 holds 32 tokens of one chunk (chunk a multiple of 32), so the choice is per warp (`scf.if`).
 Choices: the MMAs run in fp16 (GEAR's factors are fp16; the backbone's scales must be fp16
@@ -47,16 +48,19 @@ from .operands import GearLowRank
 
 
 class _Bound:
-  """The per-CTA extension object `mosaic_kivi_warp._kernel` calls (its `launch` docstring)."""
+  """The extension bound to one item (a split of KV head `head` of sequence `b`; pair `pid`)
+  that `mosaic_kivi_warp._kernel` calls (its `launch` docstring); the item's constants q B_p
+  and B_v,p live in constant slot `cslot` (its q slot)."""
 
   refs_per_block, n_state, n_const = 4, 1, 1
 
-  def __init__(self, lp, p, dtype, *, b, head, pid, inputs, smem, bars, slot_bar):
+  def __init__(self, lp, p, dtype, *, b, head, pid, cslot, inputs, smem, bars, slot_bar):
     del dtype
     self.lp, self.p, self.b, self.head, self.pid = lp, p, b, head, pid
     (self.qbp_g, self.bpv_g, self.pfx_g, self.ak_g, self.av_g, self.bk_g, self.bv_g) = inputs
-    (self.qbp_s, self.bpv_s, self.ak_s, self.av_s, self.bk_s, self.bv_s, self.wu_s) = smem
-    (self.const_bar,) = bars
+    (qbp_s, bpv_s, self.ak_s, self.av_s, self.bk_s, self.bv_s, self.wu_s) = smem
+    self.qbp_s, self.bpv_s = qbp_s.at[cslot], bpv_s.at[cslot]
+    self.const_bar = bars[0].at[cslot]
     # the block's factors arrive on its ring slot's barrier (`_Ext.ring_arrivals`)
     self.slot_bar = slot_bar
     self.pfx = self.pfx_g[b]
@@ -192,7 +196,8 @@ class _Ext:
     del dtype
     st, np_, lp = p["stages"], p["np"], self.lp
     f16 = jnp.float16
-    return [plgpu.SMEM((np_, LR), f16), plgpu.SMEM((HEAD_DIM, LR), f16),
+    qs = p["q_slots"]  # an item's constants ride in its q slot
+    return [plgpu.SMEM((qs, np_, LR), f16), plgpu.SMEM((qs, HEAD_DIM, LR), f16),
             plgpu.SMEM((st, lp.ra // 2, 256), f16), plgpu.SMEM((st, lp.ra // 2, 256), f16),
             plgpu.SMEM((st, lp.chunks_per_block * lp.b_rows, 256), f16),
             plgpu.SMEM((st, lp.chunks_per_block * lp.b_rows, 256), f16),
@@ -202,8 +207,7 @@ class _Ext:
 
   def barriers(self, p):
     import jax.experimental.pallas.mosaic_gpu as plgpu  # pylint: disable=import-outside-toplevel
-    del p
-    return (plgpu.Barrier(num_arrivals=2, num_barriers=1),)
+    return (plgpu.Barrier(num_arrivals=2, num_barriers=p["q_slots"]),)
 
   def bind(self, p, dtype, **kw):
     return _Bound(self.lp, p, dtype, **kw)
@@ -211,8 +215,8 @@ class _Ext:
 
 def gear_attention_mosaic(q, cache: KiviMosaic, k_win, v_win, q_len, w_len,
                           lowrank: GearLowRank, *, chunk: int, scale=None, out_dtype=None,
-                          warpgroups=2, stages=None, num_splits=None,
-                          window_implementation=None, return_partials=False):
+                          warpgroups=2, stages=None, num_splits=None, persistent=True,
+                          ctas=None, window_implementation=None, return_partials=False):
   """GEAR-L decode attention: the KIVI-2bit warp-layout backbone plus the low-rank residual.
 
   Args:
@@ -220,8 +224,9 @@ def gear_attention_mosaic(q, cache: KiviMosaic, k_win, v_win, q_len, w_len,
     cache: D^ in the warp layout (`kivi.mosaic_layout.KiviMosaic`), capacity S.
     k_win, v_win: [B, W, K, H] the exact window; q_len, w_len: [B] compressed / window tokens.
     lowrank: `operands.GearLowRank` (fp16), chunks of `chunk` tokens.
-    scale, out_dtype, warpgroups, stages, num_splits, window_implementation,
-    return_partials: as `kivi.mosaic_kivi_warp.kivi_attention_mosaic_warp`.
+    scale, out_dtype, warpgroups, stages, num_splits, persistent, ctas,
+    window_implementation, return_partials: as
+    `kivi.mosaic_kivi_warp.kivi_attention_mosaic_warp`.
   Returns:
     (out [B, N, H], lse [B, N] float32), plus the partials if asked.
   """
@@ -230,7 +235,8 @@ def gear_attention_mosaic(q, cache: KiviMosaic, k_win, v_win, q_len, w_len,
     raise ValueError(f"{NAME}: {why}")
   lr = lowrank
   lp = LowRankPlan(lr.a_k.shape[-1], lr.prefill_rank, lr.chunk_rank, chunk)
-  p = plan(q.shape, cache, lp, warpgroups=warpgroups, stages=stages, num_splits=num_splits)
+  p = plan(q.shape, cache, lp, warpgroups=warpgroups, stages=stages, num_splits=num_splits,
+           persistent=persistent, ctas=ctas)
   b, n, h = q.shape
   kh, qpk, np_ = p["kh"], p["qpk"], p["np"]
   sm_scale = h ** -0.5 if scale is None else float(scale)

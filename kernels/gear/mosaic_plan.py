@@ -98,13 +98,13 @@ def fit(q_shape, cache, lowrank, chunk: int, sparse=False) -> str | None:
 def extra_smem(lp: LowRankPlan):
   kib = lambda n: -(-n // 1024) * 1024
 
-  def extra(w, stages, np_):
+  def extra(w, stages, np_, q_slots):
     per_slot = 2 * (lp.ra // 2) * 512 + 2 * lp.chunks_per_block * lp.b_rows * 512
-    return (stages * per_slot + kib(np_ * LR * 2) + kib(HEAD_DIM * LR * 2)
+    return (stages * per_slot + kib(q_slots * np_ * LR * 2) + kib(q_slots * HEAD_DIM * LR * 2)
             + kib(4 * w * 8 * np_ * 4) + 256)
   return extra
 
 
 def plan(q_shape, cache, lp, **knobs):
   return mkw.plan(q_shape, cache.kc.shape, extra_smem=extra_smem(lp), kgroup=cache.group,
-                  persistent=False, **knobs)
+                  **knobs)

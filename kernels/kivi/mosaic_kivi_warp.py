@@ -17,7 +17,7 @@ partials are merged in shared memory into one (o, lse) per item, and the wrapper
 splits with the exact window's partial in one LSE combine.
 
 Work: B * K * num_splits items (a split of one KV head's sequence, `ring.item_geometry`). Grid:
-one CTA per item, or (`plan`'s persistent, the default without an extension) at most one per
+one CTA per item, or (`plan`'s persistent, the default, GEAR-L's extension included) at most one per
 multiprocessor, each running its items one after another through the same ring, so the
 producer streams the next item's q and blocks while the compute warpgroups finish the current
 one. Why: a CTA takes all of a multiprocessor (its registers), and a CTA's fixed costs were
@@ -83,34 +83,37 @@ def plan(q_shape, cache_shape, *, warpgroups=2, stages=None, num_splits=None,
     warpgroups: compute warpgroups W (1, 2 or 3).
     stages: ring slots (a multiple of W); None: the deepest that fits.
     num_splits: split-K override (None: wave-balanced).
-    extra_smem: None, or (w, stages, np) -> the shared-memory bytes a caller's extension
-      (`launch`'s `ext`) adds.
+    extra_smem: None, or (w, stages, np, q_slots) -> the shared-memory bytes a caller's
+      extension (`launch`'s `ext`) adds (its per-item constants: one copy per q slot).
     kgroup: the cache's key / value group (32 or 64, `KiviMosaic.group`).
     persistent: at most one CTA per multiprocessor, each running its items (splits) one
       after another through one ring (`ring.item_geometry`), so a CTA's fixed costs (q and
       the ring's first blocks in flight, the launch) are paid once per multiprocessor, not
-      once per wave of splits; False: a CTA per split. Needs extra_smem None (an
-      extension binds its operands once per CTA).
+      once per wave of splits; False: a CTA per split.
     ctas: the persistent CTA count (None: min(multiprocessors, items); tests force a few).
   The plan's "group": each warp takes its blocks GROUP at a time, one online-softmax step
   over them (`mosaic_warp_step.block_step`), 2 where the ring holds both (stages >= 2 W),
   else 1. Why 2: the loop is latency-bound (one CTA per multiprocessor, each block a
   dependent chain), and two blocks' chains interleave; measured in BENCHMARKS.md.
   """
-  if persistent and extra_smem is not None:
-    raise ValueError(f"{NAME}: persistent=True takes no extension (extra_smem)")
-  q_slots = 2 if persistent else 1
-  base = lambda w, st, np_: _smem_bytes(w, st, np_, kgroup, q_slots)
-  smem = base if extra_smem is None else (
-      lambda w, st, np_: base(w, st, np_) + extra_smem(w, st, np_))
-  p = ring.plan_ring(NAME, q_shape, cache_shape, warpgroups=warpgroups, stages=stages,
-                     num_splits=num_splits, smem_bytes=smem)
-  items = p["b"] * p["kh"] * p["num_splits"]
   if ctas is not None and (not persistent or ctas < 1):
     raise ValueError(f"{NAME}: ctas ({ctas}) needs persistent=True and must be >= 1")
+
+  def ring_plan(q_slots, ns):
+    base = lambda w, st, np_: _smem_bytes(w, st, np_, kgroup, q_slots)
+    smem = base if extra_smem is None else (
+        lambda w, st, np_: base(w, st, np_) + extra_smem(w, st, np_, q_slots))
+    return ring.plan_ring(NAME, q_shape, cache_shape, warpgroups=warpgroups, stages=stages,
+                          num_splits=ns, smem_bytes=smem)
+
+  p = ring_plan(1, num_splits)
+  items = p["b"] * p["kh"] * p["num_splits"]
   n_cta = items if not persistent else min(items, ctas or ring.num_sms())
+  q_slots = 1
+  if n_cta < items:  # several items per CTA: the next item's q (and constants) double-buffered
+    p, q_slots = ring_plan(2, p["num_splits"]), 2
   return dict(p, group=2 if p["stages"] >= 2 * p["w"] else 1, kgroup=kgroup, items=items,
-              ctas=n_cta, q_slots=q_slots if n_cta < items else 1)
+              ctas=n_cta, q_slots=q_slots)
 
 
 def _kernel(p, dtype, sm_scale, ext, q_ref, kc_ref, ks_ref, vc_ref, vs_ref, len_ref, ext_in,
@@ -130,17 +133,20 @@ def _kernel(p, dtype, sm_scale, ext, q_ref, kc_ref, ks_ref, vc_ref, vs_ref, len_
   cta = lax.axis_index("p")
   wg = lax.axis_index("wg")
   # the CTA's items: p["items"] = B K splits, `n_cta` apart (`ring.item_geometry`); one each
-  # where n_cta = items (an extension's kernel, or `plan`'s persistent=False)
+  # where n_cta = items (`plan`'s persistent=False, or one wave)
   n_items = 1 if n_cta == p["items"] else lax.div(p["items"] - cta + n_cta - 1, n_cta)
   item = functools.partial(ring.item_geometry, pid=cta, n_cta=n_cta, ns=ns, kh=kh,
                            lengths=len_ref)
   scale2 = sm_scale * LOG2E
-  # ext (None for KIVI): a caller's extra terms (`launch`), bound to the CTA's one item
-  x = None
-  if ext is not None:
-    pair0, _, b0, head0, _, _, _ = item(0)
-    x = ext.bind(p, dtype, b=b0, head=head0, pid=pair0, inputs=ext_in, smem=ext_smem,
-                 bars=ext_bars, slot_bar=slot_bar)
+
+  def bind(j):  # ext (a caller's extra terms, `launch`) bound to item j and its q slot
+    pair, _, b, head, _, _, _ = item(j)
+    return ext.bind(p, dtype, b=b, head=head, pid=pair, cslot=lax.rem(j, p["q_slots"]),
+                    inputs=ext_in, smem=ext_smem, bars=ext_bars, slot_bar=slot_bar)
+
+  # x: None for KIVI; else the extension bound to the CTA's first item, for what does not
+  # depend on the item (the steps' hooks, the state's types); each item binds its own
+  x = None if ext is None else bind(0)
   n_ref, n_state, n_const = (0, 0, 0) if x is None else (x.refs_per_block, x.n_state,
                                                          x.n_const)
 
@@ -178,9 +184,7 @@ def _kernel(p, dtype, sm_scale, ext, q_ref, kc_ref, ks_ref, vc_ref, vs_ref, len_
   def publish(_, acc, ml, zacc, wo, wml):
     ws.publish_partial(acc, ml, zacc, wo, wml, nt, group=p["kgroup"])
 
-  m_refs = () if x is None else x.merge_refs()
-
-  @plgpu.inline_mgpu(arg_types=(ref,) * (4 + len(m_refs)))
+  @plgpu.inline_mgpu(arg_types=(ref,) * (4 + (0 if x is None else len(x.merge_refs()))))
   def merge(_, wo, wml, o, lse, *extra):
     ws.merge_partials(wo, wml, o, lse, 4 * nw, np_,
                       extra=None if x is None else x.merge_hook(extra, 4 * nw, np_))
@@ -195,14 +199,15 @@ def _kernel(p, dtype, sm_scale, ext, q_ref, kc_ref, ks_ref, vc_ref, vs_ref, len_
       plgpu.barrier_arrive(q_free.at[qs])
     if w == 0:
       plgpu.barrier_arrive(merged)
-    const = () if x is None else x.load_const()
     k = p["group"]
 
     def run_item(j):
       pair, sid, _, _, start, end, n_blocks = item(j)
       qs = lax.rem(j, q_s.shape[0])
+      xj = None if x is None else bind(j)
       plgpu.barrier_wait(q_bar.at[qs])
       qb = load_q(q_s.at[qs])
+      const = () if xj is None else xj.load_const()
       mine = jnp.maximum(n_blocks - w + nw - 1, 0) // nw  # blocks w, w + W, ...
 
       def arrived(i):  # block i's slot (its operands) and its valid-token count
@@ -212,9 +217,9 @@ def _kernel(p, dtype, sm_scale, ext, q_ref, kc_ref, ks_ref, vc_ref, vs_ref, len_
         valid = plgpu.layout_cast(jnp.full((64, 8), end - (start + i * BLOCK), jnp.int32),
                                   layout)
         extras = ()
-        if x is not None:
-          refs += x.arrived(slot)
-          extras = (x.block_value(start + i * BLOCK, layout),)
+        if xj is not None:
+          refs += xj.arrived(slot)
+          extras = (xj.block_value(start + i * BLOCK, layout),)
         return slot, refs, valid, extras
 
       def body(k, first, general, ii, carry):  # blocks w + (first + k ii + j) W, j < k
@@ -233,31 +238,37 @@ def _kernel(p, dtype, sm_scale, ext, q_ref, kc_ref, ks_ref, vc_ref, vs_ref, len_
               body, 1, first + count - count % k, general), carry)
         return carry
 
-      carry = tuple(init()) + (() if x is None else tuple(x.init_state()))
-      if x is None:
+      carry = tuple(init()) + (() if xj is None else tuple(xj.init_state()))
+      if xj is None:
         carry = run(0, mine, False, carry)
       else:  # the extension's plain blocks first (no per-warp branches), then the general ones
         plain = jnp.minimum(
-            jnp.maximum(x.plain_blocks(start, n_blocks) - w + nw - 1, 0) // nw, mine)
+            jnp.maximum(xj.plain_blocks(start, n_blocks) - w + nw - 1, 0) // nw, mine)
         carry = run(plain, mine - plain, True, run(0, plain, False, carry))
       # q's slot is free once the item's blocks are done, not once load_q has run: the
       # compiled steps read the slot during the item (measured on an H200: with the arrival
       # right after load_q, an empty next item let the producer copy the next-but-one
-      # item's q into this slot mid-item, and the item's partial came out wrong)
-      plgpu.barrier_arrive(q_free.at[qs])
+      # item's q into this slot mid-item, and the item's partial came out wrong). An
+      # extension's constants share the slot, and warpgroup 0's merge reads them: there,
+      # warpgroup 0 releases it after the merge
+      after_merge = xj is not None and w == 0
+      if not after_merge:
+        plgpu.barrier_arrive(q_free.at[qs])
       # every thread of warpgroup 0 has merged the previous item's partials out of wo_s /
       # wml_s (warpgroup 0's own warps too: one could otherwise publish a short item while
       # another still reads its region)
       plgpu.barrier_wait(merged)
       publish(*carry[:3], wo_s, wml_s)
-      if x is not None:
-        x.publish(carry[3:])
+      if xj is not None:
+        xj.publish(carry[3:])
       plgpu.barrier_arrive(done)
       if w == 0:
         plgpu.barrier_wait(done)
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous item's copies of o_s
-        merge(wo_s, wml_s, o_s, lse_s, *m_refs)
+        merge(wo_s, wml_s, o_s, lse_s, *(() if xj is None else xj.merge_refs()))
         plgpu.barrier_arrive(merged)
+        if after_merge:
+          plgpu.barrier_arrive(q_free.at[qs])
         plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(o_s, o_ref.at[pair, sid])
         plgpu.copy_smem_to_gmem(lse_s, lse_ref.at[pair, sid])
@@ -277,7 +288,7 @@ def _kernel(p, dtype, sm_scale, ext, q_ref, kc_ref, ks_ref, vc_ref, vs_ref, len_
   pl.when(wg == nw)(functools.partial(
       ring.produce, q_ref, q_s, q_bar, q_free,
       ((kc_ref, kc_s), (ks_ref, ks_s), (vc_ref, vc_s), (vs_ref, vs_s)), slot_bar, free,
-      n_items=n_items, item=item, stages=stages, extra=x))
+      n_items=n_items, item=item, stages=stages, extra=None if ext is None else bind))
 
 
 def launch(p, dtype, sm_scale, qt, cache: KiviMosaic, lengths, ext=None, ext_inputs=()):
@@ -288,11 +299,12 @@ def launch(p, dtype, sm_scale, qt, cache: KiviMosaic, lengths, ext=None, ext_inp
   the kernel's inputs). Its protocol: `scratch(p, dtype)` / `barriers(p)` list its shared
   memory and barriers; `ring_arrivals`: the arrivals it adds to a ring slot's barrier (its
   per-block copies arrive on the block's slot barrier, so the compute warps wait on no
-  more barriers than KIVI's); `bind(p, dtype, b=, head=, pid=, inputs=, smem=, bars=,
-  slot_bar=)` returns the per-CTA object the kernel body
-  calls: `copy_const()` / `copy_block(block,
-  slot)` in the producer (`mosaic_ring.produce`); in each compute warpgroup `load_const()`
-  (its per-CTA arrays), `init_state()`, `plain_blocks(start, n_blocks)` (how many of the
+  more barriers than KIVI's); `bind(p, dtype, b=, head=, pid=, cslot=, inputs=, smem=, bars=,
+  slot_bar=)` returns the object bound to one item (sequence b, KV head `head`, pair pid; its
+  constants in slot cslot of p["q_slots"], released with the item's q slot after warpgroup
+  0's merge) that the kernel body calls: `copy_const()` / `copy_block(block, slot)` in the
+  producer (`mosaic_ring.produce`); in each compute warpgroup `load_const()` (the item's
+  constants), `init_state()`, `plain_blocks(start, n_blocks)` (how many of the
   split's first blocks take the plain step: `step_hook(..., general=False)`; the rest take
   `general=True`), per block `arrived(slot)` (its slot refs; the slot's barrier covers them) and
   `block_value(first token, layout)`, `step_hook(...)` inside each step

@@ -107,64 +107,61 @@ def item_geometry(j, *, pid, n_cta, ns, kh, lengths):
 def produce(q_src, q_dst, q_bar, q_free, arrays, slot_bar, free, *, n_items, item, stages,
             extra=None):
   """The producer warpgroup's body: for each of the CTA's items (a split of one KV head's
-  sequence), its q, then its blocks into the ring.
+  sequence), its q (and an extension's constants), then its blocks into the ring.
 
   q_src: gmem [B K, NP, H]; q_dst [q slots, NP, H] with q_bar / q_free [q slots] (item j's q
-  goes to slot j % q slots once the compute warpgroups have finished item j - q slots'
-  blocks, which read that slot).
+  goes to slot j % q slots once the compute warpgroups have released the slot: after item
+  j - q slots' blocks, which read it, or after its merge where an extension's constants
+  share the slot).
   arrays: ((gmem ref [B, K, S / 128, 4, 256], smem ring [stages, 4, 256]) x 4), copied with
   slot_bar [stages] (4 arrivals per block, plus the extra's); block i of an item goes to slot
   i % stages once free[slot] has completed (the compute warpgroups arrive on every free slot
   once before their first item, so the first use waits on nothing).
-  n_items: the CTA's item count (1, a Python int, with `extra`); item(j): `item_geometry`.
-  extra: None, or a caller's operands with `copy_const()` (once, after q) and
-  `copy_block(block index, slot)` (with each block).
+  n_items: the CTA's item count (a Python int 1 with one item per CTA); item(j):
+  `item_geometry`.
+  extra: None, or j -> a caller's operands bound to item j, with `copy_const()` (its
+  constants into item j's q slot, after q) and `copy_block(block index, slot)` (with each
+  block).
   """
   import jax.experimental.pallas as pl  # pylint: disable=import-outside-toplevel
   import jax.experimental.pallas.mosaic_gpu as plgpu  # pylint: disable=import-outside-toplevel
   plgpu.set_max_registers(40, action="decrease")
   q_slots = q_dst.shape[0]
-  if extra is not None and n_items != 1:
-    raise ValueError("an extension's copies take one item per CTA")
 
-  def copy_q(j, pair):
+  def copy_q(j, pair, xj):
     qs = lax.rem(j, q_slots)
     plgpu.barrier_wait(q_free.at[qs])
     plgpu.copy_gmem_to_smem(q_src.at[pair], q_dst.at[qs], q_bar.at[qs])
+    if xj is not None:
+      xj.copy_const()
 
-  def load(b, head, blk, slot):
+  def load(b, head, blk, slot, xj):
     plgpu.barrier_wait(free.at[slot])
     for src, dst in arrays:
       plgpu.copy_gmem_to_smem(src.at[b, head, blk], dst.at[slot], slot_bar.at[slot])
-    if extra is not None:
-      extra.copy_block(blk, slot)
+    if xj is not None:
+      xj.copy_block(blk, slot)
 
   if stages % 4:  # one loop, the whole warpgroup (one elected thread issues)
     @pl.loop(0, n_items)
     def _(j):
       pair, _, b, head, start, _, n_blocks = item(j)
-      copy_q(j, pair)
-      if extra is not None:
-        extra.copy_const()
+      xj = None if extra is None else extra(j)
+      copy_q(j, pair, xj)
       blk0 = lax.div(start, BLOCK)
 
       @pl.loop(0, n_blocks)
       def _(i):
-        load(b, head, blk0 + i, lax.rem(i, stages))
+        load(b, head, blk0 + i, lax.rem(i, stages), xj)
     return
 
   # Warp j of the warpgroup streams blocks j, j + 4, ... of each item (so slots j, j + 4, ...:
   # every slot is one warp's, and its free barrier's phases are that warp's alone); warp 0
-  # copies the items' q. Why: the four warps each ran the whole loop, issuing about a sixth
-  # of the CTA's instructions on the compute warps' schedulers; now each runs a quarter
-  # (results/decode_ablations.md, "the producer's share of the issue slots"). An extension's
-  # copy_block runs here too, so it must lower in a warp's context (JAX 0.11.2: no `not`, no
-  # `//`; GEAR's uses a comparison and lax.div).
-  if extra is not None:  # its constants, once (its one item's), before the warps split
-    pair, _, b, head, start, _, n_blocks = item(0)
-    copy_q(0, pair)
-    extra.copy_const()
-
+  # copies the items' q and constants. Why: the four warps each ran the whole loop, issuing
+  # about a sixth of the CTA's instructions on the compute warps' schedulers; now each runs a
+  # quarter (results/decode_ablations.md, "the producer's share of the issue slots"). An
+  # extension's copies run here too, so they must lower in a warp's context (JAX 0.11.2: no
+  # `not`, no `//`; GEAR's use a comparison and lax.div).
   @pl.core_map(plgpu.WarpMesh(axis_name="producer_warp"))
   def _():
     wp = lax.axis_index("producer_warp")
@@ -172,14 +169,14 @@ def produce(q_src, q_dst, q_bar, q_free, arrays, slot_bar, free, *, n_items, ite
     @pl.loop(0, n_items)
     def _(j):
       pair, _, b, head, start, _, n_blocks = item(j)
-      if extra is None:
-        pl.when(wp == 0)(functools.partial(copy_q, j, pair))
+      xj = None if extra is None else extra(j)
+      pl.when(wp == 0)(functools.partial(copy_q, j, pair, xj))
       blk0 = lax.div(start, BLOCK)
 
       @pl.loop(0, lax.div(n_blocks - wp + 3, 4))  # n_blocks >= 0, wp <= 3; no `//` in a warp
       def _(k):
         i = wp + 4 * k
-        load(b, head, blk0 + i, lax.rem(i, stages))
+        load(b, head, blk0 + i, lax.rem(i, stages), xj)
 
 
 def merge_with_window(q, o_t, lse_t, parts, p, k_win, v_win, w_len, *, scale, out_dtype,

@@ -87,7 +87,9 @@ def _lowering_inputs(idx):
 
 
 @pytest.mark.parametrize("idx", range(len(SHAPES)))
-@pytest.mark.parametrize("opts", [dict(), dict(warpgroups=1, stages=2, num_splits=3)])
+@pytest.mark.parametrize("opts", [dict(), dict(warpgroups=1, stages=2, num_splits=3),
+                                  dict(num_splits=3, ctas=2),
+                                  dict(warpgroups=1, stages=2, num_splits=2, ctas=3)])
 def test_gear_mosaic_lowers_for_cuda(idx, opts):
   args, cache, lr = _lowering_inputs(idx)
   q, _, _, kw, vw, ql, wl = args
@@ -118,11 +120,49 @@ def _check(shape, seed, opts, lengths=None):
 @pytest.mark.parametrize("idx", range(len(SHAPES)))
 @pytest.mark.parametrize("opts", [dict(), dict(warpgroups=1, stages=1),
                                   dict(warpgroups=2, stages=2, num_splits=3),
-                                  dict(warpgroups=3, stages=3, num_splits=2)])
+                                  dict(warpgroups=3, stages=3, num_splits=2),
+                                  # persistent CTAs, several items each (warp-split and
+                                  # warpgroup producers), and one CTA per split
+                                  dict(num_splits=3, ctas=5),
+                                  dict(warpgroups=1, stages=2, num_splits=2, ctas=3),
+                                  dict(num_splits=4, persistent=False)])
 def test_gear_mosaic_matches_reference(idx, opts):
   if not triton_backend.gpu_available():
     pytest.skip("needs a GPU")
   _check(SHAPES[idx], 100 + idx, opts)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("idx", [0, 2])
+@pytest.mark.parametrize("knobs", [dict(), dict(warpgroups=1, stages=2)])
+def test_persistent_partials_equal_one_cta_per_split(idx, knobs):
+  """Persistent CTAs (2, each running 48 items: rows without tokens, prefill-only and
+  streaming items in turn, so the producer runs ahead over empty items to later items' q and
+  constants) give every split's partial bitwise equal to one CTA per split with the same
+  warpgroups and ring. Negative control: the comparison sees a one-ulp change."""
+  if not triton_backend.gpu_available():
+    pytest.skip("needs a GPU")
+  shape = SHAPES[idx]
+  args, cache, lr = _inputs(shape, 300 + idx)
+  q, _, _, kw, vw, ql, wl = args
+
+  def partials(**more):
+    f = jax.jit(lambda *a: mosaic_gear.gear_attention_mosaic(
+        *a, chunk=shape.chunk, out_dtype=F32, return_partials=True, num_splits=3, **knobs,
+        **more))
+    _, _, (o_p, lse_p) = f(q, cache, kw, vw, ql, wl, lr)
+    return np.asarray(o_p), np.asarray(lse_p)
+
+  want_o, want_lse = partials(persistent=False)
+  got_o, got_lse = partials(ctas=2)
+  same = lambda a, b: np.array_equal(a, b, equal_nan=True)
+  bad = [s for s in range(want_o.shape[2]) if not (same(got_o[:, :, s], want_o[:, :, s])
+                                                  and same(got_lse[:, :, s], want_lse[:, :, s]))]
+  assert not bad, f"splits {bad} differ"
+  off = got_o.copy()
+  first = np.flatnonzero(off)[0]
+  off.flat[first] = np.nextafter(off.flat[first], np.inf)
+  assert not same(off, want_o)
 
 
 @pytest.mark.gpu

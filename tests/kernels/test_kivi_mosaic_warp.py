@@ -256,8 +256,13 @@ def test_plan_defaults_and_cache_check():
   assert mosaic_kivi_warp.plan((1, 32, 128), (1, 8, 128), num_splits=1)["q_slots"] == 1
   with pytest.raises(ValueError, match="ctas"):
     mosaic_kivi_warp.plan((8, 32, 128), (8, 8, 128), persistent=False, ctas=4)
-  with pytest.raises(ValueError, match="extension"):
-    mosaic_kivi_warp.plan((8, 32, 128), (8, 8, 128), extra_smem=lambda *a: 0)
+  # an extension's shared memory is asked per q slot: with two (several items per CTA) a
+  # large one leaves room for fewer ring slots than with one
+  big = lambda w, st, np_, q_slots: q_slots * 60_000
+  one = mosaic_kivi_warp.plan((8, 32, 128), (8, 8, 128), extra_smem=big, num_splits=4,
+                              persistent=False)
+  two = mosaic_kivi_warp.plan((8, 32, 128), (8, 8, 128), extra_smem=big, num_splits=4, ctas=5)
+  assert (one["q_slots"], two["q_slots"]) == (1, 2) and two["stages"] < one["stages"] == 8
   with pytest.raises(TypeError):  # the removed knobs
     mosaic_kivi_warp.plan((8, 32, 128), (8, 8, 128), dequant="fma")
   _, (q, kq, vq, kw, vw, ql, wl) = case(0, 1)
