@@ -19,7 +19,7 @@ import pytest
 jax = pytest.importorskip("jax")
 import jax.numpy as jnp  # noqa: E402
 
-from closeness import assert_close  # noqa: E402  (tests/kernels, on sys.path)
+from closeness import assert_close, assert_splits_bitwise_equal  # noqa: E402  (tests/kernels)
 from kivi_cases import PLAN_REJECTS, SHAPES, assert_plan_rejects, case  # noqa: E402
 from kvlowrank_kernels.common import triton_backend  # noqa: E402
 from kvlowrank_kernels.kivi import kivi_attention  # noqa: E402
@@ -377,15 +377,7 @@ def test_persistent_partials_equal_one_cta_per_split(idx, knobs):
     _, _, (o_p, lse_p) = f(q, cache, kw, vw, ql, wl)
     return np.asarray(o_p), np.asarray(lse_p)
 
-  want_o, want_lse = partials(persistent=False)
-  got_o, got_lse = partials(ctas=2)
-  same = lambda a, b: np.array_equal(a, b, equal_nan=True)
-  bad = [s for s in range(want_o.shape[2]) if not (same(got_o[:, :, s], want_o[:, :, s])
-                                                  and same(got_lse[:, :, s], want_lse[:, :, s]))]
-  assert not bad, f"splits {bad} differ"
-  off = got_o.copy()
-  off.flat[np.flatnonzero(off)[0]] = np.nextafter(off.flat[np.flatnonzero(off)[0]], np.inf)
-  assert not same(off, want_o)
+  assert_splits_bitwise_equal(partials(ctas=2), partials(persistent=False))
 
 
 @pytest.mark.gpu
