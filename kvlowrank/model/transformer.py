@@ -10,6 +10,7 @@ import jax.numpy as jnp
 from kvlowrank.cache import base as cache_base
 from kvlowrank.cache.base import AttnInputs
 from kvlowrank.model.attention import dot_product_attention
+from kvlowrank.model.projection import project
 from kvlowrank.model import row_slices
 from kvlowrank.model.rope import apply_rope
 from kvlowrank.spec import ModelSpec
@@ -25,9 +26,9 @@ def rms_norm(x, w, eps):
 def qkv_projections(lp, h, positions, spec: ModelSpec):
   """h [B,T,D] → q [B,T,N,H] (RoPE), AttnInputs for the cache."""
   b, t, _ = h.shape
-  q = h @ lp["wq"]
-  k = h @ lp["wk"]
-  v = h @ lp["wv"]
+  q = project(h, lp["wq"])
+  k = project(h, lp["wk"])
+  v = project(h, lp["wv"])
   if spec.qkv_bias:
     q, k, v = q + lp["bq"], k + lp["bk"], v + lp["bv"]
   q = q.reshape(b, t, spec.n_heads, spec.head_dim)
@@ -46,7 +47,8 @@ def _reduce(y, axis_name: Optional[str]):
 def mlp(lp, h, axis_name: Optional[str] = None):
   """SwiGLU MLP; under tensor parallelism gate/up hold a column block and w_down the
   matching row block (Megatron), so only the output is summed over `axis_name`."""
-  return _reduce((jax.nn.silu(h @ lp["w_gate"]) * (h @ lp["w_up"])) @ lp["w_down"], axis_name)
+  gated = jax.nn.silu(project(h, lp["w_gate"])) * project(h, lp["w_up"])
+  return _reduce(project(gated, lp["w_down"]), axis_name)
 
 
 def cache_step(cache, inputs: AttnInputs, q, lp, carry, spec: ModelSpec):
@@ -78,7 +80,7 @@ def attention_block(lp, x, positions, cache, carry, spec: ModelSpec, *, step=cac
   else:
     out, cache, carry = step(cache, inputs, q, lp, carry, spec)
   b, t = x.shape[:2]
-  o = _reduce(out.reshape(b, t, -1).astype(x.dtype) @ lp["wo"], axis_name)
+  o = _reduce(project(out.reshape(b, t, -1).astype(x.dtype), lp["wo"]), axis_name)
   if "bo" in lp:
     o = o + lp["bo"]
   return o, h, cache, carry
@@ -114,7 +116,7 @@ def lm_head(params, x, spec: ModelSpec):
   parallelism: this device's vocabulary block of the logits)."""
   x = rms_norm(x, params["final_norm"], spec.norm_eps)
   head = params["embed"].T if spec.tie_embeddings else params["lm_head"]
-  return (x @ head).astype(jnp.float32)
+  return project(x, head).astype(jnp.float32)
 
 
 def check_context(positions, caches: Optional[tuple], spec: ModelSpec, *,

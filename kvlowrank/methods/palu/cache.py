@@ -44,6 +44,7 @@ import jax.numpy as jnp
 
 from kvlowrank.cache import base, dispatch
 from kvlowrank.model.attention import combine, dot_product_attention
+from kvlowrank.model.projection import project
 from kvlowrank.model.rope import apply_rope, inv_frequencies
 from kvlowrank.methods.palu.spec import PaluSpec, layout_from_params
 from kvlowrank.spec import ModelSpec
@@ -152,8 +153,8 @@ class LatentCache(base.KVCache):
     pos = inputs.positions
     b, t = pos.shape
     g = self.bk.shape[0]
-    hk = (inputs.x @ lp["palu_ak"]).reshape(b, t, g, -1)
-    hv = (inputs.x @ lp["palu_av"]).reshape(b, t, g, -1)
+    hk = project(inputs.x, lp["palu_ak"]).reshape(b, t, g, -1)
+    hv = project(inputs.x, lp["palu_av"]).reshape(b, t, g, -1)
     lens = base.new_lengths(self.lens, pos)
     ring_k, ring_v = self.ring_k, self.ring_v
     if self.window:

@@ -64,6 +64,7 @@ from kvlowrank.methods.kivi.cache import KiviCache, KiviSpec
 from kvlowrank.methods.rotated import sharding
 from kvlowrank.methods.rotated.spec import RotatedSpec, layout_from_params
 from kvlowrank.model.attention import combine, dot_product_attention
+from kvlowrank.model.projection import project
 from kvlowrank.spec import ModelSpec
 from kvlowrank_kernels import rotated as rotated_kernels
 from kvlowrank_kernels.rotated.reference import offsets, unpack
@@ -226,7 +227,7 @@ class RotatedCache(base.KVCache):
   def update(self, inputs: base.AttnInputs, lp):
     pos = inputs.positions
     kr = self.rotate_keys(inputs.k)
-    vr = inputs.x @ lp["rot_av"]
+    vr = project(inputs.x, lp["rot_av"])
     lens = base.new_lengths(self.lens, pos)
     if self.quant is not None:
       inner = base.AttnInputs(x=inputs.x, k=kr[:, :, None], k_pre=kr[:, :, None],
