@@ -41,7 +41,7 @@ def test_project_matches_float64(rows_shape):
 
 
 def _dots(text):
-  """The lhs shapes of the dot_general ops in StableHLO text."""
+  """The lines of StableHLO text that hold a dot_general (its operand shapes among them)."""
   return [line for line in text.splitlines() if "dot_general" in line]
 
 
