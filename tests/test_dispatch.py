@@ -124,13 +124,17 @@ def test_reference_path_logs_its_reason_once(caplog):
      "reference", "jax-triton"),
     (KiviSpec(bits=2, layout="warp", implementation="reference"), H100, "reference", None),
     (KiviSpec(bits=2, layout="warp", residual=0), H100, "reference", "residual 0"),
-    (KiviSpec(bits=2, layout="planar"), H100, "reference", "planar layout"),
-    (KiviSpec(bits=4), H100, "reference", "planar layout"),
+    (KiviSpec(bits=2, layout="planar"), H100, "triton", None),
+    (KiviSpec(bits=4), H100, "triton", None),
+    (KiviSpec(bits=4, v_bits=2, group_size=64), H100, "triton", None),
+    (KiviSpec(bits=3), H100, "reference", "3-bit keys"),
+    (KiviSpec(bits=4, v_bits=3), H100, "reference", "3-bit values"),
+    (KiviSpec(bits=4, residual=0), H100, "reference", "residual 0"),
     (KiviSpec(bits=2, layout="warp"), CPU, "reference", None),
 ])
 def test_kivi_decode_update_choice(mspec, platform, want, why):
-  """A KIVI decode step's cache update: the fused Triton update where it fits (warp layout,
-  R > 0, a GPU with jax-triton), else the jnp update with the reason."""
+  """A KIVI decode step's cache update: the fused Triton update where it fits (warp layout, or
+  planar at 2/4/8 bits; R > 0, a GPU with jax-triton), else the jnp update with the reason."""
   impl, reason = _cache("kivi", mspec).update_implementation(platform=platform)
   assert impl == want, reason
   assert (reason is None) if why is None else (why in reason)

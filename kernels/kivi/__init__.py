@@ -18,8 +18,9 @@ quantized prefix is either planar `KiviKeys`/`KiviValues` (`planar`: 2/3/4/8-bit
 lossless inverse relayout), so they give the planar cache's numbers. The Mosaic kernel's
 epilogue (the exact window's attention and the merge with its split partials) runs as one
 Triton launch where jax-triton runs (`triton_window`; "xla" beside it is the reference). A KIVI
-cache's decode-step update of a warp-layout store is one Triton launch too (`triton_update`,
-reference: `KiviCache._decode_update`); both import Triton, so they are imported where used.
+cache's decode-step update is one Triton launch too (`triton_update` on a warp-layout store,
+`triton_update_planar` on a planar one at 2/4/8 bits; reference: `KiviCache._decode_update`);
+these import Triton, so they are imported where used.
 None picks "mosaic" for a KiviMosaic cache on a Hopper GPU, "triton" for planar inputs on a
 GPU with jax-triton, else "reference". `mosaic_fit` / `triton_fit` say whether the two
 kernels take a query shape and cache (pure shape/dtype checks, no device needed).

@@ -57,16 +57,28 @@ def warp_fit(*, k_bits: int, v_bits: int, group: int, head_dim: int, scale_dtype
 
 
 def fused_update_fit(store, k_res, residual: int) -> str | None:
-  """None when `triton_update` (one launch per decode step) updates this cache, else why not
-  (one line): the warp layout, a ring of R > 0 tokens in bf16/fp16."""
-  if not isinstance(store, ml.KiviMosaic):
-    return "the store is in the planar layout (the fused update writes the warp layout)"
-  if store.group != ml.GROUP:
-    return f"groups of {store.group} (the fused update writes groups of {ml.GROUP})"
+  """None when a fused decode update (one Triton launch per step: `triton_update` on the warp
+  layout, `triton_update_planar` on the planar one) updates this cache, else why not (one
+  line): a ring of R > 0 tokens in bf16/fp16; planar: 2, 4 or 8 bits and a group that is a
+  power of two."""
   if residual <= 0 or residual != k_res.shape[1]:
     return f"residual {residual} (the fused update needs R > 0: the ring of R tokens)"
   if k_res.dtype not in (jnp.bfloat16, jnp.float16):
     return f"{jnp.dtype(k_res.dtype).name} ring (the fused update takes bf16/fp16)"
+  if isinstance(store, ml.KiviMosaic):
+    if store.group != ml.GROUP:
+      return f"groups of {store.group} (the fused update writes groups of {ml.GROUP})"
+    return None
+  keys, values = store.keys, store.values
+  for what, q in (("key", keys), ("value", values)):
+    if q.bits not in (2, 4, 8):
+      return f"{q.bits}-bit {what}s (the fused planar update writes 2, 4 or 8 bits)"
+  g = keys.group
+  if g & (g - 1) or values.group != g:
+    return f"groups of {g} (the fused planar update takes one group, a power of two)"
+  for what, q in (("key", keys), ("value", values)):
+    if q.codes.shape[-1] * 8 != q.head_dim * q.bits:
+      return f"padded {what} rows (the fused planar update writes rows of width * bits / 8 bytes)"
   return None
 
 

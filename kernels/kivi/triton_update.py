@@ -179,12 +179,13 @@ def _tables():
   return tuple(np.ascontiguousarray(a, dtype=np.int32) for a in out)
 
 
-def decode_update_triton(store: KiviMosaic, k_res, v_res, k_stage, lens, pos, k_new, v_new,
+def decode_update_triton(store, k_res, v_res, k_stage, lens, pos, k_new, v_new,
                          *, residual: int, recip: bool = False):
-  """One decode token per row into a warp-layout KIVI cache, in place (module docstring).
+  """One decode token per row into a KIVI cache, in place (module docstring); a planar
+  store (`store.PlanarStore`) goes to `triton_update_planar`.
 
   Args:
-    store: the KiviMosaic quantized store, capacity S.
+    store: the quantized store (KiviMosaic or PlanarStore), capacity S.
     k_res, v_res, k_stage: [B, F, K, 128] ring and staged keys (F = residual).
     lens: [B] int32 lengths before the token; pos: [B] int32 its position (-1: padding).
     k_new, v_new: [B, K, 128] the token's key (post-RoPE) and value.
@@ -194,6 +195,10 @@ def decode_update_triton(store: KiviMosaic, k_res, v_res, k_stage, lens, pos, k_
   Returns:
     (store, k_res, v_res, k_stage, new lens), as `KiviCache._decode_update` computes them.
   """
+  if isinstance(store, kstore.PlanarStore):
+    from .triton_update_planar import decode_update_planar  # pylint: disable=C0415
+    return decode_update_planar(store, k_res, v_res, k_stage, lens, pos, k_new, v_new,
+                                residual=residual, recip=recip)
   why = kstore.fused_update_fit(store, k_res, residual)
   if why is not None:
     raise ValueError(f"KIVI fused update: {why}")

@@ -417,7 +417,7 @@ def check_rotated_quantized():
 
 def check_kivi_update():
   """The fused decode update vs the cache's jnp update on XLA:CPU (recip=True: XLA:CPU's
-  division, `triton_update`), step by step from ragged prefills
+  division, `triton_update`), warp and planar layouts, step by step from ragged prefills
   (`kivi_update_cases`: block completion, store-block crossings, R not yet reached, padding);
   then a negative control (one row's key perturbed must break the equality)."""
   import dataclasses  # pylint: disable=import-outside-toplevel
@@ -432,26 +432,38 @@ def check_kivi_update():
     return dataclasses.replace(cache, store=st, k_res=k_res, v_res=v_res, k_stage=k_stage,
                                lens=lens)
 
-  for scale_dtype in ("float16", "bfloat16"):
-    ref = got = kc.prefilled(0, starts=(62, 5, 126, 40, 511, 190),
-                                  scale_dtype=scale_dtype)
+  # (layout, key bits, value bits, group, scale dtype): the warp layout, then the planar one
+  # (`triton_update_planar`) at the bit widths it writes, a group of 64 and fp32 scales
+  # (layout, key bits, value bits, group, scale dtype, key width, value width): the warp
+  # layout, then the planar one (`triton_update_planar`) at the bit widths it writes, a group
+  # of 64, fp32 scales, and FDC/ZACK's inner cache (one "head" of widths that are not powers
+  # of two, values narrower than keys, groups of 16)
+  cases = [("warp", 2, 2, 32, "float16", 128, 128), ("warp", 2, 2, 32, "bfloat16", 128, 128),
+           ("planar", 4, 4, 32, "float16", 128, 128), ("planar", 2, 2, 32, "bfloat16", 128, 128),
+           ("planar", 4, 2, 64, "float32", 128, 128), ("planar", 8, 4, 32, "float16", 128, 128),
+           ("planar", 4, 4, 16, "float16", 208, 80), ("planar", 2, 2, 16, "bfloat16", 48, 112)]
+  for layout, bits, v_bits, group, scale_dtype, hk, hv in cases:
+    tag = f"{layout} {bits}/{v_bits}-bit G={group} {scale_dtype} {hk}/{hv} wide"
+    ref = got = kc.prefilled(0, starts=(62, 5, 126, 40, 511, 190), scale_dtype=scale_dtype,
+                             layout=layout, bits=bits, v_bits=v_bits, group=group,
+                             head_dim=hk, v_head_dim=hv)
     for step in range(4):
       pos = kc.step_positions(ref, pad_rows=(3,) if step == 1 else ())
-      inp = kc.inputs(100 + step, pos[:, None])
+      inp = kc.inputs(100 + step, pos[:, None], widths=(hk, hv))
       ref = ref._decode_update(inp, jnp.asarray(pos))  # pylint: disable=protected-access
       got = fused(got, inp, pos)
-      kc.compare(got, ref, f"kivi update {scale_dtype} step {step}")
-      print(f"kivi update {scale_dtype} step {step}: equal (lens {np.asarray(got.lens)})")
-  pos = kc.step_positions(ref)
-  inp = kc.inputs(200, pos[:, None])
-  want = ref._decode_update(inp, jnp.asarray(pos))  # pylint: disable=protected-access
-  bad = dataclasses.replace(inp, k=inp.k.at[0, 0, 1, 7].add(4.0))
-  try:
-    kc.compare(fused(got, bad, pos), want, "kivi update, perturbed key")
-  except AssertionError as e:
-    print(f"negative control failed as it must: {str(e)[:200]}")
-  else:
-    raise AssertionError("kivi update: a perturbed key went unnoticed")
+      kc.compare(got, ref, f"kivi update {tag} step {step}")
+      print(f"kivi update {tag} step {step}: equal (lens {np.asarray(got.lens)})")
+    pos = kc.step_positions(ref)
+    inp = kc.inputs(200, pos[:, None], widths=(hk, hv))
+    want = ref._decode_update(inp, jnp.asarray(pos))  # pylint: disable=protected-access
+    bad = dataclasses.replace(inp, k=inp.k.at[0, 0, 1, 7].add(4.0))
+    try:
+      kc.compare(fused(got, bad, pos), want, f"kivi update {tag}, perturbed key")
+    except AssertionError as e:
+      print(f"negative control failed as it must: {str(e)[:200]}")
+    else:
+      raise AssertionError(f"kivi update {tag}: a perturbed key went unnoticed")
 
 
 def check_kivi_window():

@@ -1,6 +1,7 @@
-"""The fused KIVI decode update (`kivi.triton_update`) on the GPU against the cache's jnp update.
+"""The fused KIVI decode update (`kivi.triton_update`; `triton_update_planar` for the planar
+layout) on the GPU against the cache's jnp update.
 
-Seeded warp-layout caches (`kivi_update_cases`) prefilled to ragged lengths, then decode
+Seeded warp- and planar-layout caches (`kivi_update_cases`) prefilled to ragged lengths, then decode
 steps through both, each jitted and evolving its own state: the store's codes and scales and
 the lengths must be equal, the ring and staged keys within one bf16 ulp. Llama-3-like heads
 (K = 8) and the default window R = 128, fp16 and bf16 scales; the steps cross a block
@@ -32,21 +33,34 @@ _run = jax.jit(lambda c, inp, pos: c._fused_decode_update(inp, pos),  # pylint: 
                donate_argnums=0)
 
 
+# (layout, key bits, value bits, group): the warp layout (`triton_update`) and the planar one
+# (`triton_update_planar`): KIVI-4, KIVI-2 off Hopper, mixed widths with groups of 64
+LAYOUTS = [("warp", 2, 2, 32), ("planar", 4, 4, 32), ("planar", 2, 2, 32),
+           ("planar", 4, 2, 64)]
+
+
+@pytest.mark.parametrize("layout,bits,v_bits,group", LAYOUTS)
 @pytest.mark.parametrize("scale_dtype", ["float16", "bfloat16"])
-def test_fused_update_equals_jnp_update(scale_dtype):
+def test_fused_update_equals_jnp_update(scale_dtype, layout, bits, v_bits, group):
   ref = kc.prefilled(1, starts=STARTS, kv_heads=8, residual=128, capacity=1024,
-                     scale_dtype=scale_dtype)
+                     scale_dtype=scale_dtype, layout=layout, bits=bits, v_bits=v_bits,
+                     group=group)
+  # what `update` would run on this GPU without the reference pin
+  unpinned = dataclasses.replace(ref, implementation=None)
+  assert unpinned.update_implementation() == ("triton", None)
   got = jax.tree.map(jnp.copy, ref)
   for step in range(5):
     pos = kc.step_positions(ref, pad_rows=(5,) if step == 2 else ())
     inp = kc.inputs(300 + step, pos[:, None], kv_heads=8)
     ref = _ref(ref, inp, jnp.asarray(pos))
     got = _run(got, inp, jnp.asarray(pos))
-    kc.compare(got, ref, f"{scale_dtype} step {step}")
+    kc.compare(got, ref, f"{layout} {bits}/{v_bits} {scale_dtype} step {step}")
 
 
-def test_fused_update_notices_a_perturbed_key():
-  ref = kc.prefilled(2, starts=STARTS, kv_heads=8, residual=128, capacity=1024)
+@pytest.mark.parametrize("layout,bits,v_bits,group", LAYOUTS[:2])
+def test_fused_update_notices_a_perturbed_key(layout, bits, v_bits, group):
+  ref = kc.prefilled(2, starts=STARTS, kv_heads=8, residual=128, capacity=1024, layout=layout,
+                     bits=bits, v_bits=v_bits, group=group)
   pos = kc.step_positions(ref)
   inp = kc.inputs(400, pos[:, None], kv_heads=8)
   want = _ref(ref, inp, jnp.asarray(pos))

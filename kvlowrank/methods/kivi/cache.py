@@ -45,10 +45,10 @@ of that window, and scatters only those whose quantization KIVI's rules make due
 writes, no Python branching on traced lengths). A decode token (T = 1) takes a shorter
 path with the same result (`_decode_update`, the jnp reference): it writes its ring slot,
 quantizes the one value that leaves the window and the one key group that the token belongs
-to (staged key flush, below), with no `lax.cond`. On a GPU with the warp layout that path is
-one Triton launch per layer (`kvlowrank_kernels.kivi.triton_update`, the same codes; the
-jnp version runs some twenty small XLA ops), unless the spec's implementation is
-"reference". Rows are ragged: each row's new
+to (staged key flush, below), with no `lax.cond`. On a GPU that path is one Triton launch per
+layer (`kvlowrank_kernels.kivi.triton_update` on the warp layout, `triton_update_planar` on
+the planar one at 2, 4 or 8 bits; the same codes; the jnp version runs some twenty small XLA
+ops), unless the spec's implementation is "reference". Rows are ragged: each row's new
 tokens must continue its own sequence (positions lens[b], lens[b]+1, ...; -1 = padding
 anywhere; positions >= capacity are dropped like padding).
 
@@ -314,7 +314,8 @@ class KiviCache(base.KVCache):
     """What a decode step's update runs: "triton" (`kivi.triton_update`, one launch) or the
     jnp "reference" (`_decode_update`), with the reason when it is the reference on a GPU.
     The cache's `implementation` "reference" keeps the jnp update; otherwise the fused update
-    runs wherever it fits (warp layout, R > 0; `store.fused_update_fit`)."""
+    runs wherever it fits (warp layout, or planar at 2/4/8 bits; R > 0, a bf16/fp16 ring;
+    `store.fused_update_fit`)."""
     if self.implementation == dispatch.REFERENCE:
       return dispatch.REFERENCE, None
     platform = dispatch.Platform.detect() if platform is None else platform

@@ -170,8 +170,12 @@ class RotatedCache(base.KVCache):
       k_rot = jnp.zeros((batch, capacity, sum(kw)), dtype)
       v_rot = jnp.zeros((batch, capacity, sum(vw)), dtype)
     else:
+      # The inner cache's implementation only picks its decode update (its attention is never
+      # called: `_attend_kernel` reads its store): the fused planar update
+      # (`kivi.triton_update_planar`) on a GPU unless this spec asks for the reference.
+      inner_impl = dispatch.REFERENCE if rspec.implementation == dispatch.REFERENCE else None
       kspec = KiviSpec(bits=rspec.bits, group_size=rspec.group_size, residual=rspec.residual,
-                       layout="planar", implementation="reference")
+                       layout="planar", implementation=inner_impl)
       pseudo = spec.replace(n_heads=1, n_kv_heads=1, head_dim=sum(kw), rope_layout="none")
       quant = KiviCache.init(kspec, pseudo, batch=batch, capacity=capacity, dtype=dtype,
                              v_head_dim=sum(vw))
