@@ -464,6 +464,19 @@ def check_kivi_update():
       print(f"negative control failed as it must: {str(e)[:200]}")
     else:
       raise AssertionError(f"kivi update {tag}: a perturbed key went unnoticed")
+    # the value that leaves the window this step (row 0: position pos - R >= 0), perturbed in
+    # the ring before the update: its codes must change (the value path's negative control)
+    assert pos[0] - ref.residual >= 0, pos
+    slot = int(pos[0]) % ref.flush_block
+    bad_ring = dataclasses.replace(got, v_res=got.v_res.at[0, slot, 0, 7].add(3.0))
+    try:
+      kc.compare(fused(bad_ring, inp, pos), want, f"kivi update {tag}, perturbed old value")
+    except AssertionError as e:
+      if "store" not in str(e):
+        raise
+      print(f"value negative control failed as it must: {str(e)[:200]}")
+    else:
+      raise AssertionError(f"kivi update {tag}: a perturbed leaving value went unnoticed")
 
 
 def check_kivi_window():
