@@ -55,21 +55,39 @@ def _rint(x):
 
 
 @triton.jit
-def _quantize(x, mn, mx, sdt: tl.constexpr, RECIP: tl.constexpr):
-  """(codes int32, scale sdt, zero sdt, scale f32, zero f32) of x given its group's
-  min/max broadcast to x's shape (the quantizer's formula, 2 bits)."""
-  sc = ((mx - mn) * (1.0 / 3.0)).to(sdt)
-  zr = mn.to(sdt)
-  s = sc.to(tl.float32)
-  z = zr.to(tl.float32)
+def _codes(x, s, z, LEV: tl.constexpr, RECIP: tl.constexpr):
+  """int32 codes of x (fp32) with the stored scale s and zero z (fp32, broadcast):
+  round-half-even((x - z) / s) clipped to [0, LEV], 0 where s is 0."""
   pos = s > 0
   den = tl.where(pos, s, 1.0)
   if RECIP:
     q = _rint((x - z) * (1.0 / den))
   else:
     q = _rint((x - z) / den)
-  code = tl.where(pos, tl.minimum(tl.maximum(q, 0.0), 3.0), 0.0).to(tl.int32)
-  return code, sc, zr, s, z
+  return tl.where(pos, tl.minimum(tl.maximum(q, 0.0), LEV * 1.0), 0.0).to(tl.int32)
+
+
+@triton.jit
+def _quantize(x, mn, mx, sdt: tl.constexpr, LEV: tl.constexpr, RECIP: tl.constexpr):
+  """(codes int32, scale sdt, zero sdt, scale f32, zero f32) of x given its group's
+  min/max broadcast to x's shape (the quantizer's formula, LEV = 2^bits - 1 levels)."""
+  sc = ((mx - mn) * (1.0 / LEV)).to(sdt)
+  zr = mn.to(sdt)
+  s = sc.to(tl.float32)
+  z = zr.to(tl.float32)
+  return _codes(x, s, z, LEV, RECIP), sc, zr, s, z
+
+
+@triton.jit
+def _new_length(pos_ptr, lens_ptr, lens_out, b, kh):
+  """(pos, max(lens, pos + 1)) of row b (lens as it is for pos < 0), stored once per row
+  (by KV head 0)."""
+  pos = tl.load(pos_ptr + b)
+  lens = tl.load(lens_ptr + b)
+  l1 = tl.where(pos >= 0, tl.maximum(lens, pos + 1), lens)
+  if kh == 0:
+    tl.store(lens_out + b, l1)
+  return pos, l1
 
 
 @triton.jit
@@ -84,11 +102,7 @@ def _update_kernel(pos_ptr, lens_ptr, knew_ptr, vnew_ptr,
   G: tl.constexpr = 32
   b = tl.program_id(0)
   kh = tl.program_id(1)
-  pos = tl.load(pos_ptr + b)
-  lens = tl.load(lens_ptr + b)
-  l1 = tl.where(pos >= 0, tl.maximum(lens, pos + 1), lens)
-  if kh == 0:
-    tl.store(lens_out + b, l1)
+  pos, l1 = _new_length(pos_ptr, lens_ptr, lens_out, b, kh)
   if pos >= 0:
     sdt = ks_ptr.dtype.element_ty
     rdt = kres_ptr.dtype.element_ty
@@ -112,7 +126,7 @@ def _update_kernel(pos_ptr, lens_ptr, knew_ptr, vnew_ptr,
       x = tl.load(vres_ptr + ((b * F + slot) * KH + kh) * H + gi * G + ci).to(tl.float32)
       mn = tl.min(x, 1)[:, None]
       mx = tl.max(x, 1)[:, None]
-      code, sc, zr, s, z = _quantize(x, mn, mx, sdt, RECIP)
+      code, sc, zr, s, z = _quantize(x, mn, mx, sdt, 3, RECIP)
       tl.store(scodes_ptr + sc_base + G * H + gi * G + ci, code)
       tb = vpos % 128
       vbase = base + (vpos // 128) * 1024
@@ -135,7 +149,7 @@ def _update_kernel(pos_ptr, lens_ptr, knew_ptr, vnew_ptr,
     xk = tl.where(r == slot - gb, kn[None, :], kgrp).to(tl.float32)
     kmn = tl.min(xk, 0)[None, :]
     kmx = tl.max(xk, 0)[None, :]
-    kcode, ksc, kzr, ks, kz = _quantize(xk, kmn, kmx, sdt, RECIP)
+    kcode, ksc, kzr, ks, kz = _quantize(xk, kmn, kmx, sdt, 3, RECIP)
     tl.store(kstage_ptr + rows, (kcode.to(tl.float32) * ks + kz).to(rdt))
     tl.store(scodes_ptr + sc_base + r * H + hh[None, :], kcode)
     tl.store(sscale_ptr + ss_base + hh, tl.reshape(ksc, (H,)).to(tl.float32))

@@ -39,21 +39,9 @@ import triton.language as tl
 from ..common import triton_backend
 from . import store as kstore
 from .planar import VALUE_BLOCK
-from .triton_update import _rint
+from .triton_update import _codes, _new_length, _quantize
 
 FUSED_BITS = (2, 4, 8)
-
-
-@triton.jit
-def _codes(x, s, z, LEV: tl.constexpr, RECIP: tl.constexpr):
-  """int32 codes of x (fp32) with the stored scale s and zero z (fp32, broadcast)."""
-  pos = s > 0
-  den = tl.where(pos, s, 1.0)
-  if RECIP:
-    q = _rint((x - z) * (1.0 / den))
-  else:
-    q = _rint((x - z) / den)
-  return tl.where(pos, tl.minimum(tl.maximum(q, 0.0), LEV * 1.0), 0.0).to(tl.int32)
 
 
 @triton.jit
@@ -70,11 +58,7 @@ def _planar_update_kernel(pos_ptr, lens_ptr, knew_ptr, vnew_ptr,
                           RVP: tl.constexpr, NGP: tl.constexpr):
   b = tl.program_id(0)
   kh = tl.program_id(1)
-  pos = tl.load(pos_ptr + b)
-  lens = tl.load(lens_ptr + b)
-  l1 = tl.where(pos >= 0, tl.maximum(lens, pos + 1), lens)
-  if kh == 0:
-    tl.store(lens_out + b, l1)
+  pos, l1 = _new_length(pos_ptr, lens_ptr, lens_out, b, kh)
   if pos >= 0:
     sdt = ks_ptr.dtype.element_ty
     rdt = kres_ptr.dtype.element_ty
@@ -125,13 +109,8 @@ def _planar_update_kernel(pos_ptr, lens_ptr, knew_ptr, vnew_ptr,
       xk = tl.load(kres_ptr + ring + c, mask=jk_ok, other=0.0)
       kn = tl.load(knew_ptr + prog * H + c, mask=jk_ok, other=0.0)
       xk = tl.where(r == slot - gb, kn, xk).to(tl.float32)
-      kmn = tl.min(xk, 0)[None, :]
-      kmx = tl.max(xk, 0)[None, :]
-      sc = ((kmx - kmn) * (1.0 / KLEV)).to(sdt)
-      zr = kmn.to(sdt)
-      s = sc.to(tl.float32)
-      z = zr.to(tl.float32)
-      code = _codes(xk, s, z, KLEV, RECIP)
+      code, sc, zr, s, z = _quantize(xk, tl.min(xk, 0)[None, :], tl.max(xk, 0)[None, :], sdt,
+                                     KLEV, RECIP)
       tl.store(kst_ptr + ring + c, (code.to(tl.float32) * s + z).to(rdt), mask=jk_ok)
       tl.store(ks_ptr + (prog * (n_slots // G) + grp) * H + c, sc, mask=jk_ok)
       tl.store(kz_ptr + (prog * (n_slots // G) + grp) * H + c, zr, mask=jk_ok)
