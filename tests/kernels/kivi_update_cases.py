@@ -73,10 +73,10 @@ def compare(got: KiviCache, want: KiviCache, what: str):
   Triton's CPU interpreter truncates where the GPU rounds to nearest), or 2^-16 absolute
   where code * scale + zero cancels to near 0 (one fp32 ulp of terms up to ~100, as an FMA
   contraction leaves it; seen with fp32 scales, whose zero is the exact minimum)."""
-  for path, a in jax.tree_util.tree_leaves_with_path(got.store):
+  for (path, a), e in zip(jax.tree_util.tree_leaves_with_path(got.store),
+                          jax.tree_util.tree_leaves(want.store), strict=True):
     name = jax.tree_util.keystr(path)
-    a = np.asarray(a)
-    e = np.asarray(_leaf(want.store, path))
+    a, e = np.asarray(a), np.asarray(e)
     view = {1: np.uint8, 2: np.uint16, 4: np.uint32}[a.dtype.itemsize]
     bad = np.argwhere(a.view(view) != e.view(view))
     if len(bad):
@@ -87,9 +87,3 @@ def compare(got: KiviCache, want: KiviCache, what: str):
     a = np.asarray(getattr(got, name), np.float32)
     e = np.asarray(getattr(want, name), np.float32)
     np.testing.assert_allclose(a, e, rtol=2.0 ** -7, atol=2.0 ** -16, err_msg=f"{what}: {name}")
-
-
-def _leaf(tree, path):
-  for key in path:
-    tree = getattr(tree, key.name)
-  return tree
