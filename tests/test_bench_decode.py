@@ -85,9 +85,11 @@ def test_profile_records_ops_by_category():
   assert decode.ops.category("loop_add_fusion") == "other fusion"
   # A mesh's all-reduces are collectives, not reduction fusions (their names hold "reduce").
   for op, kernel in (("all-reduce-start.3", "ncclDevKernel_AllReduce_Sum_bf16_RING_LL"),
-                     ("all-reduce.12", ""), ("all-gather-start", "")):
+                     ("all-reduce.12", ""), ("all-gather-start", ""),
+                     ("psum.456.0-fusion.1", "psum_456_0_fusion_1")):
     assert decode.ops.category(op, kernel) == "collective (all-reduce / all-gather)"
   assert decode.ops.category("input_reduce_fusion") == "reduction fusion"
+  assert decode.ops.category("loop_reduce_fusion.7", "cumsum_fusion") == "reduction fusion"
   assert "profile" not in res["records"][0] and decode.run(
       TINY, methods=["dense"], configs=[(256, 1)], steps=2,
       log=lambda s: None)["records"][0]["step_ops"] is None

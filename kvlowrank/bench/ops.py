@@ -10,7 +10,9 @@ Each op also gets a category from its HLO name (`category`): the mesh's collecti
 (all-reduce, all-gather, NCCL kernels), the projections as GEMMs (checked before the custom
 calls: XLA may run a GEMM as a custom call too), the attention kernels as custom calls
 (Triton, Mosaic GPU, cuDNN), the cache writes as scatters / dynamic-update-slices, and
-everything else as fusions. Kernels that XLA launched inside a command buffer (a CUDA graph)
+everything else as fusions. A collective's time includes its wait for the other devices, and
+XLA runs the one-shot all-reduce kernels on side streams, beside the compute stream: on a mesh
+the ops' sum can exceed the step. Kernels that XLA launched inside a command buffer (a CUDA graph)
 carry the buffer's name as their op: they are keyed by kernel name instead, so the layers'
 identical kernels add up in one row.
 """
@@ -27,8 +29,11 @@ from typing import Callable
 import jax
 
 _CATEGORIES = (            # first match wins, on "<hlo op> <kernel>" lower-cased
+    # "psum": XLA:GPU's one-shot all-reduce kernel, a fusion named after JAX's psum
+    # ("psum.456.0-fusion.1"), the default for small all-reduces on one host (JAX 0.11).
     ("collective (all-reduce / all-gather)", ("all-reduce", "all-gather", "reduce-scatter",
-                                              "all-to-all", "collective-permute", "nccl")),
+                                              "all-to-all", "collective-permute", "nccl",
+                                              "psum")),
     ("matmul", ("gemm", "xmma", "cutlass", "nvjet", "cublas", "dot")),
     ("custom call (attention kernels)", ("custom-call", "custom_call", "cudnn", "fmha",
                                         "flash", "triton_kernel_call", "mosaic_gpu")),
