@@ -101,9 +101,11 @@ def main(argv):
   print(decode.table(result))
   for rec in result["records"]:
     if rec.get("step_ops"):
+      so = rec["step_ops"]
       print(f"\n{rec['method']} ctx={rec['context']} B={rec['batch']}: kernels busy "
-            f"{1e3 * rec['step_ops']['total_s']:.2f} ms of the {rec['step_ms']:.2f} ms step"
-            f"\n{ops.op_table(rec['step_ops'])}")
+            f"{1e3 * so['total_s']:.2f} ms (all streams), the compute stream "
+            f"{1e3 * so['stream_busy_s']:.2f} ms, of the {rec['step_ms']:.2f} ms step"
+            f"\n{ops.op_table(so)}")
   for s in result["skipped"]:
     print(f"not run: {s['method']} ctx={s['context']} B={s['batch']}: {s['why']}")
   if save is not None:

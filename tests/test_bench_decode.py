@@ -5,6 +5,7 @@ import dataclasses
 import types
 
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 from kvlowrank.bench import decode
@@ -72,6 +73,8 @@ def test_profile_records_ops_by_category():
   prof = res["records"][0]["step_ops"]
   assert prof["total_s"] > 0 and prof["ops"]
   assert sum(prof["categories"].values()) == pytest.approx(prof["total_s"])
+  # The compute stream's busy time: at most the ops' summed time (all streams / threads).
+  assert 0 < prof["stream_busy_s"] <= prof["total_s"] * (1 + 1e-9)
   assert all(o["launches"] > 0 for o in prof["ops"])
   # The categories come from the HLO op / kernel names; a cuDNN / Triton call is attention,
   # a cuBLAS GEMM is a matmul even when XLA runs it as a custom call.
@@ -96,7 +99,8 @@ def test_profile_records_ops_by_category():
 
 
 def _plane(name, ops_ns):
-  ev = lambda op, ns: types.SimpleNamespace(name=op, stats=[("hlo_op", op)], duration_ns=ns)
+  ev = lambda op, ns: types.SimpleNamespace(name=op, stats=[("hlo_op", op)], duration_ns=ns,
+                                            start_ns=0.0)
   return types.SimpleNamespace(name=name, lines=[
       types.SimpleNamespace(name="Stream #1", events=[ev(o, ns) for o, ns in ops_ns]),
       types.SimpleNamespace(name="XLA Ops", events=[ev("summary", 1e9)])])
@@ -106,15 +110,33 @@ def test_profile_events_count_one_gpu_of_a_mesh():
   """Several GPUs (a mesh): only GPU 0's kernels count, whatever the planes' order; one GPU
   and other device planes as before; no device plane: the host's threads."""
   # GPU 0 is listed third: taking the first plane would give 40 ns, all of them 100.
+  ev3 = lambda planes: [e[:3] for e in decode.ops._events(types.SimpleNamespace(planes=planes))]
   mesh = [_plane(f"/device:GPU:{i}", [("fusion", 10.0 * (i + 1))]) for i in (3, 1, 0, 2)]
-  assert list(decode.ops._events(types.SimpleNamespace(planes=mesh))) == [
-      ("fusion", "fusion", 10.0)]
+  assert ev3(mesh) == [("fusion", "fusion", 10.0)]
+  assert [e[4] for e in decode.ops._events(types.SimpleNamespace(planes=mesh))] == [
+      ("/device:GPU:0", "Stream #1")]
   one = [_plane("/device:GPU:0", [("fusion", 5.0)]), _plane("/device:CUSTOM:0", [("x", 1.0)])]
-  assert sorted(decode.ops._events(types.SimpleNamespace(planes=one))) == [
-      ("fusion", "fusion", 5.0), ("x", "x", 1.0)]
+  assert sorted(ev3(one)) == [("fusion", "fusion", 5.0), ("x", "x", 1.0)]
   host = [_plane("/host:CPU", [("dot", 2.0)])]
-  got = list(decode.ops._events(types.SimpleNamespace(planes=host)))
+  got = ev3(host)
   assert ("dot", "dot", 2.0) in got and ("summary", "summary", 1e9) in got
+
+
+def test_stream_busy_is_the_union_of_the_ops_intervals():
+  """Overlapping, nested, touching and separate intervals against a brute-force count of
+  the covered integer points; the sum of the durations (what `total_s` adds) overcounts."""
+  rng = np.random.default_rng(0)
+  for _ in range(20):
+    starts = rng.integers(0, 200, 12)
+    spans = [(float(a), float(a + d)) for a, d in zip(starts, rng.integers(0, 40, 12))]
+    covered = np.zeros(260, bool)
+    for a, b in spans:
+      covered[int(a):int(b)] = True
+    assert decode.ops._busy_ns(spans) == covered.sum()
+  assert decode.ops._busy_ns([(0.0, 10.0), (5.0, 8.0), (10.0, 12.0), (20.0, 21.0)]) == 13.0
+  assert sum(b - a for a, b in [(0.0, 10.0), (5.0, 8.0)]) > decode.ops._busy_ns(
+      [(0.0, 10.0), (5.0, 8.0)])
+  assert decode.ops._busy_ns([]) == 0.0
 
 
 def test_cross_layer_method_and_max_batch_check():

@@ -454,6 +454,7 @@ def run_config(spec: ModelSpec, params, method: BenchMethod, context: int, batch
   if profile:
     step_ops = ops.op_times(run_loop, calls=1, warm=False)
     step_ops = dict(step_ops, total_s=step_ops["total_s"] / steps,
+                    stream_busy_s=step_ops["stream_busy_s"] / steps,
                     categories={k: v / steps for k, v in step_ops["categories"].items()},
                     ops=[dict(o, seconds=o["seconds"] / steps, launches=o["launches"] / steps)
                          for o in step_ops["ops"][:40]])

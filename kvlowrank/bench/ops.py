@@ -54,7 +54,8 @@ def category(op: str, kernel: str = "") -> str:
 
 
 def _events(profile):
-  """(hlo_op, kernel name, duration_ns) of every op event: the device planes' streams
+  """(hlo_op, kernel name, duration_ns, start_ns, (plane, line)) of every op event: the
+  device planes' streams
   (of GPU 0 alone where there are several GPUs: on a mesh every device runs the same
   program on its shard, so one device's time is the step's, and summing them would count
   it once per device), else the host's threads."""
@@ -71,14 +72,28 @@ def _events(profile):
       for ev in line.events:
         op = next((v for k, v in ev.stats if k == "hlo_op"), None)
         if op:
-          yield str(op), str(ev.name), float(ev.duration_ns)
+          yield (str(op), str(ev.name), float(ev.duration_ns), float(ev.start_ns),
+                 (plane.name, line.name))
+
+
+def _busy_ns(intervals) -> float:
+  """Length of the union of [start, end) intervals."""
+  busy, end = 0.0, float("-inf")
+  for a, b in sorted(intervals):
+    if b > end:
+      busy += b - max(a, end)
+      end = b
+  return busy
 
 
 def op_times(fn: Callable[[], object], calls: int = 3, warm: bool = True) -> dict:
   """Device seconds per call of `fn`, per HLO op and per category (module docstring).
 
-  Returns dict(total_s, ops=[dict(op, kernel, category, seconds, launches)] longest first,
-  categories={category: seconds}); `seconds` and `launches` are per call of `fn`.
+  Returns dict(total_s, stream_busy_s, ops=[dict(op, kernel, category, seconds, launches)]
+  longest first, categories={category: seconds}); `seconds` and `launches` are per call of
+  `fn`. `stream_busy_s`: the time during which the compute stream (the stream, or host
+  thread, with the most op time) runs an op, per call; a call's wall time beyond it is time
+  that stream waited (for the host's launches, or for another device in a collective).
   """
   if warm:                                           # nothing compiles in the trace
     jax.block_until_ready(fn())
@@ -94,7 +109,10 @@ def op_times(fn: Callable[[], object], calls: int = 3, warm: bool = True) -> dic
       raise RuntimeError(f"jax.profiler wrote no trace under {d}")
     profile = jax.profiler.ProfileData.from_file(paths[0])
     secs, count, kernel = collections.Counter(), collections.Counter(), {}
-    for op, name, ns in _events(profile):
+    stream_ns, spans = collections.Counter(), collections.defaultdict(list)
+    for op, name, ns, start, stream in _events(profile):
+      stream_ns[stream] += ns
+      spans[stream].append((start, start + ns))
       if op.startswith("command_buffer"):   # a CUDA graph of many ops: one row per kernel
         op = name
       secs[op] += ns * 1e-9 / calls
@@ -105,7 +123,10 @@ def op_times(fn: Callable[[], object], calls: int = 3, warm: bool = True) -> dic
   cats = collections.Counter()
   for o in ops:
     cats[o["category"]] += o["seconds"]
-  return dict(total_s=sum(secs.values()), ops=ops, categories=dict(cats.most_common()))
+  main = max(stream_ns, key=stream_ns.get) if stream_ns else None
+  busy = _busy_ns(spans[main]) * 1e-9 / calls if main else 0.0
+  return dict(total_s=sum(secs.values()), stream_busy_s=busy, ops=ops,
+              categories=dict(cats.most_common()))
 
 
 def op_table(prof: dict, top: int = 12) -> str:
