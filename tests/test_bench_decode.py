@@ -110,11 +110,11 @@ def test_profile_events_count_one_gpu_of_a_mesh():
   """Several GPUs (a mesh): only GPU 0's kernels count, whatever the planes' order; one GPU
   and other device planes as before; no device plane: the host's threads."""
   # GPU 0 is listed third: taking the first plane would give 40 ns, all of them 100.
-  ev3 = lambda planes: [e[:3] for e in decode.ops._events(types.SimpleNamespace(planes=planes))]
-  mesh = [_plane(f"/device:GPU:{i}", [("fusion", 10.0 * (i + 1))]) for i in (3, 1, 0, 2)]
-  assert ev3(mesh) == [("fusion", "fusion", 10.0)]
-  assert [e[4] for e in decode.ops._events(types.SimpleNamespace(planes=mesh))] == [
-      ("/device:GPU:0", "Stream #1")]
+  events = lambda planes: list(decode.ops._events(types.SimpleNamespace(planes=planes)))
+  ev3 = lambda planes: [e[:3] for e in events(planes)]
+  mesh = events([_plane(f"/device:GPU:{i}", [("fusion", 10.0 * (i + 1))]) for i in (3, 1, 0, 2)])
+  assert [e[:3] for e in mesh] == [("fusion", "fusion", 10.0)]
+  assert [e[4] for e in mesh] == [("/device:GPU:0", "Stream #1")]
   one = [_plane("/device:GPU:0", [("fusion", 5.0)]), _plane("/device:CUSTOM:0", [("x", 1.0)])]
   assert sorted(ev3(one)) == [("fusion", "fusion", 5.0), ("x", "x", 1.0)]
   host = [_plane("/host:CPU", [("dot", 2.0)])]

@@ -109,9 +109,8 @@ def op_times(fn: Callable[[], object], calls: int = 3, warm: bool = True) -> dic
       raise RuntimeError(f"jax.profiler wrote no trace under {d}")
     profile = jax.profiler.ProfileData.from_file(paths[0])
     secs, count, kernel = collections.Counter(), collections.Counter(), {}
-    stream_ns, spans = collections.Counter(), collections.defaultdict(list)
+    spans = collections.defaultdict(list)
     for op, name, ns, start, stream in _events(profile):
-      stream_ns[stream] += ns
       spans[stream].append((start, start + ns))
       if op.startswith("command_buffer"):   # a CUDA graph of many ops: one row per kernel
         op = name
@@ -123,8 +122,8 @@ def op_times(fn: Callable[[], object], calls: int = 3, warm: bool = True) -> dic
   cats = collections.Counter()
   for o in ops:
     cats[o["category"]] += o["seconds"]
-  main = max(stream_ns, key=stream_ns.get) if stream_ns else None
-  busy = _busy_ns(spans[main]) * 1e-9 / calls if main else 0.0
+  main = max(spans.values(), key=lambda sp: sum(b - a for a, b in sp), default=[])
+  busy = _busy_ns(main) * 1e-9 / calls
   return dict(total_s=sum(secs.values()), stream_busy_s=busy, ops=ops,
               categories=dict(cats.most_common()))
 
