@@ -10,8 +10,8 @@ the jnp reference) does in some twenty small XLA ops per layer, here one program
   3. the key group the token belongs to (ring slots [32 j, 32 j + 32)) is re-quantized
      per channel, its 256 code words and 256 scale halves written at their final slots of
      the store, and its dequantized keys staged (k_stage);
-  4. when the token completes a block of F keys, the ring's keys become the staged ones;
-  5. the new lengths max(lens, pos + 1).
+  4. when the token completes a block of F keys, the ring's keys become the staged ones.
+The new lengths max(lens, pos + 1) are computed beside the launch (`new_lengths`).
 The arrays are aliased (`input_output_aliases`): the launch writes the cache's own buffers
 (donated by the decode loop), and the kernel reads them through its output pointers, so
 it reads what it wrote. Codes and scales go through scratch outputs (a program's codes
@@ -79,15 +79,21 @@ def _quantize(x, mn, mx, sdt: tl.constexpr, LEV: tl.constexpr, RECIP: tl.constex
 
 
 @triton.jit
-def _new_length(pos_ptr, lens_ptr, lens_out, b, kh):
-  """(pos, max(lens, pos + 1)) of row b (lens as it is for pos < 0), stored once per row
-  (by KV head 0)."""
+def _new_length(pos_ptr, lens_ptr, b):
+  """(pos, max(lens, pos + 1)) of row b (lens as it is for pos < 0): the kernel's own use;
+  the cache's new lengths are `new_lengths`, outside the launch."""
   pos = tl.load(pos_ptr + b)
   lens = tl.load(lens_ptr + b)
-  l1 = tl.where(pos >= 0, tl.maximum(lens, pos + 1), lens)
-  if kh == 0:
-    tl.store(lens_out + b, l1)
-  return pos, l1
+  return pos, tl.where(pos >= 0, tl.maximum(lens, pos + 1), lens)
+
+
+def new_lengths(lens, pos):
+  """[B] lengths after one token per row at pos (-1: padding, the row's length kept). Why
+  not an output of the launch: computed apart, from the step's inputs, XLA runs it (and the
+  attention's segments from it) inside the CUDA graph before the launch; as the launch's
+  output it took a copy into the loop's buffer and a separate fusion after it, two more
+  launches outside the graphs per layer (results/decode_ablations.md)."""
+  return jnp.where(pos >= 0, jnp.maximum(lens, pos + 1), lens).astype(jnp.int32)
 
 
 @triton.jit
@@ -96,13 +102,13 @@ def _update_kernel(pos_ptr, lens_ptr, knew_ptr, vnew_ptr,
                    kw_ptr, ksrc_ptr, kssrc_ptr, vw_ptr, vsrc_ptr, vsh_ptr, vsi_ptr,
                    n_blocks,
                    kc_ptr, ks_ptr, vc_ptr, vs_ptr, kres_ptr, vres_ptr, kstage_ptr,
-                   lens_out, scodes_ptr, sscale_ptr,
+                   scodes_ptr, sscale_ptr,
                    KH: tl.constexpr, F: tl.constexpr, R: tl.constexpr, RECIP: tl.constexpr):
   H: tl.constexpr = 128
   G: tl.constexpr = 32
   b = tl.program_id(0)
   kh = tl.program_id(1)
-  pos, l1 = _new_length(pos_ptr, lens_ptr, lens_out, b, kh)
+  pos, l1 = _new_length(pos_ptr, lens_ptr, b)
   if pos >= 0:
     sdt = ks_ptr.dtype.element_ty
     rdt = kres_ptr.dtype.element_ty
@@ -222,7 +228,6 @@ def decode_update_triton(store, k_res, v_res, k_stage, lens, pos, k_new, v_new,
   tables = [jnp.asarray(a) for a in _tables()]
   outs = [store.kc, store.ks, store.vc, store.vs, k_res, v_res, k_stage]
   out_shapes = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in outs] + [
-      jax.ShapeDtypeStruct((b,), jnp.int32),
       jax.ShapeDtypeStruct((b * kh * (GROUP * h + h),), jnp.int32),
       jax.ShapeDtypeStruct((b * kh * 2 * h,), jnp.float32)]
   res = triton_backend.launch(
@@ -231,6 +236,7 @@ def decode_update_triton(store, k_res, v_res, k_stage, lens, pos, k_new, v_new,
       out_shapes=out_shapes, grid=(b, kh), num_warps=4, num_stages=1,
       aliases={4 + i: i for i in range(len(outs))}, inits=False, KH=kh, F=f, R=residual,
       RECIP=bool(recip))
-  kc, ks, vc, vs, k_res, v_res, k_stage, l1 = res[:8]
-  return KiviMosaic(kc=kc, ks=ks, vc=vc, vs=vs), k_res, v_res, k_stage, l1
+  kc, ks, vc, vs, k_res, v_res, k_stage = res[:7]
+  return (KiviMosaic(kc=kc, ks=ks, vc=vc, vs=vs), k_res, v_res, k_stage,
+          new_lengths(lens, pos))
 

@@ -10,8 +10,8 @@ small XLA ops per layer) does:
   3. the key group the token belongs to (ring slots [G j, G j + G), the new key in its
      slot) is re-quantized per channel; its G rows of packed bytes and its scale row are
      written at their final slots of the store, and its dequantized keys staged (k_stage);
-  4. when the token completes a block of F keys, the ring's keys become the staged ones;
-  5. the new lengths max(lens, pos + 1).
+  4. when the token completes a block of F keys, the ring's keys become the staged ones.
+The new lengths max(lens, pos + 1) are computed beside the launch (`new_lengths`).
 Packing (`planar`, the one packing module's plane layout): byte s CW + w of a row holds, at
 bits [k b, (k + 1) b), the code of channel s ppb CW + k CW + w (ppb = 8 / b codes per byte).
 So the kernel works plane by plane: plane k is the channels c(j, k) of bytes j, quantized and
@@ -39,7 +39,7 @@ import triton.language as tl
 from ..common import triton_backend
 from . import store as kstore
 from .planar import VALUE_BLOCK
-from .triton_update import _codes, _new_length, _quantize
+from .triton_update import _codes, _new_length, _quantize, new_lengths
 
 FUSED_BITS = (2, 4, 8)
 
@@ -49,7 +49,7 @@ def _planar_update_kernel(pos_ptr, lens_ptr, knew_ptr, vnew_ptr,
                           kc_in, ks_in, kz_in, vc_in, vs_in, vz_in, kres_in, vres_in, kst_in,
                           n_slots,
                           kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, kres_ptr, vres_ptr,
-                          kst_ptr, lens_out,
+                          kst_ptr,
                           KH: tl.constexpr, F: tl.constexpr, R: tl.constexpr,
                           G: tl.constexpr, H: tl.constexpr, HV: tl.constexpr,
                           KBITS: tl.constexpr, VBITS: tl.constexpr, KCW: tl.constexpr,
@@ -58,7 +58,7 @@ def _planar_update_kernel(pos_ptr, lens_ptr, knew_ptr, vnew_ptr,
                           RVP: tl.constexpr, NGP: tl.constexpr):
   b = tl.program_id(0)
   kh = tl.program_id(1)
-  pos, l1 = _new_length(pos_ptr, lens_ptr, lens_out, b, kh)
+  pos, l1 = _new_length(pos_ptr, lens_ptr, b)
   if pos >= 0:
     sdt = ks_ptr.dtype.element_ty
     rdt = kres_ptr.dtype.element_ty
@@ -147,8 +147,7 @@ def decode_update_planar(store, k_res, v_res, k_stage, lens, pos, k_new, v_new, 
   p2 = triton.next_power_of_2
   outs = [keys.codes, keys.scale, keys.zero, values.codes, values.scale, values.zero,
           k_res, v_res, k_stage]
-  out_shapes = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in outs] + [
-      jax.ShapeDtypeStruct((b,), jnp.int32)]
+  out_shapes = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in outs]
   res = triton_backend.launch(
       _planar_update_kernel, pos.astype(jnp.int32), lens.astype(jnp.int32),
       k_new.astype(dt), v_new.astype(dt), *outs, int(keys.codes.shape[2]),
@@ -157,8 +156,8 @@ def decode_update_planar(store, k_res, v_res, k_stage, lens, pos, k_new, v_new, 
       G=keys.group, H=h, HV=hv, KBITS=keys.bits, VBITS=values.bits, KCW=keys.plane_width,
       VCW=values.plane_width, VB=VALUE_BLOCK, RECIP=bool(recip), HP=p2(h), HVP=p2(hv),
       RKP=p2(h * keys.bits // 8), RVP=p2(hv * values.bits // 8), NGP=p2(hv // keys.group))
-  kc, ks, kz, vc, vs, vz, k_res, v_res, k_stage, l1 = res
+  kc, ks, kz, vc, vs, vz, k_res, v_res, k_stage = res
   store = kstore.PlanarStore(
       keys=type(keys)(codes=kc, scale=ks, zero=kz, bits=keys.bits, group=keys.group),
       values=type(values)(codes=vc, scale=vs, zero=vz, bits=values.bits, group=values.group))
-  return store, k_res, v_res, k_stage, l1
+  return store, k_res, v_res, k_stage, new_lengths(lens, pos)
