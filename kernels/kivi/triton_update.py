@@ -11,7 +11,8 @@ the jnp reference) does in some twenty small XLA ops per layer, here one program
      per channel, its 256 code words and 256 scale halves written at their final slots of
      the store, and its dequantized keys staged (k_stage);
   4. when the token completes a block of F keys, the ring's keys become the staged ones.
-The new lengths max(lens, pos + 1) are computed beside the launch (`new_lengths`).
+The new lengths max(lens, pos + 1) are the caller's (the cache computes them from the step's
+inputs, so XLA runs them inside its CUDA graph before the launch).
 The arrays are aliased (`input_output_aliases`): the launch writes the cache's own buffers
 (donated by the decode loop), and the kernel reads them through its output pointers, so
 it reads what it wrote. Codes and scales go through scratch outputs (a program's codes
@@ -80,20 +81,11 @@ def _quantize(x, mn, mx, sdt: tl.constexpr, LEV: tl.constexpr, RECIP: tl.constex
 
 @triton.jit
 def _new_length(pos_ptr, lens_ptr, b):
-  """(pos, max(lens, pos + 1)) of row b (lens as it is for pos < 0): the kernel's own use;
-  the cache's new lengths are `new_lengths`, outside the launch."""
+  """(pos, max(lens, pos + 1)) of row b (lens as it is for pos < 0), for the kernel's own
+  use (the block completion); the launch does not write them."""
   pos = tl.load(pos_ptr + b)
   lens = tl.load(lens_ptr + b)
   return pos, tl.where(pos >= 0, tl.maximum(lens, pos + 1), lens)
-
-
-def new_lengths(lens, pos):
-  """[B] lengths after one token per row at pos (-1: padding, the row's length kept). Why
-  not an output of the launch: computed apart, from the step's inputs, XLA runs it (and the
-  attention's segments from it) inside the CUDA graph before the launch; as the launch's
-  output it took a copy into the loop's buffer and a separate fusion after it, two more
-  launches outside the graphs per layer (results/decode_ablations.md)."""
-  return jnp.where(pos >= 0, jnp.maximum(lens, pos + 1), lens).astype(jnp.int32)
 
 
 @triton.jit
@@ -213,7 +205,7 @@ def decode_update_triton(store, k_res, v_res, k_stage, lens, pos, k_new, v_new,
     recip: codes from (x - zero) * (1 / scale), as XLA:CPU computes the quantizer's division
       (default: (x - zero) / scale, as XLA:GPU does; module docstring).
   Returns:
-    (store, k_res, v_res, k_stage, new lens), as `KiviCache._decode_update` computes them.
+    (store, k_res, v_res, k_stage), as `KiviCache._decode_update` computes them.
   """
   if isinstance(store, kstore.PlanarStore):
     from .triton_update_planar import decode_update_planar  # pylint: disable=C0415
@@ -237,6 +229,5 @@ def decode_update_triton(store, k_res, v_res, k_stage, lens, pos, k_new, v_new,
       aliases={4 + i: i for i in range(len(outs))}, inits=False, KH=kh, F=f, R=residual,
       RECIP=bool(recip))
   kc, ks, vc, vs, k_res, v_res, k_stage = res[:7]
-  return (KiviMosaic(kc=kc, ks=ks, vc=vc, vs=vs), k_res, v_res, k_stage,
-          new_lengths(lens, pos))
+  return KiviMosaic(kc=kc, ks=ks, vc=vc, vs=vs), k_res, v_res, k_stage
 

@@ -11,7 +11,7 @@ small XLA ops per layer) does:
      slot) is re-quantized per channel; its G rows of packed bytes and its scale row are
      written at their final slots of the store, and its dequantized keys staged (k_stage);
   4. when the token completes a block of F keys, the ring's keys become the staged ones.
-The new lengths max(lens, pos + 1) are computed beside the launch (`new_lengths`).
+The new lengths are the caller's, as in `triton_update`.
 Packing (`planar`, the one packing module's plane layout): byte s CW + w of a row holds, at
 bits [k b, (k + 1) b), the code of channel s ppb CW + k CW + w (ppb = 8 / b codes per byte).
 So the kernel works plane by plane: plane k is the channels c(j, k) of bytes j, quantized and
@@ -39,7 +39,7 @@ import triton.language as tl
 from ..common import triton_backend
 from . import store as kstore
 from .planar import VALUE_BLOCK
-from .triton_update import _codes, _new_length, _quantize, new_lengths
+from .triton_update import _codes, _new_length, _quantize
 
 FUSED_BITS = (2, 4, 8)
 
@@ -160,4 +160,4 @@ def decode_update_planar(store, k_res, v_res, k_stage, lens, pos, k_new, v_new, 
   store = kstore.PlanarStore(
       keys=type(keys)(codes=kc, scale=ks, zero=kz, bits=keys.bits, group=keys.group),
       values=type(values)(codes=vc, scale=vs, zero=vz, bits=values.bits, group=values.group))
-  return store, k_res, v_res, k_stage, new_lengths(lens, pos)
+  return store, k_res, v_res, k_stage

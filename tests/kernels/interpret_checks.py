@@ -422,18 +422,17 @@ def check_kivi_update():
   then a negative control (one row's key perturbed must break the equality)."""
   import dataclasses  # pylint: disable=import-outside-toplevel
   import kivi_update_cases as kc  # pylint: disable=import-outside-toplevel
+  from kvlowrank.cache.base import new_lengths  # pylint: disable=import-outside-toplevel
   from kvlowrank_kernels.kivi.triton_update import decode_update_triton  # pylint: disable=import-outside-toplevel
 
-  def fused(cache, inp, pos):
+  def fused(cache, inp, pos):  # as `KiviCache._fused_decode_update`, with XLA:CPU's division
     with interpreted_launch():
-      st, k_res, v_res, k_stage, lens = decode_update_triton(
+      st, k_res, v_res, k_stage = decode_update_triton(
           cache.store, cache.k_res, cache.v_res, cache.k_stage, cache.lens, jnp.asarray(pos),
           inp.k[:, 0], inp.v[:, 0], residual=cache.residual, recip=True)
     return dataclasses.replace(cache, store=st, k_res=k_res, v_res=v_res, k_stage=k_stage,
-                               lens=lens)
+                               lens=new_lengths(cache.lens, jnp.asarray(pos)[:, None]))
 
-  # (layout, key bits, value bits, group, scale dtype): the warp layout, then the planar one
-  # (`triton_update_planar`) at the bit widths it writes, a group of 64 and fp32 scales
   # (layout, key bits, value bits, group, scale dtype, key width, value width): the warp
   # layout, then the planar one (`triton_update_planar`) at the bit widths it writes, a group
   # of 64, fp32 scales, and FDC/ZACK's inner cache (one "head" of widths that are not powers
