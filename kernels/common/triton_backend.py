@@ -18,6 +18,16 @@ directive), which jax-triton 0.3.1 does not pass: `_install_register_cap` wraps 
 `get_or_create_triton_kernel` so that a kernel launched with the constexpr `MAXNREG` (which
 the kernel must declare, unused) compiles with `maxnreg=MAXNREG`. The constexpr is part of
 jax-triton's compile-cache key, so capped and uncapped builds of one kernel do not collide.
+
+Every launch lowers to jaxlib's typed-FFI Triton handler `triton_kernel_call_ffi` (the one
+JAX's own Pallas-Triton lowering uses), not to the legacy `triton_kernel_call` that jax-triton
+0.3.1 emits: the FFI handler is marked command-buffer compatible, so XLA records the launches
+in its CUDA graphs with the fusions, GEMMs and Mosaic calls around them, while a legacy custom
+call splits the graph and leaves the GPU waiting at each launch outside it
+(`results/decode_ablations.md`, "the launches outside the CUDA graphs"). `_install_ffi_lowering`
+re-registers jax-triton's CUDA lowering so that it re-targets the op jax-triton builds (the
+same compressed kernel proto, passed as the handler's `opaque` attribute); where the jaxlib
+lacks the handler, jax-triton's lowering stays as it is.
 """
 
 from __future__ import annotations
@@ -114,6 +124,57 @@ def _install_register_cap() -> None:
   triton_lib.get_or_create_triton_kernel = get_or_create
 
 
+TRITON_FFI_TARGET = "triton_kernel_call_ffi"
+
+
+def retarget_to_ffi(results):
+  """Rewrites the custom call that produced `results` (jax-triton's legacy
+  `triton_kernel_call`, api_version 2, its backend_config the compressed kernel proto) into a
+  call of the typed-FFI handler, in the form `jax.interpreters.mlir.custom_call` gives a
+  dictionary backend_config (as JAX's Pallas-Triton lowering builds this call): backend_config
+  "", api_version 1, and `mhlo.backend_config` = {opaque: the same bytes}, which XLA's import
+  turns into a typed-FFI call. Returns `results`."""
+  from jax._src.lib.mlir import ir  # pylint: disable=import-outside-toplevel
+  op = results[0].owner
+  op = getattr(op, "operation", op)
+  config = op.attributes["backend_config"]
+  if "mhlo.backend_config" in op.attributes or not isinstance(config, ir.StringAttr):
+    raise TypeError(f"retarget_to_ffi: expected a legacy call with a string backend_config, "
+                    f"got {op.attributes['call_target_name']}")
+  op.attributes["call_target_name"] = ir.StringAttr.get(TRITON_FFI_TARGET)
+  op.attributes["api_version"] = ir.IntegerAttr.get(ir.IntegerType.get_signless(32), 1)
+  op.attributes["backend_config"] = ir.StringAttr.get("")
+  op.attributes["mhlo.backend_config"] = ir.DictAttr.get({"opaque": config})
+  return results
+
+
+def ffi_handler_registered() -> bool:
+  """True when this jaxlib's CUDA plugin registers `triton_kernel_call_ffi`."""
+  try:
+    from jax._src.lib import gpu_triton  # pylint: disable=import-outside-toplevel
+    plugin = getattr(gpu_triton, "_cuda_triton", None)
+    return plugin is not None and TRITON_FFI_TARGET in plugin.registrations()
+  except Exception:  # pylint: disable=broad-except  (a jaxlib without the plugin API)
+    return False
+
+
+@functools.lru_cache(maxsize=None)
+def _install_ffi_lowering() -> bool:
+  """Makes jax-triton's CUDA lowering emit `triton_kernel_call_ffi`; False where the jaxlib
+  lacks the handler (jax-triton's own lowering then stays)."""
+  if not ffi_handler_registered():
+    return False
+  from jax.interpreters import mlir  # pylint: disable=import-outside-toplevel
+  from jax_triton import triton_lib  # pylint: disable=import-outside-toplevel
+  legacy = functools.partial(triton_lib.triton_kernel_call_lowering, triton_lib.get_cuda_backend)
+
+  def lowering(ctx, *args, **params):
+    return retarget_to_ffi(legacy(ctx, *args, **params))
+
+  mlir.register_lowering(triton_lib.triton_kernel_call_p, lowering, platform="cuda")
+  return True
+
+
 def launch(kernel, *args, out_shapes, grid, num_warps: int, num_stages: int,
            poison: bool = False, aliases=None, max_registers: int | None = None,
            inits: bool = True, **constexprs):
@@ -141,6 +202,7 @@ def launch(kernel, *args, out_shapes, grid, num_warps: int, num_stages: int,
   if max_registers and not 24 <= max_registers <= 255:
     raise ValueError(f"launch: max_registers must be 0 or in [24, 255], got {max_registers}")
   import jax_triton as jt  # pylint: disable=import-outside-toplevel
+  _install_ffi_lowering()
   out_shapes = list(out_shapes)
   if max_registers is not None:
     if max_registers:
