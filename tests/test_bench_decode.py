@@ -86,6 +86,11 @@ def test_profile_records_ops_by_category():
                      ("entry_mosaic_gpu_kernel", "entry_mosaic_gpu_kernel")):
     assert decode.ops.category(op, kernel) == "custom call (attention kernels)"
   assert decode.ops.category("loop_add_fusion") == "other fusion"
+  # Inside a command buffer (a CUDA graph) a Triton launch's op is the buffer: its kernel
+  # name files it; an XLA fusion in the same buffer stays a fusion (negative control).
+  assert decode.ops.category("command_buffer.3", "_window_merge_kernel") == (
+      "custom call (attention kernels)")
+  assert decode.ops.category("command_buffer.3", "loop_add_fusion") == "other fusion"
   # A mesh's all-reduces are collectives, not reduction fusions (their names hold "reduce").
   for op, kernel in (("all-reduce-start.3", "ncclDevKernel_AllReduce_Sum_bf16_RING_LL"),
                      ("all-reduce.12", ""), ("all-gather-start", ""),

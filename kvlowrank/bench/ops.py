@@ -45,11 +45,16 @@ _CATEGORIES = (            # first match wins, on "<hlo op> <kernel>" lower-case
 
 
 def category(op: str, kernel: str = "") -> str:
-  """A coarse kind of the HLO op named `op` run as `kernel` (module docstring)."""
+  """A coarse kind of the HLO op named `op` run as `kernel` (module docstring). Inside a
+  command buffer a Triton launch's op is the buffer's name: its kernel's name (every
+  `@triton.jit` entry of `kvlowrank_kernels` ends in "kernel"; XLA names its own kernels after
+  their fusions) files it with the custom calls it was lowered from."""
   name = f"{op} {kernel}".lower()
   for label, keys in _CATEGORIES:
     if any(k in name for k in keys):
       return label
+  if kernel.lower().endswith("kernel"):
+    return "custom call (attention kernels)"
   return "other fusion"
 
 
