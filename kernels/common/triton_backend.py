@@ -158,6 +158,12 @@ def ffi_handler_registered() -> bool:
     return False
 
 
+def legacy_cuda_lowering():
+  """jax-triton's own CUDA lowering rule (the legacy `triton_kernel_call`), as it registers it."""
+  from jax_triton import triton_lib  # pylint: disable=import-outside-toplevel
+  return functools.partial(triton_lib.triton_kernel_call_lowering, triton_lib.get_cuda_backend)
+
+
 @functools.lru_cache(maxsize=None)
 def _install_ffi_lowering() -> bool:
   """Makes jax-triton's CUDA lowering emit `triton_kernel_call_ffi`; False where the jaxlib
@@ -166,7 +172,7 @@ def _install_ffi_lowering() -> bool:
     return False
   from jax.interpreters import mlir  # pylint: disable=import-outside-toplevel
   from jax_triton import triton_lib  # pylint: disable=import-outside-toplevel
-  legacy = functools.partial(triton_lib.triton_kernel_call_lowering, triton_lib.get_cuda_backend)
+  legacy = legacy_cuda_lowering()
 
   def lowering(ctx, *args, **params):
     return retarget_to_ffi(legacy(ctx, *args, **params))

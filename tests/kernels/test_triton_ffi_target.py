@@ -2,8 +2,8 @@
 `triton_kernel_call`, api_version 2, the compressed kernel proto as its backend_config string)
 becomes a call of jaxlib's typed-FFI handler `triton_kernel_call_ffi` (the same bytes under
 `opaque` in `mhlo.backend_config`, as `mlir.custom_call` writes a dictionary config), which XLA
-may record in its CUDA graphs. A stand-in primitive lowered
-the way jax-triton lowers stands in for a kernel (CPU: lowering only, nothing runs); the GPU
+may record in its CUDA graphs. A stand-in primitive lowered the way jax-triton lowers stands
+in for a kernel (CPU: lowering only, nothing runs); the GPU
 test that the launches land in XLA's command buffers is `test_triton_ffi_target_gpu.py`."""
 
 import zlib
@@ -63,9 +63,11 @@ def test_same_form_as_a_dictionary_config():
   def lowering(ctx, x):
     from jax._src.interpreters.mlir import custom_call  # pylint: disable=import-outside-toplevel
     from jax._src.lib.mlir import ir  # pylint: disable=import-outside-toplevel
-    return custom_call("triton_kernel_call_ffi", result_types=[mlir.aval_to_ir_type(
-        ctx.module_context, ctx.avals_out[0])], operands=[x], backend_config={"opaque": ir.StringAttr.get(PROTO)},
-        operand_layouts=[[0]], result_layouts=[[0]], operand_output_aliases={0: 0}).results
+    result = mlir.aval_to_ir_type(ctx.module_context, ctx.avals_out[0])
+    return custom_call("triton_kernel_call_ffi", result_types=[result], operands=[x],
+                       backend_config={"opaque": ir.StringAttr.get(PROTO)},
+                       operand_layouts=[[0]], result_layouts=[[0]],
+                       operand_output_aliases={0: 0}).results
 
   mlir.register_lowering(prim, lowering)
   built = _custom_call_line(jax.jit(lambda x: prim.bind(x * 2.0) + 1.0).lower(

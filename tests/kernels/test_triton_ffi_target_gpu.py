@@ -4,7 +4,6 @@ outputs equal the jnp reference. Negative control: jax-triton's own lowering (th
 `triton_kernel_call`) leaves the launches outside any command buffer. The thunk sequence is
 read from XLA's dump of the compile (`xla_dump_to` as a per-compile option)."""
 
-import functools
 import pathlib
 import re
 
@@ -71,8 +70,8 @@ def test_negative_control_legacy_lowering(tmp_path):
   from jax.interpreters import mlir  # pylint: disable=import-outside-toplevel
   from jax_triton import triton_lib  # pylint: disable=import-outside-toplevel
   triton_backend._install_ffi_lowering()  # pylint: disable=protected-access
-  mlir.register_lowering(triton_lib.triton_kernel_call_p, functools.partial(
-      triton_lib.triton_kernel_call_lowering, triton_lib.get_cuda_backend), platform="cuda")
+  mlir.register_lowering(triton_lib.triton_kernel_call_p, triton_backend.legacy_cuda_lowering(),
+                         platform="cuda")
   try:
     hlo, thunks = _compile(tmp_path, "legacy", 256)
   finally:
