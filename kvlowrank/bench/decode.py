@@ -76,7 +76,7 @@ from kvlowrank.cache.base import KVCache
 from kvlowrank.methods.palu.spec import default_group_size, folds_value
 from kvlowrank.methods.rotated import RotatedSpec
 from kvlowrank.methods.rotated import sharding as rotated_sharding
-from kvlowrank.model import row_slices
+from kvlowrank.model import row_slices, xla_options
 from kvlowrank.model.params import layer_shapes
 from kvlowrank.model.transformer import forward
 from kvlowrank.spec import ModelSpec, RopeScaling
@@ -429,7 +429,7 @@ def run_config(spec: ModelSpec, params, method: BenchMethod, context: int, batch
 
   tok = jnp.zeros((batch, 1), jnp.int32)
   t0 = time.perf_counter()
-  compiled = jax.jit(loop, donate_argnums=3).lower(
+  compiled = jax.jit(loop, donate_argnums=3, compiler_options=xla_options.DECODE).lower(
       params, tok, jnp.full((batch, 1), context, jnp.int32), caches).compile()
   compile_s = time.perf_counter() - t0
   mem = compiled.memory_analysis()

@@ -39,13 +39,15 @@ import jax.numpy as jnp
 import numpy as np
 
 from kvlowrank.cache.base import init_caches
+from kvlowrank.model import xla_options
 from kvlowrank.model.segments import forward_segments
 from kvlowrank.spec import ModelSpec
 
 MODES = ("prefill", "decode")
 
 
-@functools.partial(jax.jit, static_argnames=("spec", "segments", "allow_beyond_max_seq_len"))
+@functools.partial(jax.jit, static_argnames=("spec", "segments", "allow_beyond_max_seq_len"),
+                   compiler_options=xla_options.DECODE)
 def _window_nll(params, caches, tokens, targets, *, spec: ModelSpec,
                 segments: tuple[tuple[int, int], ...], allow_beyond_max_seq_len=False):
   """Feeds tokens [B, n] (n = end of the last segment) segment by segment through the

@@ -23,6 +23,7 @@ import numpy as np
 from kvlowrank.methods import DenseSpec, init_caches
 from kvlowrank.generate.sampling import Greedy, Sampler
 from kvlowrank import parallel
+from kvlowrank.model import xla_options
 from kvlowrank.model.transformer import forward
 from kvlowrank.spec import ModelSpec
 
@@ -86,7 +87,8 @@ def _prefill(params, tokens, positions, last_idx, caches, rng, *, spec: ModelSpe
 
 
 @functools.partial(jax.jit, static_argnames=("spec", "sampler", "width", "allow",
-                                             "progress", "mesh"))
+                                             "progress", "mesh"),
+                   compiler_options=xla_options.DECODE)
 def _decode(params, first, next_pos, eos_ids, max_new_tokens, caches, rng, *,
             spec: ModelSpec, sampler: Sampler, width: int, allow: bool = False,
             progress: bool = False, mesh=None):
