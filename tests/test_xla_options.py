@@ -29,9 +29,12 @@ def test_a_bad_value_is_rejected():
     _compiled({key: "NOT_A_MODE"})
 
 
-@pytest.mark.parametrize("fn", [loop._decode, perplexity._window_nll],  # pylint: disable=protected-access
+# pylint: disable=protected-access
+@pytest.mark.parametrize("fn", [loop._decode, perplexity._window_nll],
                          ids=["generate_decode", "perplexity_windows"])
 def test_decode_programs_carry_the_options(fn):
-  kvs = dict(fn._jit_info.compiler_options_kvs)  # pylint: disable=protected-access
-  assert kvs == xla_options.DECODE
-  assert dict(loop._prefill._jit_info.compiler_options_kvs) == {}  # pylint: disable=protected-access
+  assert dict(fn._jit_info.compiler_options_kvs) == xla_options.DECODE
+
+
+def test_prefill_keeps_xla_defaults():
+  assert dict(loop._prefill._jit_info.compiler_options_kvs) == {}
