@@ -257,7 +257,7 @@ def gear_attention_mosaic(q, cache: KiviMosaic, k_win, v_win, q_len, w_len,
   bv = lr.b_v.reshape(b, kh, c * lp.b_rows, 256)
   o_t, lse_t = mkw.launch(p, DTYPE, sm_scale, qt, cache, q_len.astype(jnp.int32),
                           ext=_Ext(lp), ext_inputs=(qbp, bpv, pfx, ak, av, bk, bv))
-  return ring.merge_with_window(q, o_t, lse_t, p["num_splits"], p, k_win, v_win, w_len,
+  return ring.merge_with_window(q, qt, o_t, lse_t, p["num_splits"], p, k_win, v_win, w_len,
                                 scale=scale, out_dtype=out_dtype,
                                 window_implementation=window_implementation,
                                 return_partials=return_partials)

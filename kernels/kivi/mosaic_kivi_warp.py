@@ -390,7 +390,7 @@ def kivi_attention_mosaic_warp(q, cache: KiviMosaic, k_win, v_win, q_len, w_len,
   sm_scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
   qt = ring.query_operand(q, p, dtype)
   o_t, lse_t = launch(p, dtype, sm_scale, qt, cache, q_len.astype(jnp.int32))
-  return ring.merge_with_window(q, o_t, lse_t, p["num_splits"], p, k_win, v_win, w_len,
+  return ring.merge_with_window(q, qt, o_t, lse_t, p["num_splits"], p, k_win, v_win, w_len,
                                 scale=scale, out_dtype=out_dtype,
                                 window_implementation=window_implementation,
                                 return_partials=return_partials)

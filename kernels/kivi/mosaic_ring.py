@@ -179,10 +179,12 @@ def produce(q_src, q_dst, q_bar, q_free, arrays, slot_bar, free, *, n_items, ite
         load(b, head, blk0 + i, lax.rem(i, stages), xj)
 
 
-def merge_with_window(q, o_t, lse_t, parts, p, k_win, v_win, w_len, *, scale, out_dtype,
+def merge_with_window(q, qt, o_t, lse_t, parts, p, k_win, v_win, w_len, *, scale, out_dtype,
                       window_implementation, return_partials):
   """The Mosaic KIVI kernel's partials (o_t [B K, parts, H, NP], lse_t [B K, parts, NP]) and
   the exact window's (attended by `window_implementation`) merged in one LSE combine.
+  qt: the kernel's query operand (`query_operand`), which the fused window reads in place of
+  q (`triton_window.window_merge_triton`).
   window_implementation: "fused" (`triton_window`: window and merge in one Triton launch),
   "xla" (the reference: XLA ops), or a `dense.decode_attention` implementation; None:
   "fused" where jax-triton runs and the window fits it (not with return_partials), else
@@ -198,8 +200,8 @@ def merge_with_window(q, o_t, lse_t, parts, p, k_win, v_win, w_len, *, scale, ou
     from .triton_window import window_merge_triton  # pylint: disable=import-outside-toplevel
     if return_partials:
       raise ValueError("KIVI window_implementation 'fused' does not return partials")
-    return window_merge_triton(q, o_t, lse_t, parts, p, k_win, v_win, w_len, scale=scale,
-                               out_dtype=out_dtype or q.dtype)
+    return window_merge_triton(q.shape, qt, o_t, lse_t, parts, p, k_win, v_win, w_len,
+                               scale=scale, out_dtype=out_dtype or q.dtype)
   b, n, h = q.shape
   kh, qpk = p["kh"], p["qpk"]
   o = o_t[..., :qpk].reshape(b, kh, parts, h, qpk).transpose(0, 1, 4, 2, 3)

@@ -89,7 +89,7 @@ def _new_length(pos_ptr, lens_ptr, b):
 
 
 @triton.jit
-def _update_kernel(pos_ptr, lens_ptr, knew_ptr, vnew_ptr,
+def _update_kernel(pos_ptr, lens_ptr, kvnew_ptr,
                    kc_in, ks_in, vc_in, vs_in, kres_in, vres_in, kstage_in,
                    kw_ptr, ksrc_ptr, kssrc_ptr, vw_ptr, vsrc_ptr, vsh_ptr, vsi_ptr,
                    n_blocks,
@@ -113,8 +113,8 @@ def _update_kernel(pos_ptr, lens_ptr, knew_ptr, vnew_ptr,
     gb = (slot // G) * G
     r = tl.arange(0, G)[:, None]
     rows = ((b * F + gb + r) * KH + kh) * H + hh[None, :]
-    kn = tl.load(knew_ptr + prog * H + hh)
-    vn = tl.load(vnew_ptr + prog * H + hh)
+    kn = tl.load(kvnew_ptr + ((2 * b) * KH + kh) * H + hh)
+    vn = tl.load(kvnew_ptr + ((2 * b + 1) * KH + kh) * H + hh)
     kgrp = tl.load(kres_ptr + rows)
     # ---- 1. the value leaving the window (read before the ring slot is overwritten)
     vpos = pos - R
@@ -224,9 +224,11 @@ def decode_update_triton(store, k_res, v_res, k_stage, lens, pos, k_new, v_new,
       jax.ShapeDtypeStruct((b * kh * 2 * h,), jnp.float32)]
   res = triton_backend.launch(
       _update_kernel, pos.astype(jnp.int32), lens.astype(jnp.int32),
-      k_new.astype(dt), v_new.astype(dt), *outs, *tables, int(nb),
+      # one operand [B, 2, K, 128]: XLA makes it in one fusion (the key's RoPE and the value's
+      # slice of the projection), where two operands took a launch each
+      jnp.stack([k_new.astype(dt), v_new.astype(dt)], 1), *outs, *tables, int(nb),
       out_shapes=out_shapes, grid=(b, kh), num_warps=4, num_stages=1,
-      aliases={4 + i: i for i in range(len(outs))}, inits=False, KH=kh, F=f, R=residual,
+      aliases={3 + i: i for i in range(len(outs))}, inits=False, KH=kh, F=f, R=residual,
       RECIP=bool(recip))
   kc, ks, vc, vs, k_res, v_res, k_stage = res[:7]
   return KiviMosaic(kc=kc, ks=ks, vc=vc, vs=vs), k_res, v_res, k_stage

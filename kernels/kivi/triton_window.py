@@ -40,7 +40,8 @@ def _window_merge_kernel(q_ptr, kw_ptr, vw_ptr, wlen_ptr, o_ptr, lse_ptr, sm_sca
   head = b * n + kh * QPK + qi
   rows = ((b * W + ti[:, None]) * KH + kh) * H + hh[None, :]
   k = tl.load(kw_ptr + rows)
-  q = tl.load(q_ptr + head[:, None] * H + hh[None, :], mask=live[:, None], other=0.0)
+  q = tl.load(q_ptr + (pid * NP + qi[:, None]) * H + hh[None, :], mask=live[:, None],
+              other=0.0)
   s = tl.dot(q.to(k.dtype), tl.trans(k)) * sm_scale
   valid = ti[None, :] < tl.load(wlen_ptr + b)
   s = tl.where(valid, s, float("-inf"))
@@ -86,18 +87,25 @@ def window_fit(k_win, head_dim: int) -> str | None:
   return None
 
 
-def window_merge_triton(q, o_t, lse_t, parts, p, k_win, v_win, w_len, *, scale, out_dtype):
+def window_merge_triton(q_shape, qt, o_t, lse_t, parts, p, k_win, v_win, w_len, *, scale,
+                        out_dtype):
   """(out [B, N, H], lse [B, N]) of the kernel's partials (o_t [B K, parts, H, NP], lse_t
   [B K, parts, NP]) merged with the window's attention; `mosaic_ring.merge_with_window`'s
-  contract without return_partials."""
-  b, n, h = q.shape
+  contract without return_partials. The query is the Mosaic kernel's own operand qt
+  [B K, NP, H] (`mosaic_ring.query_operand`: each KV head's query heads, padded, in the
+  scales' type): read here too, the decode query has no consumer but that operand, so XLA
+  computes its RoPE, padding and cast in one fusion (two launches per layer when the window
+  read q [B, N, H]). q's values are bf16/fp16 ones, which the 16-bit types hold alike
+  (bf16 -> fp16 -> bf16 is exact in fp16's normal range), and the kernel casts to the window's
+  type."""
+  b, n, h = q_shape
   kh, qpk, np_ = p["kh"], p["qpk"], p["np"]
   why = window_fit(k_win, h)
   if why is not None:
     raise ValueError(f"KIVI fused window: {why}")
   sm_scale = h ** -0.5 if scale is None else float(scale)
   out, lse = triton_backend.launch(
-      _window_merge_kernel, q, k_win, v_win.astype(k_win.dtype),
+      _window_merge_kernel, qt, k_win, v_win.astype(k_win.dtype),
       w_len.astype(jnp.int32), o_t, lse_t, sm_scale,
       out_shapes=[jax.ShapeDtypeStruct((b, n, h), out_dtype),
                   jax.ShapeDtypeStruct((b, n), jnp.float32)],

@@ -483,7 +483,7 @@ def check_kivi_window():
   reference (`mosaic_ring.merge_with_window`, "xla"): GQA 4 and MHA, windows full / partial /
   empty, splits with empty (-inf) partials; then a negative control (a perturbed window
   value must show)."""
-  from kvlowrank_kernels.kivi.mosaic_ring import merge_with_window  # pylint: disable=import-outside-toplevel
+  from kvlowrank_kernels.kivi.mosaic_ring import merge_with_window, query_operand  # pylint: disable=import-outside-toplevel
   from kvlowrank_kernels.kivi.triton_window import window_merge_triton  # pylint: disable=import-outside-toplevel
 
   def inputs(seed, b, kh, qpk, w, parts, np_=8):
@@ -496,11 +496,13 @@ def check_kivi_window():
     v_win = jax.random.normal(ks[4], (b, w, kh, 128)).astype(jnp.bfloat16)
     w_len = jnp.asarray(([w, 0, w // 2 + 1] * b)[:b], jnp.int32)
     p = dict(kh=kh, qpk=qpk, np=np_)
-    return (q, o_t, lse_t, parts, p, k_win, v_win, w_len)
+    # the kernel's query operand, in fp16 (the scales' type) while the window is bf16
+    qt = query_operand(q, p, "float16")
+    return (q, qt, o_t, lse_t, parts, p, k_win, v_win, w_len)
 
   def fused(args):
     with interpreted_launch():
-      return window_merge_triton(*args, scale=None, out_dtype=F32)
+      return window_merge_triton(args[0].shape, *args[1:], scale=None, out_dtype=F32)
 
   for i, (b, kh, qpk, w, parts) in enumerate(((3, 2, 4, 32, 3), (2, 4, 1, 16, 1))):
     args = inputs(600 + i, b, kh, qpk, w, parts)
@@ -512,7 +514,7 @@ def check_kivi_window():
   args = inputs(600, 3, 2, 4, 32, 3)
   ref, _ = merge_with_window(*args, scale=None, out_dtype=F32, window_implementation="xla",
                              return_partials=False)
-  bad = args[:6] + (args[6].at[0, 3, 1, 9].add(20.0),) + args[7:]
+  bad = args[:7] + (args[7].at[0, 3, 1, 9].add(20.0),) + args[8:]
   closeness.assert_differs(fused(bad)[0], ref, 2e-3, 2e-3, "kivi window, perturbed value",
                            "kivi window: a perturbed window value went unnoticed")
 
