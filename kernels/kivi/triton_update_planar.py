@@ -45,7 +45,7 @@ FUSED_BITS = (2, 4, 8)
 
 
 @triton.jit
-def _planar_update_kernel(pos_ptr, lens_ptr, knew_ptr, vnew_ptr,
+def _planar_update_kernel(pos_ptr, lens_ptr, kvnew_ptr,
                           kc_in, ks_in, kz_in, vc_in, vs_in, vz_in, kres_in, vres_in, kst_in,
                           n_slots,
                           kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, kres_ptr, vres_ptr,
@@ -70,6 +70,8 @@ def _planar_update_kernel(pos_ptr, lens_ptr, knew_ptr, vnew_ptr,
     VLEV: tl.constexpr = (1 << VBITS) - 1
     NG: tl.constexpr = HV // G                 # value groups per token
     prog = (b * KH + kh).to(tl.int64)
+    knew_ptr = kvnew_ptr + prog * (H + HV)        # the token's key, then its value
+    vnew_ptr = knew_ptr + H
     slot = pos % F
     vrow = vres_ptr + ((b * F + slot) * KH + kh) * HV
     # ---- 1. the value leaving the window (read before the ring slot is overwritten)
@@ -107,7 +109,7 @@ def _planar_update_kernel(pos_ptr, lens_ptr, knew_ptr, vnew_ptr,
     for k in tl.static_range(KPPB):
       c = (jk // KCW) * (KPPB * KCW) + k * KCW + jk % KCW           # [1, RKP] channels
       xk = tl.load(kres_ptr + ring + c, mask=jk_ok, other=0.0)
-      kn = tl.load(knew_ptr + prog * H + c, mask=jk_ok, other=0.0)
+      kn = tl.load(knew_ptr + c, mask=jk_ok, other=0.0)
       xk = tl.where(r == slot - gb, kn, xk).to(tl.float32)
       code, sc, zr, s, z = _quantize(xk, tl.min(xk, 0)[None, :], tl.max(xk, 0)[None, :], sdt,
                                      KLEV, RECIP)
@@ -121,8 +123,8 @@ def _planar_update_kernel(pos_ptr, lens_ptr, knew_ptr, vnew_ptr,
     hh = tl.arange(0, HP)
     hv = tl.arange(0, HVP)
     tl.store(kres_ptr + ((b * F + slot) * KH + kh) * H + hh,
-             tl.load(knew_ptr + prog * H + hh, mask=hh < H), mask=hh < H)
-    tl.store(vrow + hv, tl.load(vnew_ptr + prog * HV + hv, mask=hv < HV), mask=hv < HV)
+             tl.load(knew_ptr + hh, mask=hh < H), mask=hh < H)
+    tl.store(vrow + hv, tl.load(vnew_ptr + hv, mask=hv < HV), mask=hv < HV)
     # ---- 4. a completed block: the ring's keys become the staged ones
     if l1 % F == 0:
       tl.debug_barrier()
@@ -150,9 +152,11 @@ def decode_update_planar(store, k_res, v_res, k_stage, lens, pos, k_new, v_new, 
   out_shapes = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in outs]
   res = triton_backend.launch(
       _planar_update_kernel, pos.astype(jnp.int32), lens.astype(jnp.int32),
-      k_new.astype(dt), v_new.astype(dt), *outs, int(keys.codes.shape[2]),
-      out_shapes=out_shapes, grid=(b, kh), num_warps=4, num_stages=1,
-      aliases={4 + i: i for i in range(len(outs))}, inits=False, KH=kh, F=f, R=residual,
+      # one operand [B, K, H + HV], the key then the value: XLA makes it in one fusion (as
+      # `triton_update`'s [B, 2, K, 128]; the widths may differ here)
+      jnp.concatenate([k_new.astype(dt), v_new.astype(dt)], -1), *outs,
+      int(keys.codes.shape[2]), out_shapes=out_shapes, grid=(b, kh), num_warps=4, num_stages=1,
+      aliases={3 + i: i for i in range(len(outs))}, inits=False, KH=kh, F=f, R=residual,
       G=keys.group, H=h, HV=hv, KBITS=keys.bits, VBITS=values.bits, KCW=keys.plane_width,
       VCW=values.plane_width, VB=VALUE_BLOCK, RECIP=bool(recip), HP=p2(h), HVP=p2(hv),
       RKP=p2(h * keys.bits // 8), RVP=p2(hv * values.bits // 8), NGP=p2(hv // keys.group))
