@@ -81,11 +81,12 @@ def _quantize(x, mn, mx, sdt: tl.constexpr, LEV: tl.constexpr, RECIP: tl.constex
 
 @triton.jit
 def _new_length(pos_ptr, lens_ptr, b):
-  """(pos, max(lens, pos + 1)) of row b (lens as it is for pos < 0), for the kernel's own
-  use (the block completion); the launch does not write them."""
-  pos = tl.load(pos_ptr + b)
-  lens = tl.load(lens_ptr + b)
-  return pos, tl.where(pos >= 0, tl.maximum(lens, pos + 1), lens)
+  """(pos, new length) of row b; lens_ptr holds the new lengths max(lens, pos + 1) (lens for
+  pos < 0), which the wrapper computes in XLA: so the old lengths have no reader after
+  them, and XLA needs no copy of them in the decode loop (a 32-byte memcpy per layer and
+  step when this kernel read the old ones, session 45). The kernel's own use: the block
+  completion; the launch does not write them."""
+  return tl.load(pos_ptr + b), tl.load(lens_ptr + b)
 
 
 @triton.jit
@@ -191,8 +192,14 @@ def _tables():
   return tuple(np.ascontiguousarray(a, dtype=np.int32) for a in out)
 
 
+def new_lengths(lens, pos):
+  """[B] int32 lengths after the step: max(lens, pos + 1), lens where pos < 0."""
+  lens, pos = lens.astype(jnp.int32), pos.astype(jnp.int32)
+  return jnp.where(pos >= 0, jnp.maximum(lens, pos + 1), lens)
+
+
 def decode_update_triton(store, k_res, v_res, k_stage, lens, pos, k_new, v_new,
-                         *, residual: int, recip: bool = False):
+                         *, residual: int, recip: bool = False, new_lens=None):
   """One decode token per row into a KIVI cache, in place (module docstring); a planar
   store (`store.PlanarStore`) goes to `triton_update_planar`.
 
@@ -204,13 +211,16 @@ def decode_update_triton(store, k_res, v_res, k_stage, lens, pos, k_new, v_new,
     residual: R.
     recip: codes from (x - zero) * (1 / scale), as XLA:CPU computes the quantizer's division
       (default: (x - zero) / scale, as XLA:GPU does; module docstring).
+    new_lens: [B] the lengths after the step (`new_lengths(lens, pos)`), where the caller
+      has them: the launch reads these, not lens, so that the old lengths have no reader
+      left (`_new_length`); None: computed here.
   Returns:
     (store, k_res, v_res, k_stage), as `KiviCache._decode_update` computes them.
   """
   if isinstance(store, kstore.PlanarStore):
     from .triton_update_planar import decode_update_planar  # pylint: disable=C0415
     return decode_update_planar(store, k_res, v_res, k_stage, lens, pos, k_new, v_new,
-                                residual=residual, recip=recip)
+                                residual=residual, recip=recip, new_lens=new_lens)
   why = kstore.fused_update_fit(store, k_res, residual)
   if why is not None:
     raise ValueError(f"KIVI fused update: {why}")
@@ -223,7 +233,8 @@ def decode_update_triton(store, k_res, v_res, k_stage, lens, pos, k_new, v_new,
       jax.ShapeDtypeStruct((b * kh * (GROUP * h + h),), jnp.int32),
       jax.ShapeDtypeStruct((b * kh * 2 * h,), jnp.float32)]
   res = triton_backend.launch(
-      _update_kernel, pos.astype(jnp.int32), lens.astype(jnp.int32),
+      _update_kernel, pos.astype(jnp.int32),
+      (new_lengths(lens, pos) if new_lens is None else new_lens).astype(jnp.int32),
       # one operand [B, 2, K, 128]: XLA makes it in one fusion (the key's RoPE and the value's
       # slice of the projection), where two operands took a launch each
       jnp.stack([k_new.astype(dt), v_new.astype(dt)], 1), *outs, *tables, int(nb),

@@ -331,13 +331,16 @@ class KiviCache(base.KVCache):
     lengths are computed here, from the step's inputs, not by the launch: so XLA runs them
     (and the attention's segments from them) inside its CUDA graph before the launch; as the
     launch's output they took a copy into the loop's buffer and a segments fusion after it,
-    two more launches outside the graphs per layer (results/decode_ablations.md)."""
+    two more launches outside the graphs per layer (results/decode_ablations.md). The launch
+    reads these new lengths, not the old ones: while it read the old ones, XLA copied them
+    before the new ones took their loop buffer (31 copies per decode step, session 45)."""
     from kvlowrank_kernels.kivi.triton_update import decode_update_triton  # pylint: disable=C0415
+    l1 = base.new_lengths(self.lens, pos[:, None])
     store, k_res, v_res, k_stage = decode_update_triton(
         self.store, self.k_res, self.v_res, self.k_stage, self.lens, pos, inputs.k[:, 0],
-        inputs.v[:, 0], residual=self.residual)
-    return dataclasses.replace(self, store=store, k_res=k_res, v_res=v_res,
-                               lens=base.new_lengths(self.lens, pos[:, None]), k_stage=k_stage)
+        inputs.v[:, 0], residual=self.residual, new_lens=l1)
+    return dataclasses.replace(self, store=store, k_res=k_res, v_res=v_res, lens=l1,
+                               k_stage=k_stage)
 
   def _decode_update(self, inputs: base.AttnInputs, pos):
     """`update` for one new token per row (pos [B], -1 = padding): the same result as the
