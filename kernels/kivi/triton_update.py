@@ -83,9 +83,9 @@ def _quantize(x, mn, mx, sdt: tl.constexpr, LEV: tl.constexpr, RECIP: tl.constex
 def _new_length(pos_ptr, lens_ptr, b):
   """(pos, new length) of row b; lens_ptr holds the new lengths max(lens, pos + 1) (lens for
   pos < 0), which the wrapper computes in XLA: so the old lengths have no reader after
-  them, and XLA needs no copy of them in the decode loop (a 32-byte memcpy per layer and
-  step when this kernel read the old ones, session 45). The kernel's own use: the block
-  completion; the launch does not write them."""
+  them, and XLA needs no copy of them in the decode loop (it copied them, per layer and step,
+  while this kernel read the old ones; results/decode_ablations.md). The kernel's own use:
+  the block completion; the launch does not write them."""
   return tl.load(pos_ptr + b), tl.load(lens_ptr + b)
 
 

@@ -333,7 +333,7 @@ class KiviCache(base.KVCache):
     launch's output they took a copy into the loop's buffer and a segments fusion after it,
     two more launches outside the graphs per layer (results/decode_ablations.md). The launch
     reads these new lengths, not the old ones: while it read the old ones, XLA copied them
-    before the new ones took their loop buffer (31 copies per decode step, session 45)."""
+    before the new ones took their loop buffer (results/decode_ablations.md)."""
     from kvlowrank_kernels.kivi.triton_update import decode_update_triton  # pylint: disable=C0415
     l1 = base.new_lengths(self.lens, pos[:, None])
     store, k_res, v_res, k_stage = decode_update_triton(
