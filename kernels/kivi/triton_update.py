@@ -192,35 +192,29 @@ def _tables():
   return tuple(np.ascontiguousarray(a, dtype=np.int32) for a in out)
 
 
-def new_lengths(lens, pos):
-  """[B] int32 lengths after the step: max(lens, pos + 1), lens where pos < 0."""
-  lens, pos = lens.astype(jnp.int32), pos.astype(jnp.int32)
-  return jnp.where(pos >= 0, jnp.maximum(lens, pos + 1), lens)
-
-
-def decode_update_triton(store, k_res, v_res, k_stage, lens, pos, k_new, v_new,
-                         *, residual: int, recip: bool = False, new_lens=None):
+def decode_update_triton(store, k_res, v_res, k_stage, new_lens, pos, k_new, v_new,
+                         *, residual: int, recip: bool = False):
   """One decode token per row into a KIVI cache, in place (module docstring); a planar
   store (`store.PlanarStore`) goes to `triton_update_planar`.
 
   Args:
     store: the quantized store (KiviMosaic or PlanarStore), capacity S.
     k_res, v_res, k_stage: [B, F, K, 128] ring and staged keys (F = residual).
-    lens: [B] int32 lengths before the token; pos: [B] int32 its position (-1: padding).
+    new_lens: [B] int32 lengths after the token (max(lens, pos + 1), lens where pos < 0: the
+      cache's `base.new_lengths`); the launch reads these, not the lengths before the token,
+      so that those have no reader after the new ones are computed (`_new_length`).
+    pos: [B] int32 the token's position (-1: padding).
     k_new, v_new: [B, K, 128] the token's key (post-RoPE) and value.
     residual: R.
     recip: codes from (x - zero) * (1 / scale), as XLA:CPU computes the quantizer's division
       (default: (x - zero) / scale, as XLA:GPU does; module docstring).
-    new_lens: [B] the lengths after the step (`new_lengths(lens, pos)`), where the caller
-      has them: the launch reads these, not lens, so that the old lengths have no reader
-      left (`_new_length`); None: computed here.
   Returns:
     (store, k_res, v_res, k_stage), as `KiviCache._decode_update` computes them.
   """
   if isinstance(store, kstore.PlanarStore):
     from .triton_update_planar import decode_update_planar  # pylint: disable=C0415
-    return decode_update_planar(store, k_res, v_res, k_stage, lens, pos, k_new, v_new,
-                                residual=residual, recip=recip, new_lens=new_lens)
+    return decode_update_planar(store, k_res, v_res, k_stage, new_lens, pos, k_new, v_new,
+                                residual=residual, recip=recip)
   why = kstore.fused_update_fit(store, k_res, residual)
   if why is not None:
     raise ValueError(f"KIVI fused update: {why}")
@@ -233,8 +227,7 @@ def decode_update_triton(store, k_res, v_res, k_stage, lens, pos, k_new, v_new,
       jax.ShapeDtypeStruct((b * kh * (GROUP * h + h),), jnp.int32),
       jax.ShapeDtypeStruct((b * kh * 2 * h,), jnp.float32)]
   res = triton_backend.launch(
-      _update_kernel, pos.astype(jnp.int32),
-      (new_lengths(lens, pos) if new_lens is None else new_lens).astype(jnp.int32),
+      _update_kernel, pos.astype(jnp.int32), new_lens.astype(jnp.int32),
       # one operand [B, 2, K, 128]: XLA makes it in one fusion (the key's RoPE and the value's
       # slice of the projection), where two operands took a launch each
       jnp.stack([k_new.astype(dt), v_new.astype(dt)], 1), *outs, *tables, int(nb),

@@ -39,7 +39,7 @@ import triton.language as tl
 from ..common import triton_backend
 from . import store as kstore
 from .planar import VALUE_BLOCK
-from .triton_update import _codes, _new_length, _quantize, new_lengths
+from .triton_update import _codes, _new_length, _quantize
 
 FUSED_BITS = (2, 4, 8)
 
@@ -134,8 +134,8 @@ def _planar_update_kernel(pos_ptr, lens_ptr, kvnew_ptr,
         tl.store(kres_ptr + blk, tl.load(kst_ptr + blk, mask=hr < H), mask=hr < H)
 
 
-def decode_update_planar(store, k_res, v_res, k_stage, lens, pos, k_new, v_new, *,
-                         residual: int, recip: bool = False, new_lens=None):
+def decode_update_planar(store, k_res, v_res, k_stage, new_lens, pos, k_new, v_new, *,
+                         residual: int, recip: bool = False):
   """One decode token per row into a planar KIVI store (`store.PlanarStore`), in place; the
   arguments and result of `triton_update.decode_update_triton`, which calls this for planar
   stores (v_res / v_new may be narrower or wider than the keys)."""
@@ -151,8 +151,7 @@ def decode_update_planar(store, k_res, v_res, k_stage, lens, pos, k_new, v_new, 
           k_res, v_res, k_stage]
   out_shapes = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in outs]
   res = triton_backend.launch(
-      _planar_update_kernel, pos.astype(jnp.int32),
-      (new_lengths(lens, pos) if new_lens is None else new_lens).astype(jnp.int32),
+      _planar_update_kernel, pos.astype(jnp.int32), new_lens.astype(jnp.int32),
       # one operand [B, K, H + HV], the key then the value: XLA makes it in one fusion (as
       # `triton_update`'s [B, 2, K, 128]; the widths may differ here)
       jnp.concatenate([k_new.astype(dt), v_new.astype(dt)], -1), *outs,

@@ -95,9 +95,9 @@ def window_merge_triton(q_shape, qt, o_t, lse_t, parts, p, k_win, v_win, w_len, 
   [B K, NP, H] (`mosaic_ring.query_operand`: each KV head's query heads, padded, in the
   scales' type): read here too, KIVI's decode query has no consumer but that operand, so XLA
   computes its RoPE, padding and cast in one fusion (two launches per layer when the window
-  read q [B, N, H]; GEAR-L's query has other consumers, its low-rank products). q's values are bf16/fp16 ones, which the 16-bit types hold alike
-  (bf16 -> fp16 -> bf16 is exact in fp16's normal range), and the kernel casts to the window's
-  type."""
+  read q [B, N, H]; GEAR-L's query has other consumers, its low-rank products). q's values
+  are bf16/fp16 ones, which the 16-bit types hold alike (bf16 -> fp16 -> bf16 is exact in
+  fp16's normal range), and the kernel casts to the window's type."""
   b, n, h = q_shape
   kh, qpk, np_ = p["kh"], p["qpk"], p["np"]
   why = window_fit(k_win, h)

@@ -426,12 +426,13 @@ def check_kivi_update():
   from kvlowrank_kernels.kivi.triton_update import decode_update_triton  # pylint: disable=import-outside-toplevel
 
   def fused(cache, inp, pos):  # as `KiviCache._fused_decode_update`, with XLA:CPU's division
+    l1 = new_lengths(cache.lens, jnp.asarray(pos)[:, None])
     with interpreted_launch():
       st, k_res, v_res, k_stage = decode_update_triton(
-          cache.store, cache.k_res, cache.v_res, cache.k_stage, cache.lens, jnp.asarray(pos),
+          cache.store, cache.k_res, cache.v_res, cache.k_stage, l1, jnp.asarray(pos),
           inp.k[:, 0], inp.v[:, 0], residual=cache.residual, recip=True)
     return dataclasses.replace(cache, store=st, k_res=k_res, v_res=v_res, k_stage=k_stage,
-                               lens=new_lengths(cache.lens, jnp.asarray(pos)[:, None]))
+                               lens=l1)
 
   # (layout, key bits, value bits, group, scale dtype, key width, value width): the warp
   # layout, then the planar one (`triton_update_planar`) at the bit widths it writes, a group

@@ -337,8 +337,8 @@ class KiviCache(base.KVCache):
     from kvlowrank_kernels.kivi.triton_update import decode_update_triton  # pylint: disable=C0415
     l1 = base.new_lengths(self.lens, pos[:, None])
     store, k_res, v_res, k_stage = decode_update_triton(
-        self.store, self.k_res, self.v_res, self.k_stage, self.lens, pos, inputs.k[:, 0],
-        inputs.v[:, 0], residual=self.residual, new_lens=l1)
+        self.store, self.k_res, self.v_res, self.k_stage, l1, pos, inputs.k[:, 0],
+        inputs.v[:, 0], residual=self.residual)
     return dataclasses.replace(self, store=store, k_res=k_res, v_res=v_res, lens=l1,
                                k_stage=k_stage)
 
